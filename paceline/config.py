@@ -1,0 +1,72 @@
+"""Settings for cache, scheduler and engine. Every default lives here, once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULERS = ("sarathi", "vllm", "orca", "static")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_gb and the model's shapes
+    kv_cache_memory_gb: float = 2.0
+    swap_space_gb: float = 1.0  # host memory for swapped-out blocks
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01  # fraction of blocks admissions may not take, so running decodes keep room
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "sarathi"  # one of SCHEDULERS
+    scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
+    max_num_batched_tokens: int = 512  # the token budget of one step
+    max_num_seqs: int = 128  # the most requests in one step
+    max_model_len: int = 8192
+    long_prefill_token_threshold: int = 0  # 0: off; else the most tokens one prompt may take per step
+    max_num_partial_prefills: int = 0  # 0: unlimited; else how many prompts may be mid-prefill at once
+    preemption_mode: str = "recompute"  # one of PREEMPTION_MODES
+    priority_aging_s: float = 0.0  # 0: off; else a waiting request gains one priority level per this many seconds
+    max_batch_wait_ms: float = 0.0  # static policy: how long to wait for a batch to fill
+    max_waiting_requests: int = 0  # 0: unlimited; the server answers 503 beyond it
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {self.policy!r}; choose one of {', '.join(SCHEDULERS)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}; choose one of {', '.join(SCHEDULING_POLICIES)}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption mode {self.preemption_mode!r}; choose one of {', '.join(PREEMPTION_MODES)}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # GGUF path, Hugging Face folder, or None for the bundled SmolLM2-135M-Instruct
+    dtype: str = "float32"  # float32 | bfloat16
+    device: str = "auto"  # auto: cuda when present, else cpu
+    served_model_name: str | None = None
+    seed: int = 0  # seed of the generator used by requests that give none
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

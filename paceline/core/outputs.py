@@ -1,0 +1,64 @@
+"""What one step runs (SchedulerOutput) and what the executor hands back (StepResult)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paceline.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # index into request.token_ids of the first token computed now (== num_computed_tokens)
+    num_tokens: int  # tokens computed now: request.token_ids[start:start + num_tokens]
+    block_table: list[int]  # device blocks covering at least start + num_tokens tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """The chunk reaches the end of what the request knows, so its last position yields the next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.request.num_output_tokens > 0 and self.needs_sample
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # copies the executor performs before the forward pass, in this order: out, then in
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    preempted_ids: list[str] = field(default_factory=list)  # recomputed later
+    swapped_out_ids: list[str] = field(default_factory=list)
+    swapped_in_ids: list[str] = field(default_factory=list)
+    now: float = 0.0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_batched_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float  # of the sampled token
+    top: list[tuple[int, float]]  # (token id, logprob), best first, as many as asked
+
+
+@dataclass
+class StepResult:
+    token_ids: dict[str, int] = field(default_factory=dict)  # request id -> sampled token, for needs_sample only
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only for requests that asked
+    duration: float = 0.0  # seconds the step took (measured, or simulated)
