@@ -1,0 +1,205 @@
+"""Engine: one schedule → execute → update round per step, and the text each request streams."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from paceline.config import EngineConfig
+from paceline.core.outputs import SchedulerOutput, TokenLogprobs
+from paceline.core.scheduler import Scheduler
+from paceline.engine.runner import ModelRunner
+from paceline.model.llama import LlamaModel
+from paceline.model.loader import load_checkpoint
+from paceline.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from paceline.request import Request
+from paceline.sampling import SamplingParams
+
+log = logging.getLogger("paceline")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    """One request's delta after a step."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    new_logprobs: list[TokenLogprobs]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    request: Request
+
+
+@dataclass
+class StepStats:
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    num_requests: int
+    duration: float
+    num_preempted: int
+    num_swapped_out: int
+
+
+@dataclass
+class _TextState:
+    """Detokenizer and stop-string matcher of one request; what has been handed out so far."""
+    detok: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    num_emitted_tokens: int = 0
+    text: str = ""
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        t0 = time.perf_counter()
+        self.device = resolve_device(config.device)
+        dtype = DTYPES[config.dtype]
+        ckpt = load_checkpoint(config.model, config.dtype)
+        self.arch = ckpt.arch
+        self.tokenizer = ckpt.tokenizer
+        self.model_name = config.served_model_name or ckpt.name
+        model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, device=self.device, dtype=dtype)
+        del ckpt
+
+        cache = config.cache
+        self.block_size = cache.block_size
+        block_bytes = ModelRunner.bytes_per_block(self.arch, cache.block_size, dtype)
+        self.num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_memory_gb * 2**30 // block_bytes))
+        self.num_host_blocks = int(cache.swap_space_gb * 2**30 // block_bytes)
+        self.max_model_len = min(config.scheduler.max_model_len, self.arch.max_position_embeddings)
+        config.scheduler.max_model_len = self.max_model_len
+        self.runner = ModelRunner(model, self.arch, self.num_blocks, cache.block_size,
+                                  num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
+                                  seed=config.seed)
+        self.scheduler = Scheduler(config.scheduler, cache, self.num_blocks, self.num_host_blocks)
+        self._text: dict[str, _TextState] = {}
+        self._aborted: list[Request] = []
+        self.last_step: StepStats | None = None
+        log.info("model %s loaded in %.2f s on %s (%s); KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); "
+                 "token budget %d per step, at most %d requests; scheduler %s/%s",
+                 self.model_name, time.perf_counter() - t0, self.device, config.dtype, self.num_blocks,
+                 self.block_size, self.num_blocks * self.block_size, self.num_blocks * block_bytes / 2**30,
+                 config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                 config.scheduler.policy, config.scheduler.scheduling_policy)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> Request:
+        if request_id in self._text:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenize_prompt(prompt)
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context length is "
+                             f"{self.max_model_len}, which leaves no room for output")
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{len(prompt_ids) + params.max_tokens} exceeds the context length {self.max_model_len}")
+        if params.min_tokens > params.max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})")
+        request = Request(request_id, prompt_ids, params, time.monotonic() if arrival_time is None else arrival_time,
+                          priority=priority, eos_token_id=self.eos_token_id)
+        self._text[request_id] = _TextState(
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens),
+            StopStringMatcher(params.stop, include_stop_str_in_output=params.include_stop_str_in_output))
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self._aborted.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._aborted) or self.scheduler.has_unfinished()
+
+    def stats(self):
+        return self.scheduler.stats()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._final_output(r) for r in self._aborted]
+        self._aborted.clear()
+        sched_out = self.scheduler.schedule(time.monotonic())
+        if sched_out.is_empty:
+            self.last_step = None
+            return outputs
+        result = self.runner.execute(sched_out)
+        updated = self.scheduler.update(sched_out, result, time.monotonic())
+        self.last_step = StepStats(sched_out.num_decode_tokens, sched_out.num_prefill_tokens,
+                                   len(sched_out.scheduled), result.duration,
+                                   len(sched_out.preempted_ids), len(sched_out.swapped_out_ids))
+        for request in updated:
+            if request.request_id in result.logprobs:
+                self._text[request.request_id].pending_logprobs.append(result.logprobs[request.request_id])
+            outputs.append(self._delta(request))
+        return outputs
+
+    def _delta(self, request: Request) -> RequestOutput:
+        state = self._text[request.request_id]
+        new_ids = request.token_ids[request.num_prompt_tokens + state.num_emitted_tokens:]
+        new_text = ""
+        stopped_by_token = request.finish_reason == "stop" and request.stop_reason != "str" and not isinstance(
+            request.stop_reason, str)
+        for i, tok in enumerate(new_ids):
+            # a stop token id or EOS ends the text without being shown, as OpenAI servers do
+            if stopped_by_token and i == len(new_ids) - 1 and not request.sampling_params.include_stop_str_in_output:
+                break
+            piece, stop = state.matcher.feed(state.detok.add(tok))
+            new_text += piece
+            if stop is not None:
+                self.scheduler.finish_request(request.request_id, "stop", time.monotonic())
+                request.stop_reason = stop
+                break
+        if request.is_finished:
+            new_text += state.matcher.flush()
+        state.num_emitted_tokens += len(new_ids)
+        state.text += new_text
+        logprobs, state.pending_logprobs = state.pending_logprobs, []
+        if request.is_finished:
+            del self._text[request.request_id]
+        return RequestOutput(request.request_id, new_ids, new_text, state.text, request.is_finished,
+                             request.finish_reason, request.stop_reason, logprobs, request.num_prompt_tokens,
+                             request.num_output_tokens, request.num_cached_tokens, request)
+
+    def _final_output(self, request: Request) -> RequestOutput:
+        state = self._text.pop(request.request_id, None)
+        text = state.text if state else ""
+        return RequestOutput(request.request_id, [], "", text, True, request.finish_reason or "abort",
+                             request.stop_reason, [], request.num_prompt_tokens, request.num_output_tokens,
+                             request.num_cached_tokens, request)
