@@ -122,15 +122,17 @@ class Engine:
         if request_id in self._text:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenize_prompt(prompt)
-        room = self.max_model_len - len(prompt_ids)
+        # a request must fit in the context and, whole, in the KV cache, or it could never finish
+        room = min(self.max_model_len, self.num_blocks * self.block_size) - len(prompt_ids)
         if room < 1:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model's context length is "
-                             f"{self.max_model_len}, which leaves no room for output")
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, which leaves no room for output in the "
+                             f"context length {min(self.max_model_len, self.num_blocks * self.block_size)}")
         if params.max_tokens is None:
             params.max_tokens = room
         elif params.max_tokens > room:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{len(prompt_ids) + params.max_tokens} exceeds the context length {self.max_model_len}")
+                             f"{len(prompt_ids) + params.max_tokens} exceeds the context length "
+                             f"{min(self.max_model_len, self.num_blocks * self.block_size)}")
         if params.min_tokens > params.max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})")
         request = Request(request_id, prompt_ids, params, time.monotonic() if arrival_time is None else arrival_time,
