@@ -1,0 +1,91 @@
+"""The offline API on the bundled model, through the real scheduler: batching, preemption and prefix caching
+never change greedy output."""
+from __future__ import annotations
+
+import pytest
+
+from paceline import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three primary colors:",
+    "The quick brown fox",
+    "Water boils at",
+    "In 1969, astronauts",
+    "import numpy as np\n",
+]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(kv_cache_memory_gb=0.25)
+
+
+@pytest.fixture(scope="module")
+def reference(llm: LLM) -> dict[str, list[int]]:
+    """Each prompt generated alone: the output every other arrangement must reproduce."""
+    return {p: llm.generate(p, greedy(24))[0].outputs[0].token_ids for p in PROMPTS}
+
+
+def test_batch_of_64_equals_one_by_one(llm: LLM, reference: dict[str, list[int]]) -> None:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    outputs = llm.generate(prompts, greedy(24))
+    assert [o.outputs[0].token_ids for o in outputs] == [reference[p] for p in prompts]
+    assert llm.engine.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_resume_unchanged(reference: dict[str, list[int]], mode: str) -> None:
+    # 8 requests of ~10 prompt + 24 output tokens need ~3 blocks each; 10 blocks force preemption mid-decode
+    small = LLM(num_blocks=10, block_size=16, preemption_mode=mode, swap_space_gb=0.05)
+    outputs = small.generate(PROMPTS, greedy(24))
+    stats = small.engine.stats()
+    assert stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [reference[p] for p in PROMPTS]
+    assert stats.num_used_blocks == 0
+
+
+def test_prefix_cache_hit_gives_same_output(llm: LLM) -> None:
+    long_prompt = "Here is a story about a lighthouse keeper who counts ships. " * 8
+    first = llm.generate(long_prompt, greedy(16))[0]
+    second = llm.generate(long_prompt, greedy(16))[0]
+    assert second.num_cached_tokens >= 16
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], seeded)[0].outputs[0].token_ids
+    crowd = llm.generate(PROMPTS, [seeded] + [SamplingParams(temperature=1.0, max_tokens=16)] * 7)
+    assert crowd[0].outputs[0].token_ids == alone
+
+
+def test_stop_string_cuts_text(llm: LLM) -> None:
+    full = llm.generate("Count: 1, 2, 3, 4,", greedy(16))[0].outputs[0].text
+    assert "," in full
+    cut = llm.generate("Count: 1, 2, 3, 4,", greedy(16, stop=[","]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == ","
+    assert cut.text == full[: full.index(",")]
+
+
+def test_chat_and_n(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "Say hello."}],
+                   SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=8))[0]
+    assert len(out.outputs) == 2 and all(o.token_ids for o in out.outputs)
+
+
+def test_bad_input_is_a_value_error(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", greedy(4))
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate("hi", greedy(10**6))
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[10**9]], greedy(4))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
