@@ -1,0 +1,193 @@
+"""Discrete-event simulation: the real Scheduler per replica, steps that last what the cost model says.
+
+Events live in one heap keyed (time, kind, seq): at equal times step completions come before arrivals,
+and within a kind the order they were pushed, so a run is deterministic. After all events of one instant
+are applied, every idle replica with work starts its next step at that instant; an arrival therefore joins
+a step that starts at its own arrival time.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from paceline.config import CacheConfig, SchedulerConfig
+from paceline.core.outputs import SchedulerOutput, StepResult
+from paceline.core.scheduler import Scheduler
+from paceline.request import Request
+from paceline.sampling import SamplingParams
+from paceline.sim.cost_model import BatchShape, batch_shape
+from paceline.sim.router import Router
+from paceline.sim.workloads import SimRequest
+
+STEP_DONE, ARRIVAL, POLL = 0, 1, 2  # tie order at one instant
+SHARED_PREFIX_TOKEN = 7
+
+
+class CostModel(Protocol):
+    def step_time(self, s: BatchShape) -> float: ...
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    replica: int
+    arrival: float
+    prompt_len: int
+    output_len: int
+    priority: int = 0
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    finish_reason: str | None = None  # "length" when done, "rejected" when it could never fit
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StepRecord:
+    replica: int
+    start: float
+    duration: float
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    num_requests: int
+
+
+@dataclass
+class SimResult:
+    requests: list[RequestRecord]
+    steps: list[StepRecord]
+    wall_s: float  # real seconds the simulation took
+    num_replicas: int
+
+    @property
+    def finished(self) -> list[RequestRecord]:
+        return [r for r in self.requests if r.finish_reason not in (None, "rejected")]
+
+    @property
+    def makespan(self) -> float:
+        ends = [r.finish_time for r in self.requests if r.finish_time is not None]
+        return max(ends) - min(r.arrival for r in self.requests) if ends else 0.0
+
+
+@dataclass
+class _Replica:
+    index: int
+    scheduler: Scheduler
+    busy: bool = False
+    in_flight: SchedulerOutput | None = None
+    in_flight_duration: float = 0.0
+    poll_pending: bool = False
+    last_progress: float = 0.0
+
+
+class Simulator:
+    def __init__(self, cost_model: CostModel, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int, num_host_blocks: int = 0, num_replicas: int = 1, router: str = "round-robin",
+                 poll_interval_s: float = 1e-3, stuck_after_s: float = 600.0,
+                 scheduler_factory: Callable[..., Scheduler] = Scheduler) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.cost_model = cost_model
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.num_blocks = num_blocks
+        self.router = Router(router, num_replicas)
+        self.replicas = [_Replica(i, scheduler_factory(scheduler_config, cache_config, num_blocks, num_host_blocks))
+                         for i in range(num_replicas)]
+        self.poll_interval_s = poll_interval_s
+        self.stuck_after_s = stuck_after_s
+        # a request longer than the context or the whole cache could never finish: rejected, as the engine does
+        self.max_request_tokens = min(scheduler_config.max_model_len, num_blocks * cache_config.block_size)
+        self.event_log: list[tuple[float, int, str]] | None = None  # (time, kind, id), when a test asks for it
+
+    def run(self, workload: list[SimRequest], shared_prefix_tokens: int = 0) -> SimResult:
+        t_wall = time.perf_counter()
+        heap: list[tuple[float, int, int, object]] = []
+        seq = 0
+        for r in workload:
+            heap.append((r.arrival, ARRIVAL, seq, r))
+            seq += 1
+        heapq.heapify(heap)
+        records: list[RequestRecord] = []
+        by_id: dict[str, RequestRecord] = {}
+        steps: list[StepRecord] = []
+        log = self.event_log
+        cost = self.cost_model.step_time
+
+        while heap:
+            now = heap[0][0]
+            while heap and heap[0][0] == now:
+                _, kind, _, payload = heapq.heappop(heap)
+                if kind == ARRIVAL:
+                    rec = self._arrive(payload, shared_prefix_tokens, now)
+                    records.append(rec)
+                    if rec.finish_reason is None:
+                        by_id[rec.request_id] = rec
+                    if log is not None:
+                        log.append((now, kind, rec.request_id))
+                elif kind == STEP_DONE:
+                    rep = self.replicas[payload]
+                    self._complete(rep, now, by_id)
+                    if log is not None:
+                        log.append((now, kind, f"replica{rep.index}"))
+                else:
+                    self.replicas[payload].poll_pending = False
+            for rep in self.replicas:
+                if rep.busy or not rep.scheduler.has_unfinished():
+                    continue
+                out = rep.scheduler.schedule(now)
+                if out.is_empty:
+                    self._idle_with_work(rep, now, heap, seq)
+                    seq += 1
+                    continue
+                d = cost(batch_shape(out))
+                rep.busy, rep.in_flight, rep.in_flight_duration, rep.last_progress = True, out, d, now
+                steps.append(StepRecord(rep.index, now, d, out.num_decode_tokens, out.num_prefill_tokens, len(out.scheduled)))
+                heapq.heappush(heap, (now + d, STEP_DONE, seq, rep.index))
+                seq += 1
+        return SimResult(records, steps, time.perf_counter() - t_wall, len(self.replicas))
+
+    def _arrive(self, r: SimRequest, shared_prefix: int, now: float) -> RequestRecord:
+        rid = str(r.index)
+        if r.prompt_len + r.output_len > self.max_request_tokens:
+            return RequestRecord(rid, -1, r.arrival, r.prompt_len, r.output_len, r.priority, finish_reason="rejected")
+        replica = self.router.route()
+        # distinct fake ids per request, so the prefix cache only hits what the workload really shares
+        n_shared = min(shared_prefix, r.prompt_len - 1)
+        prompt = [SHARED_PREFIX_TOKEN] * n_shared + [1000 + r.index] * (r.prompt_len - n_shared)
+        req = Request(rid, prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0),
+                      arrival_time=r.arrival, priority=r.priority)
+        self.replicas[replica].scheduler.add_request(req)
+        return RequestRecord(rid, replica, r.arrival, r.prompt_len, r.output_len, r.priority)
+
+    def _complete(self, rep: _Replica, now: float, by_id: dict[str, RequestRecord]) -> None:
+        out = rep.in_flight
+        assert out is not None
+        result = StepResult(token_ids={s.request.request_id: 0 for s in out.scheduled if s.needs_sample},
+                            duration=rep.in_flight_duration)
+        rep.busy, rep.in_flight = False, None
+        for req in rep.scheduler.update(out, result, now):
+            if req.is_finished:
+                rec = by_id.pop(req.request_id, None)
+                if rec is None:
+                    continue
+                rec.first_scheduled = req.first_scheduled_time
+                rec.token_times = req.token_times
+                rec.finish_time = req.finish_time if req.finish_time is not None else now
+                rec.finish_reason = req.finish_reason
+                rec.num_preemptions = req.num_preemptions
+                rec.num_cached_tokens = req.num_cached_tokens
+                self.router.finished(rec.replica)
+
+    def _idle_with_work(self, rep: _Replica, now: float, heap: list, seq: int) -> None:
+        """Nothing could be scheduled (e.g. the static policy waiting for a batch): look again shortly,
+        unless nothing has moved for a long virtual time, which means a request can never run."""
+        if now - rep.last_progress > self.stuck_after_s and all(k == POLL for _, k, _, _ in heap):
+            raise RuntimeError(f"replica {rep.index} has unfinished requests but scheduled nothing for "
+                               f"{self.stuck_after_s:.0f} simulated seconds")
+        if not rep.poll_pending:
+            rep.poll_pending = True
+            heapq.heappush(heap, (now + self.poll_interval_s, POLL, seq, rep.index))
