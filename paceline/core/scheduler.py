@@ -1,0 +1,362 @@
+"""The scheduler's shared mechanics: queues, admission, preemption, swap, update. Which tokens run is the
+policy's call (policies.py); everything here is bookkeeping every policy needs.
+
+The time is always an argument: the simulator drives this class in virtual time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from paceline.config import CacheConfig, SchedulerConfig
+from paceline.core.kv_cache import KVCacheManager, cdiv
+from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
+from paceline.core.policies import POLICIES
+from paceline.core.queues import RequestQueue, effective_priority, rank_function
+from paceline.request import Request, RequestStatus
+
+RUNNING, WAITING, SWAPPED, FINISHED = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED,
+                                       RequestStatus.FINISHED)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    kv_usage: float  # used / total device blocks, 0..1
+    prefix_cache_queries: int  # tokens looked up at admission
+    prefix_cache_hits: int  # of those, tokens served from the cache
+    num_preemptions: int  # total, swap-outs included
+    num_swaps: int  # total swap-outs
+    num_host_blocks: int = 0
+    num_used_host_blocks: int = 0
+    num_cached_blocks: int = 0  # blocks findable by hash (free or in use)
+    num_evictions: int = 0  # cached blocks handed out for fresh use
+    num_steps: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class Step:
+    """One step under construction."""
+    now: float
+    budget: int  # tokens left this step; never negative
+    out: SchedulerOutput
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    resumed: set[str] = field(default_factory=set)  # admitted or swapped in now: not preempted again this step
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 num_host_blocks: int = 0) -> None:
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown scheduler {config.policy!r}; choose one of {', '.join(POLICIES)}")
+        self.config = config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, num_host_blocks,
+                                 cache_config.enable_prefix_caching, cache_config.watermark)
+        self.rank = rank_function(config.scheduling_policy, config.priority_aging_s)
+        self.by_priority = config.scheduling_policy == "priority"
+        self.waiting = RequestQueue(self.rank)
+        self.swapped = RequestQueue(self.rank)
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self._policy = POLICIES[config.policy]
+        self.policy_state: dict = {}  # what a policy keeps between steps
+        self.wake_time: float | None = None  # when an idle step would schedule something with no new arrival
+        self.num_preemptions = 0
+        self.num_swaps = 0
+        self.num_steps = 0
+
+    # ---- requests in and out ----
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.status is not WAITING:
+            raise ValueError(f"request {rid!r} must be waiting to be added, it is {request.status.value}")
+        capacity = self.kv.pool.num_blocks * self.block_size
+        need = request.num_tokens + (request.sampling_params.max_tokens or 0) - request.num_output_tokens
+        if need > capacity:
+            raise ValueError(f"request {rid!r} needs {need} tokens of KV cache but the whole cache holds {capacity}")
+        self.requests[rid] = request
+        self.waiting.push(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def abort_request(self, request_id: str, now: float | None = None) -> Request | None:
+        """End a request wherever it is, freeing everything it holds now."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, "abort", now)
+        return request
+
+    def finish_request(self, request_id: str, reason: str, now: float) -> None:
+        """The engine ends a request early (a stop string)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, reason, now)
+
+    def _finish(self, request: Request, reason: str, now: float | None) -> None:
+        rid = request.request_id
+        status = request.status
+        if status is RUNNING:
+            self._remove_running(request)
+        elif status is WAITING:
+            self.waiting.remove(rid)
+        elif status is SWAPPED:
+            self.swapped.remove(rid)
+        self.kv.free(request)
+        self.kv.forget(rid)
+        del self.requests[rid]
+        request.status = FINISHED
+        request.finish_reason = reason
+        if now is not None:
+            request.finish_time = now
+
+    def _remove_running(self, request: Request) -> None:
+        running = self.running
+        for i in range(len(running) - 1, -1, -1):
+            if running[i] is request:
+                del running[i]
+                return
+
+    # ---- sizes ----
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def stats(self) -> SchedulerStats:
+        kv, pool = self.kv, self.kv.pool
+        used_host = kv.host.num_blocks - kv.host.num_free
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            num_blocks=pool.num_blocks, num_used_blocks=pool.num_used, num_free_blocks=pool.num_free,
+            kv_usage=pool.num_used / pool.num_blocks, prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits, num_preemptions=self.num_preemptions, num_swaps=self.num_swaps,
+            num_host_blocks=kv.host.num_blocks, num_used_host_blocks=used_host,
+            num_cached_blocks=len(pool.cached), num_evictions=pool.num_evictions, num_steps=self.num_steps)
+
+    # ---- one step ----
+    def schedule(self, now: float) -> SchedulerOutput:
+        self.kv.end_step()
+        self.wake_time = None
+        step = Step(now, self.config.max_num_batched_tokens, SchedulerOutput(now=now))
+        self._policy(self, step)
+        if step.out.scheduled:
+            self.num_steps += 1
+        return step.out
+
+    def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
+        """Advance what each scheduled request computed, append sampled tokens, apply stop checks, free the
+        finished. Returns the requests that got a token or finished, in schedule order."""
+        changed = []
+        sampled = result.token_ids
+        caching = self.kv.enable_prefix_caching
+        register = self.kv.register_computed
+        for s in output.scheduled:
+            request = s.request
+            if request.status is not RUNNING:  # aborted or finished by the engine after schedule()
+                continue
+            end = s.start + s.num_tokens
+            request.num_computed_tokens = end
+            if caching:
+                register(request)
+            if end == len(request.token_ids):
+                token = sampled.get(request.request_id)
+                if token is None:
+                    raise ValueError(f"the step result has no token for request {request.request_id!r}, "
+                                     "whose chunk reached the end of its known tokens")
+                request.append_token(token, now)
+                reason = request.check_stop()
+                if reason is not None:
+                    self._finish(request, reason, now)
+                changed.append(request)
+        return changed
+
+    # ---- mechanics the policies use ----
+    def add_scheduled(self, step: Step, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        s = ScheduledRequest(request, request.num_computed_tokens, num_tokens, list(self.kv.tables[rid]))
+        step.out.scheduled.append(s)
+        step.scheduled[rid] = s
+        step.budget = max(0, step.budget - num_tokens)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = step.now
+            request.num_cached_tokens = request.num_computed_tokens
+
+    def _unschedule(self, step: Step, request: Request) -> None:
+        s = step.scheduled.pop(request.request_id, None)
+        if s is not None:
+            scheduled = step.out.scheduled
+            for i in range(len(scheduled) - 1, -1, -1):
+                if scheduled[i] is s:
+                    del scheduled[i]
+                    break
+            step.budget += s.num_tokens
+
+    def reserve(self) -> int:
+        """Blocks an admission must leave free: the watermark, unless nothing runs that could need them."""
+        return self.kv.watermark_blocks if self.running else 0
+
+    def run_running(self, step: Step, request: Request, num_tokens: int) -> bool:
+        """Schedule num_tokens of a running request, preempting others if its blocks do not fit.
+        False when the request itself was preempted or could not be placed."""
+        allocate = self.kv.allocate
+        while not allocate(request, num_tokens):
+            victim = self.pick_victim(step)
+            if victim is None:
+                return False
+            self.preempt(step, victim)
+            if victim is request:
+                return False
+        self.add_scheduled(step, request, num_tokens)
+        return True
+
+    def victim_key(self, request: Request) -> tuple:
+        return self.rank(request)
+
+    def pick_victim(self, step: Step, candidates: list[Request] | None = None) -> Request | None:
+        """The lowest-ranked running request (largest priority value, then latest arrival; under fcfs the
+        latest arrival) that was not resumed in this step."""
+        resumed = step.resumed
+        pool = candidates if candidates is not None else self.running
+        best, best_key = None, None
+        for r in pool:
+            if r.request_id in resumed:
+                continue
+            key = self.rank(r)
+            if best is None or key >= best_key:
+                best, best_key = r, key
+        return best
+
+    def use_swap(self, request: Request) -> bool:
+        """Swap or recompute. auto: swap when the KV is larger than one step's token budget. Recomputing it
+        would then take several steps of everyone's budget, while a swap costs two copies and no budget."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or request.num_computed_tokens == 0 or not self.kv.can_swap_out(request):
+            return False
+        return mode == "swap" or request.num_computed_tokens > self.config.max_num_batched_tokens
+
+    def preempt(self, step: Step, victim: Request) -> None:
+        self._unschedule(step, victim)
+        self._remove_running(victim)
+        out = step.out
+        if self.use_swap(victim):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(victim))
+            out.swapped_out_ids.append(victim.request_id)
+            victim.status = SWAPPED
+            victim.num_swaps += 1
+            self.num_swaps += 1
+            self.swapped.push(victim)
+        else:
+            # recompute: the KV goes, the tokens stay; full computed blocks remain findable in the cache
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = WAITING
+            out.preempted_ids.append(victim.request_id)
+            self.waiting.push(victim)
+        victim.preemption_times.append(step.now)
+        self.num_preemptions += 1
+
+    def resume_swapped(self, step: Step, chunk: Callable[[Request], int]) -> None:
+        """Swap requests back in, best-ranked first, while seats, budget and blocks allow."""
+        max_seqs = self.config.max_num_seqs
+        while self.swapped and len(self.running) < max_seqs:
+            request = self.swapped.peek()
+            n = chunk(request)
+            if n <= 0 or not self.kv.can_swap_in(request, n, self.reserve()):
+                return
+            self.swapped.pop()
+            step.out.blocks_to_swap_in.extend(self.kv.swap_in(request, n))
+            step.out.swapped_in_ids.append(request.request_id)
+            request.status = RUNNING
+            self.running.append(request)
+            step.resumed.add(request.request_id)
+            self.add_scheduled(step, request, n)
+
+    def outranks(self, a: Request, b: Request, now: float) -> bool:
+        aging = self.config.priority_aging_s
+        return effective_priority(a, now, aging) < effective_priority(b, now, aging)
+
+    def admit_waiting(self, step: Step, chunk: Callable[[Request, int], int]) -> int:
+        """Admit waiting requests best-ranked first while admit() succeeds; returns how many."""
+        admitted = 0
+        while self.waiting:
+            request = self.waiting.peek()
+            if self.swapped:  # swapped requests resume before new admissions, unless outranked
+                if not (self.by_priority and self.outranks(request, self.swapped.peek(), step.now)):
+                    break
+            if not self.admit(step, request, chunk):
+                break
+            admitted += 1
+        return admitted
+
+    def admit(self, step: Step, request: Request, chunk: Callable[[Request, int], int]) -> bool:
+        """Admit one waiting request: prefix lookup, chunk(request, tokens left to compute) tokens now
+        (0: not now), blocks for them. Under the priority policy a request that cannot get memory or a seat
+        preempts running requests it outranks."""
+        kv, cfg = self.kv, self.config
+        seat_free = len(self.running) < cfg.max_num_seqs
+        if not seat_free and not self.by_priority:
+            return False
+        cached = kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+        num_computed = len(cached) * self.block_size if cached else request.num_computed_tokens
+        n = chunk(request, request.num_tokens - num_computed)
+        if n <= 0:
+            return False
+        if not (seat_free and kv.can_allocate(request, n, cached, self.reserve())):
+            if not (self.by_priority and self._preempt_for_admission(step, request, n, cached)):
+                return False
+        self.waiting.remove(request.request_id)
+        kv.allocate(request, n, cached, self.reserve())
+        kv.record_prefix_query(request.num_tokens, len(cached) * self.block_size)
+        request.status = RUNNING
+        self.running.append(request)
+        step.resumed.add(request.request_id)
+        self.add_scheduled(step, request, n)
+        return True
+
+    def _preempt_for_admission(self, step: Step, request: Request, n: int, cached: list[int]) -> bool:
+        """Preempt running requests the waiting `request` outranks, worst first, until it has a seat and its
+        blocks. Does nothing unless preempting every outranked request would be enough."""
+        kv = self.kv
+        victims = [r for r in self.running
+                   if r.request_id not in step.resumed and self.outranks(request, r, step.now)]
+        if not victims:
+            return False
+        seats_short = len(self.running) - self.config.max_num_seqs + 1
+        refs = kv.pool.ref_counts
+        need = (cdiv(len(cached) * self.block_size + n, self.block_size) - len(cached)
+                + sum(1 for b in cached if refs[b] == 0) + self.reserve() - kv.num_free_blocks)
+        freeable = sum(1 for r in victims for b in kv.tables.get(r.request_id, ()) if refs[b] == 1)
+        if seats_short > len(victims) or need > freeable:
+            return False
+        while victims:
+            victim = self.pick_victim(step, victims)
+            victims = [r for r in victims if r is not victim]
+            self.preempt(step, victim)
+            if len(self.running) < self.config.max_num_seqs and kv.can_allocate(request, n, cached, self.reserve()):
+                return True
+        return False
