@@ -80,13 +80,11 @@ class _Replica:
     in_flight: SchedulerOutput | None = None
     in_flight_duration: float = 0.0
     poll_pending: bool = False
-    last_progress: float = 0.0
 
 
 class Simulator:
     def __init__(self, cost_model: CostModel, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, num_host_blocks: int = 0, num_replicas: int = 1, router: str = "round-robin",
-                 poll_interval_s: float = 1e-3, stuck_after_s: float = 600.0,
                  scheduler_factory: Callable[..., Scheduler] = Scheduler) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -97,8 +95,6 @@ class Simulator:
         self.router = Router(router, num_replicas)
         self.replicas = [_Replica(i, scheduler_factory(scheduler_config, cache_config, num_blocks, num_host_blocks))
                          for i in range(num_replicas)]
-        self.poll_interval_s = poll_interval_s
-        self.stuck_after_s = stuck_after_s
         # a request longer than the context or the whole cache could never finish: rejected, as the engine does
         self.max_request_tokens = min(scheduler_config.max_model_len, num_blocks * cache_config.block_size)
         self.event_log: list[tuple[float, int, str]] | None = None  # (time, kind, id), when a test asks for it
@@ -144,10 +140,13 @@ class Simulator:
                     seq += 1
                     continue
                 d = cost(batch_shape(out))
-                rep.busy, rep.in_flight, rep.in_flight_duration, rep.last_progress = True, out, d, now
+                rep.busy, rep.in_flight, rep.in_flight_duration = True, out, d
                 steps.append(StepRecord(rep.index, now, d, out.num_decode_tokens, out.num_prefill_tokens, len(out.scheduled)))
                 heapq.heappush(heap, (now + d, STEP_DONE, seq, rep.index))
                 seq += 1
+        stuck = [rep.index for rep in self.replicas if rep.scheduler.has_unfinished()]
+        if stuck:
+            raise RuntimeError(f"replicas {stuck} hold unfinished requests that the scheduler will not run")
         return SimResult(records, steps, time.perf_counter() - t_wall, len(self.replicas))
 
     def _arrive(self, r: SimRequest, shared_prefix: int, now: float) -> RequestRecord:
@@ -183,11 +182,9 @@ class Simulator:
                 self.router.finished(rec.replica)
 
     def _idle_with_work(self, rep: _Replica, now: float, heap: list, seq: int) -> None:
-        """Nothing could be scheduled (e.g. the static policy waiting for a batch): look again shortly,
-        unless nothing has moved for a long virtual time, which means a request can never run."""
-        if now - rep.last_progress > self.stuck_after_s and all(k == POLL for _, k, _, _ in heap):
-            raise RuntimeError(f"replica {rep.index} has unfinished requests but scheduled nothing for "
-                               f"{self.stuck_after_s:.0f} simulated seconds")
-        if not rep.poll_pending:
+        """Nothing could be scheduled. If the scheduler names a time when that changes (the static policy
+        waiting to fill a batch), look again then; otherwise only a new arrival can change it."""
+        wake = getattr(rep.scheduler, "wake_time", None)
+        if wake is not None and not rep.poll_pending:
             rep.poll_pending = True
-            heapq.heappush(heap, (now + self.poll_interval_s, POLL, seq, rep.index))
+            heapq.heappush(heap, (max(wake, now + 1e-9), POLL, seq, rep.index))

@@ -1,0 +1,173 @@
+"""`paceline simulate`, `paceline simulate capacity` and `paceline profile`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
+from paceline.sim.hardware import GPUS
+from paceline.sim.router import ROUTERS
+from paceline.sim.workloads import WORKLOADS
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="chat", help=f"{' | '.join(WORKLOADS)} | path.yaml")
+    g.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    g.add_argument("--num-requests", type=int, default=1000)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("device and model")
+    g.add_argument("--cost-model", default="roofline", help="roofline | path to a `paceline profile` JSON")
+    g.add_argument("--gpu", default="a100", choices=sorted(GPUS))
+    g.add_argument("--model-config", default="mistral-7b", help="bundled name (mistral-7b, llama-3-8b, llama-2-7b, llama-3-70b, qwen2-72b) or config.json path")
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--step-overhead-ms", type=float, default=2.0, help="roofline: CPU time per step")
+    g.add_argument("--efficiency", action="append", default=[], metavar="CLASS=F",
+                   help="roofline: fraction of peak for gemm | attn_prefill | attn_decode | elementwise (repeatable)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-blocks", type=int, default=None, help="override the KV blocks per replica")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=CacheConfig.kv_cache_memory_gb, help="profiled: KV memory, as the server's flag")
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    g.add_argument("--swap-space-gb", type=float, default=CacheConfig.swap_space_gb)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g = p.add_argument_group("fleet and scheduler")
+    g.add_argument("--replicas", type=int, default=1)
+    g.add_argument("--router", default="round-robin", choices=ROUTERS)
+    g.add_argument("--scheduler", default=SchedulerConfig.policy, choices=SCHEDULERS)
+    g.add_argument("--scheduling-policy", default=SchedulerConfig.scheduling_policy, choices=SCHEDULING_POLICIES)
+    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the workload's, else 8192")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--max-num-partial-prefills", type=int, default=0)
+    g.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode, choices=PREEMPTION_MODES)
+    g.add_argument("--priority-aging-s", type=float, default=0.0)
+    g.add_argument("--max-batch-wait-ms", type=float, default=0.0)
+    g = p.add_argument_group("output")
+    g.add_argument("--ttft-slo", type=float, default=None, help="ms, for goodput")
+    g.add_argument("--out", default=None, help="write the summary (and every request's timeline) as JSON here")
+    g.add_argument("--plots", default=None, help="write PNG plots into this folder")
+
+
+def deployment_from_args(args: argparse.Namespace):
+    from paceline.sim.deploy import Deployment, cost_model_from_spec
+    from paceline.sim.workloads import load_workload
+
+    workload = load_workload(args.workload)
+    eff = {}
+    for item in args.efficiency:
+        k, _, v = item.partition("=")
+        try:
+            eff[k] = float(v)
+        except ValueError:
+            raise ValueError(f"--efficiency wants CLASS=FRACTION, got {item!r}") from None
+    kw = {"step_overhead_s": args.step_overhead_ms / 1e3}
+    if eff:
+        from paceline.sim.cost_model import DEFAULT_EFFICIENCY
+        kw["efficiency"] = {**DEFAULT_EFFICIENCY, **eff}
+    cost = cost_model_from_spec(args.cost_model, args.model_config, args.gpu, args.tp, args.pp,
+                                **(kw if args.cost_model == "roofline" else {}))
+    max_len = args.max_model_len or workload.max_model_len or SchedulerConfig.max_model_len
+    sched = SchedulerConfig(policy=args.scheduler, scheduling_policy=args.scheduling_policy,
+                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                            max_model_len=max_len, long_prefill_token_threshold=args.long_prefill_token_threshold,
+                            max_num_partial_prefills=args.max_num_partial_prefills, preemption_mode=args.preemption_mode,
+                            priority_aging_s=args.priority_aging_s, max_batch_wait_ms=args.max_batch_wait_ms)
+    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                        swap_space_gb=args.swap_space_gb, enable_prefix_caching=not args.no_prefix_caching)
+    dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization)
+    return dep, workload
+
+
+def _simulate(args: argparse.Namespace) -> None:
+    from paceline.sim.metrics import markdown, summarize
+    from paceline.sim.workloads import generate
+
+    try:
+        dep, workload = deployment_from_args(args)
+        reqs = generate(workload, args.rate, args.num_requests, args.seed)
+        sim = dep.simulator()
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    result = sim.run(reqs, workload.shared_prefix_tokens)
+    s = summarize(result, ttft_slo_s=args.ttft_slo / 1e3 if args.ttft_slo else None)
+    print(f"{workload.name} at {args.rate} req/s, {args.replicas} x {_device_name(args)}, {args.scheduler} "
+          f"budget {args.max_num_batched_tokens}, {sim.num_blocks} KV blocks per replica")
+    print(markdown(s))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"summary": asdict(s), "requests": [asdict(r) for r in result.requests],
+                                              "steps": [asdict(x) for x in result.steps]}) + "\n")
+    if args.plots:
+        from paceline.sim.plots import write_plots
+        for p in write_plots(result, args.plots, args.scheduler):
+            print(f"wrote {p}")
+
+
+def _device_name(args: argparse.Namespace) -> str:
+    if args.cost_model == "roofline":
+        return f"{args.model_config} on {args.gpu} tp{args.tp} pp{args.pp}"
+    return f"profile {args.cost_model}"
+
+
+def _capacity(args: argparse.Namespace) -> None:
+    from paceline.sim.capacity import search_capacity
+    from paceline.sim.metrics import summarize
+    from paceline.sim.workloads import generate
+
+    try:
+        dep, workload = deployment_from_args(args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+
+    def run_at(rate: float):
+        return summarize(dep.simulator().run(generate(workload, rate, args.num_requests, args.seed), workload.shared_prefix_tokens))
+
+    cache: dict = {}
+    print(f"capacity of {workload.name}, {args.replicas} x {_device_name(args)}, {args.scheduler} budget {args.max_num_batched_tokens}")
+    print("\n| TBT SLO (ms) | capacity (req/s) | p99 TBT (ms) | median sched delay (s) | runs |\n|---|---|---|---|---|")
+    for slo in args.tbt_slo:
+        r = search_capacity(run_at, slo / 1e3, start_rate=args.rate, max_scheduling_delay_s=args.max_scheduling_delay,
+                            rel_tol=args.rel_tol, cache=cache)
+        at = r.at_capacity
+        print(f"| {slo:g} | {r.capacity:.3f} | {at.tbt['p99'] * 1e3 if at else float('nan'):.1f} | "
+              f"{at.scheduling_delay['p50'] if at else float('nan'):.2f} | {len(r.tried)} |")
+
+
+def _profile(args: argparse.Namespace) -> None:
+    from paceline.sim.profile import run_profile
+    try:
+        model = run_profile(args.out, model=args.model, dtype=args.dtype, quick=args.quick, threads=args.threads,
+                            repeats=args.repeats)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    m = model.meta
+    print(f"wrote {args.out}: {m['num_samples']} batch shapes, median error {m['median_rel_error'] * 100:.1f} %, "
+          f"max {m['max_rel_error'] * 100:.1f} %")
+    for k, v in model.coefficients.items():
+        print(f"  {k:20s} {v:.3e}")
+
+
+def add_parsers(subparsers) -> None:
+    sim = subparsers.add_parser("simulate", help="simulate serving a workload in virtual time (`simulate capacity` to search the SLO capacity)")
+    _common_args(sim)
+    sim.set_defaults(func=_simulate)
+    modes = sim.add_subparsers(dest="sim_mode")
+    cap = modes.add_parser("capacity", help="highest request rate under a p99 TBT SLO")
+    _common_args(cap)
+    cap.add_argument("--tbt-slo", type=float, nargs="+", default=[100.0, 500.0], help="p99 TBT SLOs in ms")
+    cap.add_argument("--max-scheduling-delay", type=float, default=2.0, help="seconds, median")
+    cap.add_argument("--rel-tol", type=float, default=0.03)
+    cap.set_defaults(func=_capacity)
+
+    prof = subparsers.add_parser("profile", help="time the real executor over batch shapes and fit the simulator's cost model")
+    prof.add_argument("--out", default="profile.json")
+    prof.add_argument("--model", default=None, help="GGUF or HF folder (default: bundled SmolLM2-135M-Instruct)")
+    prof.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    prof.add_argument("--quick", action="store_true", help="a small grid (about a minute)")
+    prof.add_argument("--threads", type=int, default=2, help="torch threads (match the server's)")
+    prof.add_argument("--repeats", type=int, default=3, help="timings per shape; the median is kept")
+    prof.set_defaults(func=_profile)
