@@ -1,0 +1,104 @@
+"""Workload shapes, metric math on hand-made timelines, capacity search, and the CLI end to end."""
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from paceline.sim.capacity import search_capacity
+from paceline.sim.metrics import summarize
+from paceline.sim.simulator import RequestRecord, SimResult, StepRecord
+from paceline.sim.workloads import WORKLOADS, generate, load_workload
+
+
+def test_workload_lengths_follow_their_median_and_p90():
+    reqs = generate(WORKLOADS["sharegpt"], 5.0, 4000, seed=3)
+    p = np.array([r.prompt_len for r in reqs])
+    o = np.array([r.output_len for r in reqs])
+    assert np.median(p) == pytest.approx(1730, rel=0.06)
+    assert np.percentile(p, 90) == pytest.approx(5696, rel=0.08)
+    assert np.median(o) == pytest.approx(415, rel=0.06)
+    assert (p + o <= 16384).all()
+    gaps = np.diff([0.0] + [r.arrival for r in reqs])
+    assert gaps.mean() == pytest.approx(1 / 5.0, rel=0.06)
+
+
+def test_workloads_are_reproducible_and_rate_keeps_lengths():
+    a = generate(WORKLOADS["chat"], 1.0, 50, seed=7)
+    b = generate(WORKLOADS["chat"], 1.0, 50, seed=7)
+    c = generate(WORKLOADS["chat"], 4.0, 50, seed=7)
+    assert a == b
+    assert [(r.prompt_len, r.output_len) for r in a] == [(r.prompt_len, r.output_len) for r in c]
+    assert c[-1].arrival < a[-1].arrival
+
+
+def test_bursty_priority_mix_and_yaml(tmp_path):
+    reqs = generate(WORKLOADS["bursty-priority"], 2.0, 2000, seed=0)
+    share = sum(r.priority == 0 for r in reqs) / len(reqs)
+    assert share == pytest.approx(0.2, abs=0.03)
+    gaps = np.diff([r.arrival for r in reqs])
+    assert gaps.std() / gaps.mean() == pytest.approx(3.0, rel=0.2)
+    y = tmp_path / "w.yaml"
+    y.write_text("name: mine\nprompt: {median: 50, p90: 80, min: 10, max: 100}\noutput: {median: 5, p90: 9}\n")
+    w = load_workload(str(y))
+    assert w.name == "mine" and all(10 <= r.prompt_len <= 100 for r in generate(w, 1.0, 100))
+    with pytest.raises(ValueError):
+        load_workload("nope")
+    with pytest.raises(ValueError):
+        generate(w, 0.0, 10)
+
+
+def test_metrics_on_a_hand_made_timeline():
+    recs = [RequestRecord("a", 0, 0.0, 10, 4, first_scheduled=0.5, token_times=[1.0, 1.1, 1.2, 2.2], finish_time=2.2, finish_reason="length"),
+            RequestRecord("b", 0, 1.0, 10, 2, first_scheduled=1.0, token_times=[1.5, 1.6], finish_time=1.6, finish_reason="length")]
+    steps = [StepRecord(0, 0.0, 0.1, 2, 0, 2)] * 3 + [StepRecord(0, 0.0, 0.5, 1, 100, 2)]
+    s = summarize(SimResult(recs, steps, 0.01, 1), tbt_slo_s=0.5)
+    assert s.ttft["p50"] == pytest.approx(0.75) and s.ttft["max"] == pytest.approx(1.0)
+    assert s.tbt["n"] == 4 and s.tbt["max"] == pytest.approx(1.0)
+    assert s.tpot["mean"] == pytest.approx(((2.2 - 1.0) / 3 + 0.1) / 2)
+    assert s.scheduling_delay["p50"] == pytest.approx(0.25)
+    assert s.median_decode_step_s == pytest.approx(0.1)
+    assert s.num_stalls == 1 and s.stall_time_s == pytest.approx(1.0)  # the 1.0 s gap > 5 x 0.1 s
+    assert s.goodput == pytest.approx(1 / 2.2)  # only b kept every gap within 0.5 s
+    assert not s.meets(0.5) and s.meets(1.0)
+
+
+def test_capacity_search_brackets_the_threshold():
+    class Fake:
+        def __init__(self, rate):
+            self.rate = rate
+
+        def meets(self, slo, delay):
+            return self.rate <= 3.7 * slo
+
+    calls = []
+    res = search_capacity(lambda r: calls.append(r) or Fake(r), 1.0, start_rate=1.0, rel_tol=0.01)
+    assert 3.7 * 0.99 <= res.capacity <= 3.7
+    assert len(calls) == len(set(calls))
+    cache = {}
+    search_capacity(lambda r: Fake(r), 1.0, cache=cache)
+    n = len(cache)
+    search_capacity(lambda r: Fake(r), 1.0, cache=cache)
+    assert len(cache) == n  # the second search reuses every run
+    assert search_capacity(lambda r: Fake(0 * r + 1e9), 1.0).capacity == 0.0
+
+
+def test_cli_simulate_and_capacity(tmp_path, capsys):
+    from paceline.sim.cli import add_parsers
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "r.json"
+    args = parser.parse_args(["simulate", "--workload", "chat", "--rate", "4", "--num-requests", "40", "--replicas", "2",
+                              "--router", "least-outstanding", "--out", str(out), "--plots", str(tmp_path)])
+    args.func(args)
+    text = capsys.readouterr().out
+    assert "40/40 requests finished" in text and "| TBT |" in text
+    data = json.loads(out.read_text())
+    assert len(data["requests"]) == 40 and {r["replica"] for r in data["requests"]} == {0, 1}
+    assert (tmp_path / "tbt_cdf.png").stat().st_size > 0
+    args = parser.parse_args(["simulate", "capacity", "--workload", "chat", "--num-requests", "40", "--tbt-slo", "100",
+                              "--rate", "8", "--rel-tol", "0.25"])
+    args.func(args)
+    assert "| 100 |" in capsys.readouterr().out
+    args = parser.parse_args(["profile", "--quick", "--out", str(tmp_path / "p.json")])
+    assert args.quick and callable(args.func)
