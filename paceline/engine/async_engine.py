@@ -1,0 +1,269 @@
+"""AsyncEngine: Engine.step() in a background thread, one asyncio stream of RequestOutput deltas per request.
+
+The Engine is not thread-safe, so every call into it (add, abort, step, stats) happens on the engine thread:
+other threads append commands to a deque and set an Event; the thread applies them before each step.
+Torch releases the GIL inside its kernels, so the HTTP event loop keeps running while a step computes.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from paceline.sampling import SamplingParams
+
+log = logging.getLogger("paceline.async_engine")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_waiting_requests already; the server answers 503 with Retry-After."""
+
+    def __init__(self, num_waiting: int, retry_after_s: int = 1) -> None:
+        super().__init__(f"the server is overloaded: {num_waiting} requests are already waiting; retry later")
+        self.retry_after_s = retry_after_s
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised; every request in flight at that moment ends with this error."""
+
+
+class RequestStream:
+    """The deltas of one request, in order. Iterate it; leaving `async with` before the end aborts it."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine, self.request_id, self.loop = engine, request_id, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True  # the engine thread already dropped it
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine._drop(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, on_step: Callable[[Any, list, bool], None] | None = None) -> None:
+        """engine: a paceline Engine (or anything with add_request/abort/step/has_unfinished/stats).
+        on_step(engine, outputs, stepped) runs on the engine thread after every step (stepped=True) and when
+        it goes idle (stepped=False, so gauges show aborts applied while idle); the server feeds metrics from it."""
+        self.engine = engine
+        self.on_step = on_step
+        self.max_waiting = getattr(engine.config.scheduler, "max_waiting_requests", 0) or 0
+        self._commands: deque[Callable[[], None]] = deque()  # deque append/popleft are atomic
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()  # guards _streams
+        self._wake = threading.Event()
+        self._accepting = True
+        self._stop = False
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paceline-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop -------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Add a request; returns once the engine has taken it. Raises ValueError (bad request: the engine's
+        plain message), QueueFullError or EngineStoppedError, and then nothing was added."""
+        if not self._accepting:
+            raise EngineStoppedError("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id, loop)
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        arrival = time.monotonic()
+        self._submit(lambda: self._add(request_id, prompt, params, priority, arrival, added))
+        try:
+            await asyncio.wrap_future(added)
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not _was_rejected(added):  # cancelled while the add may still land: abort (commands run in order)
+                self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[Any]:
+        """add_request, then the request's RequestOutput deltas up to the finished one; closing early aborts."""
+        stream = await self.add_request(request_id, prompt, params, priority)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def abort(self, request_id: str) -> None:
+        """Free the request now: the engine thread applies it before its next step."""
+        self._submit(lambda: self._abort(request_id))
+
+    def _drop(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+        self.abort(request_id)
+
+    async def shutdown(self, grace_s: float = 0.0) -> None:
+        """Take no new requests, let in-flight ones run up to grace_s, abort the rest and stop the thread."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self.abort(rid)
+        self._submit(self._request_stop)
+        await asyncio.to_thread(self._thread.join, 10.0)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- the engine thread ----------------------------------------------------------------------------------
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    def _request_stop(self) -> None:
+        self._stop = True
+
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
+             arrival: float, added: concurrent.futures.Future) -> None:
+        if not added.set_running_or_notify_cancel():  # the caller went away before we got here
+            with self._lock:
+                self._streams.pop(request_id, None)
+            return
+        try:
+            if self.max_waiting:
+                num_waiting = self.engine.stats().num_waiting
+                if num_waiting >= self.max_waiting:
+                    raise QueueFullError(num_waiting)
+            self.engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival)
+        except Exception as e:  # ValueError for bad input, QueueFullError; either way nothing was added
+            with self._lock:
+                self._streams.pop(request_id, None)
+            added.set_exception(e)
+            return
+        added.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # an unknown or already finished id: nothing to free
+            log.debug("abort of %s ignored", request_id, exc_info=True)
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            try:
+                command()
+            except Exception:
+                log.exception("engine command failed")
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            self._apply_commands()
+            if self._stop:
+                break
+            if not self.engine.has_unfinished():
+                self._observe([], False)  # gauges reflect aborts applied while idle
+                self._idle.set()
+                self._wake.wait()
+                continue
+            self._idle.clear()
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                log.exception("engine step failed; failing every request in flight")
+                self._fail_all(EngineStepError(f"the engine failed while running this request: {e}"))
+                time.sleep(0.01)  # a failure that repeats must not spin a core
+                continue
+            self._observe(outputs, True)
+            self._dispatch(outputs)
+        self._fail_all(EngineStoppedError("the server shut down"))
+        self._idle.set()
+
+    def _observe(self, outputs: list, stepped: bool) -> None:
+        if self.on_step is None:
+            return
+        try:
+            self.on_step(self.engine, outputs, stepped)
+        except Exception:
+            log.exception("metrics update failed")
+
+    def _dispatch(self, outputs: list) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:  # its client left; the abort is queued or done
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            # one wake-up of the event loop per step, however many requests it served
+            _call_soon(loop, _put_all, items)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for rid in streams:
+            self._abort(rid)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for stream in streams.values():
+            by_loop.setdefault(stream.loop, []).append((stream.queue, error))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+
+def _was_rejected(added: concurrent.futures.Future) -> bool:
+    return added.done() and not added.cancelled() and added.exception() is not None
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass

@@ -1,0 +1,628 @@
+"""OpenAI-compatible HTTP API over an AsyncEngine: chat and text completions (streaming or not), models, health,
+version, tokenize/detokenize and Prometheus metrics. Run: `paceline serve` or `python -m paceline.entrypoints.server`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from paceline import __version__
+from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
+from paceline.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
+from paceline.engine.metrics import EngineMetrics
+from paceline.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                           Strict, TokenizeRequest, bad_request, validation_message)
+from paceline.sampling import SamplingParams
+
+log = logging.getLogger("paceline.server")
+
+MAX_BODY_BYTES = 4 * 2**20
+GRACEFUL_SHUTDOWN_S = 5.0  # Ctrl-C: in-flight requests get this long to finish, then they are aborted
+
+
+@dataclass
+class ServerSettings:
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    served_model_names: tuple[str, ...] = ()  # names /v1 accepts besides the engine's own
+    retry_after_s: int = 1
+
+
+# ---- middleware: plain ASGI, so they also cover bodies FastAPI never parses ----------------------------------------
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class BodyLimit:
+    """413 for bodies over the limit; reads the body once (at most limit + 1 bytes) and replays it to the app."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        too_large = APIError(413, f"the request body exceeds the limit of {self.max_bytes} bytes",
+                             code="request_too_large")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _error_response(too_large)(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await _error_response(too_large)(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later reads wait for the client to disconnect
+
+        await self.app(scope, replay, send)
+
+
+class BearerAuth:
+    """Every /v1 call needs `Authorization: Bearer <api key>` when the server has one."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError(401, "invalid or missing API key; send `Authorization: Bearer <key>`",
+                               code="invalid_api_key")
+                return await _error_response(err)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+# ---- the app ----------------------------------------------------------------------------------------------------
+
+def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
+              settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    engine = async_engine.engine
+    api = OpenAIServing(async_engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="paceline", version=__version__, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return _error_response(bad_request(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), code=None,
+                       type="invalid_request_error" if exc.status_code < 500 else "server_error")
+        return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error_response(APIError(500, f"internal error: {exc}", type="server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if async_engine.is_running else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": api.created, "owned_by": "paceline", "root": engine.model_name,
+             "parent": None, "max_model_len": engine.max_model_len} for name in api.model_names]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render() if metrics else b"", media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await parse_body(request, TokenizeRequest)
+        api.check_model(body.model)
+        if body.messages is not None:
+            text = api.chat_prompt(body.messages, body.add_generation_prompt)
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        elif body.prompt is not None:
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise bad_request("give either prompt or messages", param="prompt")
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids), "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await parse_body(request, DetokenizeRequest)
+        api.check_model(body.model)
+        vocab = _vocab_size(engine)
+        bad = next((t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await api.chat(request, await parse_body(request, ChatCompletionRequest))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await api.completions(request, await parse_body(request, CompletionRequest))
+
+    inner: Any = app
+    if settings.api_key:
+        inner = BearerAuth(inner, settings.api_key)
+    return BodyLimit(inner, settings.max_body_bytes)  # type: ignore[return-value]
+
+
+async def parse_body(request: Request, model: type[Strict]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise bad_request(message, param=param) from None
+
+
+def _vocab_size(engine: Any) -> int | None:
+    arch = getattr(engine, "arch", None)
+    return getattr(arch, "vocab_size", None)
+
+
+# ---- the OpenAI endpoints ----------------------------------------------------------------------------------------
+
+@dataclass
+class Choice:
+    """Accumulated output of one engine request (one choice of the response)."""
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Any] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def update(self, out: Any) -> None:
+        self.text = out.text
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.new_logprobs)
+        self.num_prompt_tokens, self.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason or "abort", out.stop_reason
+
+
+def usage(choices: list[Choice]) -> dict:
+    """A prompt counts once however many choices it has; its cached tokens are the fewest any choice reused."""
+    prompts: dict[int, list[Choice]] = {}
+    for c in choices:
+        prompts.setdefault(c.prompt_index, []).append(c)
+    prompt_tokens = sum(cs[0].num_prompt_tokens for cs in prompts.values())
+    cached = sum(min(c.num_cached_tokens for c in cs) for cs in prompts.values())
+    completion = sum(c.num_output_tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, async_engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.settings = settings
+        names = [*settings.served_model_names, self.engine.model_name]
+        self.model_names = list(dict.fromkeys(names))
+        self.created = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.model_names)}",
+                           param="model", code="model_not_found")
+
+    def chat_prompt(self, messages: list, add_generation_prompt: bool = True) -> str:
+        if not messages:
+            raise bad_request("messages must not be empty", param="messages")
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            return self.engine.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from None
+
+    # -- submitting --------------------------------------------------------------------------------------------
+
+    async def submit(self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int,
+                     prompt_param: str) -> list[RequestStream]:
+        """One engine request per (prompt, choice), all added or none (a failure aborts those already added)."""
+        subs = []
+        for p, prompt in enumerate(prompts):
+            for i in range(params.n):
+                seed = params.seed + i if params.seed is not None else None
+                subs.append((f"{base_id}-{p}-{i}", prompt, dataclasses.replace(params, n=1, seed=seed)))
+        results = await asyncio.gather(
+            *(self.async_engine.add_request(rid, prompt, sp, priority) for rid, prompt, sp in subs),
+            return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return streams
+        for s in streams:
+            s.abort()
+        raise self._map_error(errors[0], prompt_param)
+
+    def _map_error(self, e: BaseException, prompt_param: str) -> BaseException:
+        if isinstance(e, QueueFullError):
+            return APIError(503, str(e), type="server_error", code="server_overloaded",
+                            headers={"Retry-After": str(max(e.retry_after_s, self.settings.retry_after_s))})
+        if isinstance(e, EngineStoppedError):
+            return APIError(503, str(e), type="server_error", code="server_shutting_down",
+                            headers={"Retry-After": str(self.settings.retry_after_s)})
+        if isinstance(e, ValueError):
+            message = str(e)
+            code = "context_length_exceeded" if "context length" in message else None
+            return bad_request(message, param=prompt_param if ("prompt" in message or code) else None, code=code)
+        return e
+
+    # -- endpoints ---------------------------------------------------------------------------------------------
+
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        self.check_model(body.model)
+        params = body.sampling_params()
+        text = self.chat_prompt(body.messages)
+        prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.submit(base_id, [prompt_ids], params, body.priority, "messages")
+        meta = {"id": base_id, "created": int(time.time()), "model": body.model or self.model_name}
+        top = body.top_logprobs or 0
+        if body.stream:
+            return StreamingResponse(self._chat_stream(streams, meta, body.include_usage, top),
+                                     media_type="text/event-stream")
+        choices = await self._collect(request, streams, [0] * len(streams))
+        if choices is None:
+            return Response(status_code=499)  # the client left; nobody reads this
+        return JSONResponse({**meta, "object": "chat.completion", "choices": [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+            "usage": usage(choices)})
+
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        self.check_model(body.model)
+        params = body.sampling_params()
+        prompts = body.prompts()
+        for p in prompts:
+            if (isinstance(p, str) and not p.strip()) or (isinstance(p, list) and not p):
+                raise bad_request("prompt must not be empty", param="prompt")
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self.submit(base_id, prompts, params, body.priority, "prompt")
+        meta = {"id": base_id, "created": int(time.time()), "model": body.model or self.model_name}
+        prompt_of = [p for p in range(len(prompts)) for _ in range(params.n)]
+        if body.stream:
+            return StreamingResponse(self._completion_stream(streams, prompt_of, meta, body.include_usage,
+                                                             body.logprobs), media_type="text/event-stream")
+        choices = await self._collect(request, streams, prompt_of)
+        if choices is None:
+            return Response(status_code=499)
+        return JSONResponse({**meta, "object": "text_completion", "choices": [
+            {"index": c.index, "text": c.text,
+             "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0) if body.logprobs is not None else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+            "usage": usage(choices)})
+
+    # -- collecting and streaming ------------------------------------------------------------------------------
+
+    async def _collect(self, request: Request, streams: list[RequestStream],
+                       prompt_of: list[int]) -> list[Choice] | None:
+        """Run every stream to its end; None (and everything aborted) if the client disconnects first."""
+        choices = [Choice(i, prompt_of[i]) for i in range(len(streams))]
+
+        async def drain() -> None:
+            async for i, out in merge(streams):
+                choices[i].update(out)
+
+        work = asyncio.ensure_future(drain())
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                for s in streams:
+                    s.abort()
+        if not work.done() or work.cancelled():
+            return None
+        exc = work.exception()
+        if exc is not None:
+            raise APIError(500, str(exc), type="server_error")
+        return choices
+
+    async def _chat_stream(self, streams: list[RequestStream], meta: dict, include_usage: bool,
+                           top: int) -> AsyncIterator[str]:
+        chunk = {**meta, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if include_usage else {}
+        choices = [Choice(i, 0) for i in range(len(streams))]
+        try:
+            for c in choices:
+                yield sse({**chunk, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}], **extra})
+            async for i, out in merge(streams):
+                choices[i].update(out)
+                if not (out.new_text or out.finished or out.new_logprobs):
+                    continue  # text held back (a possible stop string) and nothing else to say
+                delta = {"content": out.new_text} if out.new_text else {}
+                logprobs = self._chat_logprobs(out.new_token_ids, out.new_logprobs, top) if out.new_logprobs else None
+                yield sse({**chunk, "choices": [{
+                    "index": i, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": choices[i].finish_reason if out.finished else None,
+                    **({"stop_reason": out.stop_reason} if out.finished else {})}], **extra})
+            if include_usage:
+                yield sse({**chunk, "choices": [], "usage": usage(choices)})
+        except Exception as e:  # an engine failure: tell this client, keep the server up
+            yield sse(APIError(500, str(e), type="server_error").body())
+        yield "data: [DONE]\n\n"
+
+    async def _completion_stream(self, streams: list[RequestStream], prompt_of: list[int], meta: dict,
+                                 include_usage: bool, logprobs: int | None) -> AsyncIterator[str]:
+        chunk = {**meta, "object": "text_completion"}
+        extra = {"usage": None} if include_usage else {}
+        choices = [Choice(i, prompt_of[i]) for i in range(len(streams))]
+        offsets = [0] * len(streams)
+        try:
+            async for i, out in merge(streams):
+                choices[i].update(out)
+                if not (out.new_text or out.finished or (logprobs is not None and out.new_logprobs)):
+                    continue
+                lp = None
+                if logprobs is not None and out.new_logprobs:
+                    lp = self._completion_logprobs(out.new_token_ids, out.new_logprobs, offsets[i])
+                offsets[i] += len(out.new_text)
+                yield sse({**chunk, "choices": [{
+                    "index": i, "text": out.new_text, "logprobs": lp,
+                    "finish_reason": choices[i].finish_reason if out.finished else None,
+                    **({"stop_reason": out.stop_reason} if out.finished else {})}], **extra})
+            if include_usage:
+                yield sse({**chunk, "choices": [], "usage": usage(choices)})
+        except Exception as e:
+            yield sse(APIError(500, str(e), type="server_error").body())
+        yield "data: [DONE]\n\n"
+
+    # -- logprobs ----------------------------------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[Any], top: int) -> dict:
+        content = []
+        for tid, lp in zip(token_ids, logprobs):
+            tok = self._token_text(tid)
+            content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": [
+                {"token": (t := self._token_text(i)), "logprob": v, "bytes": list(t.encode())}
+                for i, v in lp.top[:top]]})
+        return {"content": content}
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[Any], offset: int) -> dict:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for tid, lp in zip(token_ids, logprobs):
+            tok = self._token_text(tid)
+            tokens.append(tok)
+            token_logprobs.append(lp.logprob)
+            tops.append({self._token_text(i): v for i, v in lp.top})
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, delta) from all streams as they come; leaving early aborts the unfinished ones."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+                queue.put_nowait((i, None))
+            except Exception as e:
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for s in streams:
+            s.abort()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+
+def _default(section: type, name: str) -> Any:
+    return section.__dataclass_fields__[name].default
+
+
+# flag -> (config section, field); defaults stay in paceline/config.py, flags left out keep them
+_FLAGS: dict[str, tuple[type, str]] = {
+    "model": (EngineConfig, "model"),
+    "dtype": (EngineConfig, "dtype"),
+    "seed": (EngineConfig, "seed"),
+    "block_size": (CacheConfig, "block_size"),
+    "kv_cache_memory_gb": (CacheConfig, "kv_cache_memory_gb"),
+    "num_kv_blocks": (CacheConfig, "num_blocks"),
+    "swap_space": (CacheConfig, "swap_space_gb"),
+    "enable_prefix_caching": (CacheConfig, "enable_prefix_caching"),
+    "max_num_batched_tokens": (SchedulerConfig, "max_num_batched_tokens"),
+    "max_num_seqs": (SchedulerConfig, "max_num_seqs"),
+    "max_model_len": (SchedulerConfig, "max_model_len"),
+    "scheduler": (SchedulerConfig, "policy"),
+    "scheduling_policy": (SchedulerConfig, "scheduling_policy"),
+    "preemption_mode": (SchedulerConfig, "preemption_mode"),
+    "long_prefill_token_threshold": (SchedulerConfig, "long_prefill_token_threshold"),
+    "max_num_partial_prefills": (SchedulerConfig, "max_num_partial_prefills"),
+    "priority_aging_s": (SchedulerConfig, "priority_aging_s"),
+    "max_batch_wait_ms": (SchedulerConfig, "max_batch_wait_ms"),
+    "max_waiting_requests": (SchedulerConfig, "max_waiting_requests"),
+}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES
+
+    def flag(name: str, help: str, **kw: Any) -> None:
+        section, field = _FLAGS[name]
+        parser.add_argument("--" + name.replace("_", "-"), default=None,
+                            help=f"{help} (default: {_default(section, field)})", **kw)
+
+    flag("model", "GGUF file or Hugging Face folder; default is the bundled SmolLM2-135M-Instruct")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="names clients may use in `model` (default: the model's own name)")
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1 calls")
+    parser.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES,
+                        help=f"larger request bodies get 413 (default: {MAX_BODY_BYTES})")
+    flag("dtype", "weights and activations dtype", choices=["float32", "bfloat16", "float16"])
+    flag("seed", "seed for requests that give none", type=int)
+    flag("max_num_batched_tokens", "token budget of one step", type=int)
+    flag("max_num_seqs", "most requests in one step", type=int)
+    flag("max_model_len", "context length (capped by the model's)", type=int)
+    flag("block_size", "tokens per KV-cache block", type=int)
+    flag("kv_cache_memory_gb", "memory for the KV cache, GiB", type=float)
+    flag("num_kv_blocks", "KV-cache blocks, overriding --kv-cache-memory-gb", type=int)
+    flag("swap_space", "host memory for swapped-out KV blocks, GiB", type=float)
+    flag("enable_prefix_caching", "reuse the KV of shared prompt prefixes", action=argparse.BooleanOptionalAction)
+    flag("scheduler", "batch-building policy", choices=SCHEDULERS)
+    flag("scheduling_policy", "order of the waiting queue", choices=SCHEDULING_POLICIES)
+    flag("preemption_mode", "how running requests give up their KV", choices=PREEMPTION_MODES)
+    flag("long_prefill_token_threshold", "most tokens one prompt may take per step (0: off)", type=int)
+    flag("max_num_partial_prefills", "prompts mid-prefill at once (0: unlimited)", type=int)
+    flag("priority_aging_s", "a waiting request gains one priority level per this many seconds (0: off)", type=float)
+    flag("max_batch_wait_ms", "static scheduler: how long to wait for a batch to fill", type=float)
+    flag("max_waiting_requests", "waiting requests beyond which the server answers 503 (0: unlimited)", type=int)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    given: dict[type, dict[str, Any]] = {EngineConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+    for name, (section, field) in _FLAGS.items():
+        value = getattr(args, name, None)
+        if value is not None:
+            given[section][field] = value
+    names = getattr(args, "served_model_name", None)
+    if names:
+        given[EngineConfig]["served_model_name"] = names[0]
+    return EngineConfig(**given[EngineConfig], cache=CacheConfig(**given[CacheConfig]),
+                        scheduler=SchedulerConfig(**given[SchedulerConfig]))
+
+
+def run_server(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from paceline.engine.engine import Engine
+
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    engine = Engine(config)
+    metrics = EngineMetrics(engine.model_name)
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
+    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                              served_model_names=tuple(args.served_model_name or ()))
+    app = build_app(async_engine, metrics, settings)
+    sched = config.scheduler
+    log.info("serving %s on http://%s:%d  KV cache %d tokens (%d blocks x %d); token budget %d per step, "
+             "at most %d requests per step; scheduler %s, %s order, preemption %s; max model len %d",
+             engine.model_name, args.host, args.port, engine.num_blocks * engine.block_size, engine.num_blocks,
+             engine.block_size, sched.max_num_batched_tokens, sched.max_num_seqs, sched.policy,
+             sched.scheduling_policy, sched.preemption_mode, engine.max_model_len)
+    # uvicorn turns Ctrl-C / SIGTERM into a graceful stop: no new connections, in-flight ones get
+    # GRACEFUL_SHUTDOWN_S to finish, then are cancelled (which aborts their requests); lifespan stops the engine
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
+                                  timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m paceline.entrypoints.server", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_server(args)
+
+
+if __name__ == "__main__":
+    main()
