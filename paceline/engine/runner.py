@@ -1,0 +1,139 @@
+"""ModelRunner: SchedulerOutput -> tensors -> model -> sampled tokens. It runs exactly what it is told."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
+from paceline.model.arch import ModelArch
+from paceline.model.attention import SeqSlice, build_metadata
+from paceline.model.llama import LlamaModel
+from paceline.model.sampler import SampleRow, Sampler
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, arch: ModelArch, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+        self.model, self.arch = model, arch
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.device, self.dtype = torch.device(device), dtype
+        shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        host_shape = (arch.num_layers, 2, num_host_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        pin = self.device.type == "cuda"
+        self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
+        self.sampler = Sampler(seed, self.device)
+
+    @staticmethod
+    def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+        """Memory one KV block takes across all layers (K and V)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, then host blocks to device blocks."""
+        if (blocks_to_swap_out or blocks_to_swap_in) and self.host_cache is None:
+            raise ValueError("swap requested but the runner has no host blocks (num_host_blocks=0)")
+        if blocks_to_swap_out:
+            dev = torch.tensor([d for d, _ in blocks_to_swap_out], device=self.device)
+            host = torch.tensor([h for _, h in blocks_to_swap_out])
+            self.host_cache.index_copy_(2, host, self.kv_cache.index_select(2, dev).to("cpu"))
+        if blocks_to_swap_in:
+            host = torch.tensor([h for h, _ in blocks_to_swap_in])
+            dev = torch.tensor([d for _, d in blocks_to_swap_in], device=self.device)
+            self.kv_cache.index_copy_(2, dev, self.host_cache.index_select(2, host).to(self.device, non_blocking=True))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        t0 = time.perf_counter()
+        self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
+        result = StepResult()
+        if out.scheduled:
+            # multi-token chunks first, then single tokens: the layout attention expects
+            order = sorted(out.scheduled, key=lambda s: s.num_tokens == 1)
+            logits, sampled = self._forward(order)
+            rows = [SampleRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
+                              s.request.eos_token_id) for s in sampled]
+            tokens, logprobs = self.sampler(logits, rows)
+            for s, tok, lp in zip(sampled, tokens, logprobs):
+                result.token_ids[s.request.request_id] = tok
+                if lp is not None:
+                    result.logprobs[s.request.request_id] = lp
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        result.duration = time.perf_counter() - t0
+        return result
+
+    def _forward(self, order: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Run the model over the flat batch; logits [N, vocab] for the requests that need a sample."""
+        ids: list[int] = []
+        positions: list[int] = []
+        last_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for s in order:
+            end = s.start + s.num_tokens
+            if s.num_tokens < 1 or end > s.request.num_tokens:
+                raise ValueError(f"request {s.request.request_id}: cannot run tokens {s.start}..{end} "
+                                 f"of {s.request.num_tokens}")
+            ids.extend(s.request.token_ids[s.start:end])
+            positions.extend(range(s.start, end))
+            if s.needs_sample:
+                last_rows.append(len(ids) - 1)
+                sampled.append(s)
+        logits = self.forward_tokens(ids, positions, [SeqSlice(s.start, s.num_tokens, s.block_table) for s in order],
+                                     last_rows)
+        return logits, sampled
+
+    def forward_tokens(self, ids: list[int], positions: list[int], seqs: list[SeqSlice], rows: list[int]) -> torch.Tensor:
+        """Lowest level: one forward over a flat batch laid out as `seqs`; float32 logits of the flat `rows`."""
+        if positions and max(positions) >= self.model.max_positions:
+            raise ValueError(f"position {max(positions)} exceeds the model's {self.model.max_positions} positions")
+        meta = build_metadata(seqs, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, pos, meta, self.kv_cache)
+            if not rows:
+                return hidden.new_empty(0, self.arch.vocab_size, dtype=torch.float32)
+            sel = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
+            return self.model.compute_logits(sel)
+
+    # --- conveniences for tests and benchmarks: one request alone, blocks 0.. in order -------------------------
+    def prefill_logits(self, token_ids: list[int], chunk: int | None = None, first_block: int = 0) -> torch.Tensor:
+        """Prefill one request in chunks of `chunk` tokens (whole when None); logits [len, vocab] of every position."""
+        n = len(token_ids)
+        table = self._table(n, first_block)
+        chunk = chunk or n
+        out = []
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            out.append(self.forward_tokens(token_ids[start:end], list(range(start, end)),
+                                           [SeqSlice(start, end - start, table)], list(range(end - start))))
+        return torch.cat(out)
+
+    @torch.inference_mode()
+    def generate_greedy(self, prompt: list[int], max_new_tokens: int, first_block: int = 0) -> tuple[list[int], list[torch.Tensor]]:
+        """Greedy-decode one request alone: prefill, then one token per step. Returns tokens and each step's logits."""
+        table = self._table(len(prompt) + max_new_tokens, first_block)
+        n = len(prompt)
+        logits = self.forward_tokens(prompt, list(range(n)), [SeqSlice(0, n, table)], [n - 1])[0]
+        tokens, all_logits = [], []
+        for _ in range(max_new_tokens):
+            all_logits.append(logits)
+            tok = int(logits.argmax())
+            tokens.append(tok)
+            if len(tokens) == max_new_tokens:
+                break
+            pos = n + len(tokens) - 1
+            logits = self.forward_tokens([tok], [pos], [SeqSlice(pos, 1, table)], [0])[0]
+        return tokens, all_logits
+
+    def _table(self, num_tokens: int, first_block: int) -> list[int]:
+        need = (num_tokens + self.block_size - 1) // self.block_size
+        if first_block + need > self.num_blocks:
+            raise ValueError(f"{num_tokens} tokens need {need} blocks from block {first_block}; "
+                             f"the cache has {self.num_blocks}")
+        return list(range(first_block, first_block + need))

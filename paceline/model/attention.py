@@ -1,0 +1,180 @@
+"""Paged attention over a flat batch that mixes prompt chunks and decodes.
+
+The KV cache is one preallocated tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
+(2 = K, V). A token at position `p` of a request lives in slot `block_table[p // bs] * bs + p % bs`.
+
+The flat batch is laid out as: every multi-token chunk first (prompt chunks), then every single-token
+sequence (decodes, or a prompt chunk of one token). All index tensors are built once per step in
+`build_metadata`; each layer then does a fixed handful of ops whatever the batch holds:
+
+- write: one `index_copy_` of this step's K and one of V into their slots;
+- decodes: one `index_select` gathers every decode's context from a padded `[B, Lmax]` slot index, then
+  one SDPA call. GQA costs no copy: the query heads sharing a KV head become that head's query rows
+  (`[B, kv_heads, group, head_dim]`), so SDPA sees plain multi-head attention with `group` queries.
+- prompt chunks: one chunk that starts at position 0 (the common prefill) attends to its own fresh K/V with
+  `is_causal=True`, which lets the CPU flash kernel skip the masked half. Otherwise the chunks are padded to
+  `[B, Qmax]` and their contexts gathered like decodes, with one boolean mask (causal, offset by each
+  chunk's start), in one SDPA call.
+
+Why padded-gather + SDPA rather than one flat varlen pass: on CPU there is no varlen kernel, and a flat
+block-diagonal mask over all requests costs T x sum(context) work; padding wastes only Lmax - L per
+sequence, and decode contexts within a batch tend to be similar in length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSlice:
+    """One request's part of the flat batch: tokens start..start+num_tokens-1 through its block table."""
+    start: int
+    num_tokens: int
+    block_table: list[int]
+
+
+@dataclass
+class AttnMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each flat token, where its K/V are written
+    num_prefill_tokens: int  # flat rows [0, Tp) are multi-token chunks, [Tp, T) single tokens
+    # prompt chunks
+    num_prefills: int = 0
+    prefill_fresh: bool = False  # one chunk starting at 0: attend to its own K/V, causal
+    prefill_q_index: torch.Tensor | None = None  # [Bp * Qmax] flat row per padded query (None: Bp == 1)
+    prefill_out_index: torch.Tensor | None = None  # [Tp] padded row of each real query (None: Bp == 1)
+    prefill_kv_index: torch.Tensor | None = None  # [Bp * Lmax] cache slots of each chunk's context
+    prefill_mask: torch.Tensor | None = None  # [Bp, 1, Qmax, Lmax] True where a query may look
+    prefill_q_max: int = 0
+    prefill_kv_max: int = 0
+    # single tokens
+    num_decodes: int = 0
+    decode_kv_index: torch.Tensor | None = None  # [Bd * Lmax] cache slots of each decode's context
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] (None when no padding is needed)
+    decode_kv_max: int = 0
+
+
+def _slots(block_tables: list[list[int]], lengths: list[int], block_size: int, device) -> tuple[torch.Tensor, int]:
+    """[B * Lmax] cache slots of positions 0..Lmax-1 of each sequence; padding points at a valid slot."""
+    lmax = max(lengths)
+    nblocks = (lmax + block_size - 1) // block_size
+    table = torch.tensor([bt[:nblocks] + [0] * (nblocks - len(bt[:nblocks])) for bt in block_tables],
+                         dtype=torch.long)
+    pos = torch.arange(lmax)
+    slots = table[:, pos // block_size] * block_size + pos % block_size
+    return slots.reshape(-1).to(device, non_blocking=True), lmax
+
+
+def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu") -> AttnMetadata:
+    """Index tensors for one step. `seqs` must list every multi-token chunk before any single-token one."""
+    if not seqs:
+        raise ValueError("a step needs at least one sequence")
+    for s in seqs:
+        if s.num_tokens < 1:
+            raise ValueError(f"a scheduled slice needs at least one token, got {s.num_tokens}")
+        if len(s.block_table) * block_size < s.start + s.num_tokens:
+            raise ValueError(f"block table of {len(s.block_table)} blocks cannot hold {s.start + s.num_tokens} tokens")
+    prefills = [s for s in seqs if s.num_tokens > 1]
+    decodes = seqs[len(prefills):]
+    if any(s.num_tokens > 1 for s in decodes):
+        raise ValueError("multi-token chunks must come before single-token sequences in the flat batch")
+
+    # slot of every flat token, built with a few vectorised ops rather than a Python loop over tokens
+    slot_parts = []
+    for s in seqs:
+        pos = torch.arange(s.start, s.start + s.num_tokens)
+        table = torch.tensor(s.block_table, dtype=torch.long)
+        slot_parts.append(table[pos // block_size] * block_size + pos % block_size)
+    slot_mapping = torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]
+    tp = sum(s.num_tokens for s in prefills)
+    meta = AttnMetadata(slot_mapping=slot_mapping.to(device, non_blocking=True), num_prefill_tokens=tp)
+
+    if prefills:
+        meta.num_prefills = len(prefills)
+        if len(prefills) == 1 and prefills[0].start == 0:
+            meta.prefill_fresh = True
+        else:
+            qlens = [s.num_tokens for s in prefills]
+            starts = torch.tensor([s.start for s in prefills])
+            qmax = max(qlens)
+            kv_index, lmax = _slots([s.block_table for s in prefills], [s.start + s.num_tokens for s in prefills],
+                                    block_size, device)
+            qpos = starts[:, None] + torch.arange(qmax)[None, :]  # [Bp, Qmax] position of each padded query
+            mask = torch.arange(lmax)[None, None, :] <= qpos[:, :, None]
+            meta.prefill_kv_index, meta.prefill_kv_max, meta.prefill_q_max = kv_index, lmax, qmax
+            meta.prefill_mask = mask[:, None].to(device, non_blocking=True)
+            if len(prefills) > 1:
+                lens = torch.tensor(qlens)
+                first_row = torch.cumsum(lens, 0) - lens
+                i = torch.arange(qmax)[None, :]
+                # padded queries repeat the chunk's last row; their outputs are dropped
+                meta.prefill_q_index = (first_row[:, None] + torch.minimum(i, lens[:, None] - 1)).reshape(-1).to(device)
+                valid = (i < lens[:, None]).reshape(-1)
+                meta.prefill_out_index = torch.nonzero(valid).squeeze(1).to(device)
+
+    if decodes:
+        meta.num_decodes = len(decodes)
+        lengths = [s.start + 1 for s in decodes]
+        meta.decode_kv_index, meta.decode_kv_max = _slots([s.block_table for s in decodes], lengths, block_size, device)
+        if min(lengths) != meta.decode_kv_max:
+            mask = torch.arange(meta.decode_kv_max)[None, :] < torch.tensor(lengths)[:, None]
+            meta.decode_mask = mask[:, None, None, :].to(device, non_blocking=True)
+    return meta
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] for this step's tokens; caches [num_blocks, block_size, KVH, D] -> [T, H*D].
+
+    Writes this step's K/V into the cache first, then each token attends to its request's context.
+    """
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    k_flat = k_cache.view(-1, kvh, d)
+    v_flat = v_cache.view(-1, kvh, d)
+    k_flat.index_copy_(0, meta.slot_mapping, k)
+    v_flat.index_copy_(0, meta.slot_mapping, v)
+
+    tp = meta.num_prefill_tokens
+    outs = []
+    if meta.num_prefills:
+        if meta.prefill_fresh:
+            o = F.scaled_dot_product_attention(q[:tp].transpose(0, 1), k[:tp].transpose(0, 1), v[:tp].transpose(0, 1),
+                                               is_causal=True, scale=scale, enable_gqa=True)
+            outs.append(o.transpose(0, 1).reshape(tp, h * d))
+        else:
+            bp, qmax, lmax = meta.num_prefills, meta.prefill_q_max, meta.prefill_kv_max
+            qp = q[:tp] if meta.prefill_q_index is None else q.index_select(0, meta.prefill_q_index)
+            kc = k_flat.index_select(0, meta.prefill_kv_index).view(bp, lmax, kvh, d).transpose(1, 2)
+            vc = v_flat.index_select(0, meta.prefill_kv_index).view(bp, lmax, kvh, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qp.view(bp, qmax, h, d).transpose(1, 2), kc, vc,
+                                               attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
+            o = o.transpose(1, 2).reshape(bp * qmax, h * d)
+            outs.append(o if meta.prefill_out_index is None else o.index_select(0, meta.prefill_out_index))
+    if meta.num_decodes:
+        bd, lmax = meta.num_decodes, meta.decode_kv_max
+        group = h // kvh
+        kc = k_flat.index_select(0, meta.decode_kv_index).view(bd, lmax, kvh, d).transpose(1, 2)
+        vc = v_flat.index_select(0, meta.decode_kv_index).view(bd, lmax, kvh, d).transpose(1, 2)
+        # query heads h = kv_head * group + g, so [bd, H, D] is already [bd, kv_heads, group, D]
+        qd = q[tp:].reshape(bd, kvh, group, d)
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask, scale=scale)
+        outs.append(o.reshape(bd, h * d))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def dense_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Plain causal attention of one request's queries (positions start..) over its whole context k/v [L, KVH, D].
+
+    Used by the tests as the reference the paged path must match.
+    """
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    kk = k.repeat_interleave(group, 1).transpose(0, 1).float()  # [H, L, D]
+    vv = v.repeat_interleave(group, 1).transpose(0, 1).float()
+    scores = torch.matmul(q.transpose(0, 1).float(), kk.transpose(1, 2)) * scale  # [H, T, L]
+    pos = torch.arange(start, start + t)[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), vv).transpose(0, 1).reshape(t, h * d).to(q.dtype)

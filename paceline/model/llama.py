@@ -1,0 +1,173 @@
+"""Llama-family transformer (Llama, SmolLM2, Mistral, Qwen2) over a flat batch of tokens with a paged KV cache.
+
+Load-time choices that keep a step's op count low (batch-1 decode on CPU is bound by per-op overhead):
+- q/k/v are one matmul and gate/up are one matmul (weights concatenated once at load).
+- RoPE is one complex multiply: q and k rows are permuted within each head at load from Hugging Face's
+  half-split layout (pairs i, i + d/2) to interleaved pairs (2i, 2i + 1). q.k is unchanged by applying the
+  same permutation to both, so attention output is identical; only the cache's internal layout differs.
+- The rotation for each position comes from a table built once; a step indexes it by `positions` once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paceline.model.arch import ModelArch
+from paceline.model.attention import AttnMetadata, paged_attention
+
+
+def rope_inv_freq(arch: ModelArch) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the position scale, following the rope_scaling field of a HF config."""
+    d = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = arch.rope_scaling or {}
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(rs["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_len = float(rs.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are stretched by `factor`, short ones kept, the band between blended smoothly
+        smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
+        return torch.where(wavelen < old_len / high, inv_freq, out), 1.0
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; paceline supports default, linear and llama3")
+
+
+def rope_table(arch: ModelArch, max_positions: int, device) -> torch.Tensor:
+    """[max_positions, head_dim / 2] complex64 rotations e^{i * pos * inv_freq}, computed as HF does in fp32."""
+    inv_freq, _ = rope_inv_freq(arch)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.polar(torch.ones_like(freqs), freqs).to(device)
+
+
+def _interleave_perm(head_dim: int) -> torch.Tensor:
+    """Row order that turns half-split RoPE pairs (i, i + d/2) into adjacent pairs (2i, 2i + 1)."""
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+
+
+def _permute_heads(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    perm = _interleave_perm(head_dim)
+    return w.reshape(num_heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor]):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.eps = arch.rms_norm_eps
+        self.scale = arch.head_dim ** -0.5
+        self.register_buffer("qkv", w["qkv"])
+        self.register_buffer("qkv_bias", w.get("qkv_bias"))
+        self.register_buffer("o", w["o"])
+        self.register_buffer("gate_up", w["gate_up"])
+        self.register_buffer("down", w["down"])
+        self.register_buffer("input_norm", w["input_norm"])
+        self.register_buffer("post_norm", w["post_norm"])
+
+    def forward(self, h: torch.Tensor, rope: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        t = h.shape[0]
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.rms_norm(h, (h.shape[-1],), self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qk = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d // 2, 2)
+        if qk.dtype != torch.float32:
+            qk = qk.float()
+        qk = torch.view_as_real(torch.view_as_complex(qk) * rope).view(t, nh + nkv, d).to(h.dtype)
+        v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
+        attn = paged_attention(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)
+        h = h + F.linear(attn, self.o)
+        x = F.rms_norm(h, (h.shape[-1],), self.post_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate).mul_(up), self.down)
+
+
+class LlamaModel(nn.Module):
+    """Inference-only Llama-family model; weights are buffers built by `from_weights`."""
+
+    def __init__(self, arch: ModelArch, layers: list[dict[str, torch.Tensor]], embed: torch.Tensor, norm: torch.Tensor,
+                 lm_head: torch.Tensor | None, max_positions: int | None = None):
+        super().__init__()
+        self.arch = arch
+        self.layers = nn.ModuleList(LlamaLayer(arch, w) for w in layers)
+        self.register_buffer("embed", embed)
+        self.register_buffer("norm", norm)
+        self.register_buffer("lm_head_weight", lm_head)  # None when tied to the embedding
+        self.max_positions = max_positions or arch.max_position_embeddings
+        self.register_buffer("rope", rope_table(arch, self.max_positions, embed.device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @classmethod
+    def from_weights(cls, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> "LlamaModel":
+        """Build from Hugging Face-named tensors; a missing tensor is a ValueError naming it."""
+        rope_inv_freq(arch)  # reject unsupported rope scaling before any work
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return weights[name]
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        nh, nkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        if nh % nkv:
+            raise ValueError(f"num_heads ({nh}) must be a multiple of num_kv_heads ({nkv})")
+        layers = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            q = _permute_heads(get(p + "self_attn.q_proj.weight"), nh, d)
+            k = _permute_heads(get(p + "self_attn.k_proj.weight"), nkv, d)
+            w = {
+                "qkv": put(torch.cat([q, k, get(p + "self_attn.v_proj.weight")])),
+                "o": put(get(p + "self_attn.o_proj.weight")),
+                "gate_up": put(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                "down": put(get(p + "mlp.down_proj.weight")),
+                "input_norm": put(get(p + "input_layernorm.weight")),
+                "post_norm": put(get(p + "post_attention_layernorm.weight")),
+            }
+            if arch.attention_bias:
+                qb = _permute_heads(get(p + "self_attn.q_proj.bias"), nh, d)
+                kb = _permute_heads(get(p + "self_attn.k_proj.bias"), nkv, d)
+                w["qkv_bias"] = put(torch.cat([qb, kb, get(p + "self_attn.v_proj.bias")]))
+            layers.append(w)
+        embed = put(get("model.embed_tokens.weight"))
+        if arch.tie_word_embeddings or "lm_head.weight" not in weights:
+            if not arch.tie_word_embeddings:
+                raise ValueError("checkpoint is missing tensor 'lm_head.weight' (and embeddings are not tied)")
+            lm_head = None
+        else:
+            lm_head = put(weights["lm_head.weight"])
+        return cls(arch, layers, embed, put(get("model.norm.weight")), lm_head, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]; kv_cache [layers, 2, blocks, bs, kvh, d]."""
+        h = F.embedding(input_ids, self.embed)
+        rope = self.rope[positions].unsqueeze(1)  # [T, 1, d/2], shared by every layer
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
+        return F.rms_norm(h, (h.shape[-1],), self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] for the rows that need a sample, in float32."""
+        w = self.embed if self.lm_head_weight is None else self.lm_head_weight
+        return F.linear(hidden, w).float()

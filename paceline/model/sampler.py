@@ -1,0 +1,158 @@
+"""Batched sampling with per-request parameters.
+
+Order of processing for each row (as vLLM does): min_tokens masking of EOS/stop ids, repetition penalty
+(over prompt + output tokens), frequency and presence penalties (over output tokens), then greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> draw.
+
+Draws use the exponential race: argmax(p / q) with q ~ Exp(1) per vocabulary entry is a sample from p. A
+seeded request's q for output position i comes from a generator seeded with hash(seed, i), so the token
+depends only on (logits, params, seed, i): not on what else is in the batch, and not on whether the request
+was preempted and recomputed. Unseeded requests share one engine-wide generator.
+
+Logprobs are the model's raw log-softmax (before penalties, temperature and filtering), which is what vLLM
+returns by default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paceline.core.outputs import TokenLogprobs
+from paceline.sampling import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs of one request at this step."""
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None = None
+
+
+def seeded_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
+    # a fixed 64-bit mix (not Python's salted hash) so the stream is the same in every process
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & ((1 << 64) - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & ((1 << 63) - 1)
+    return torch.Generator(device=device).manual_seed(x)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [N, vocab] float32, one row per request -> sampled token ids, and logprobs where asked."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"got {logits.shape[0]} logit rows for {len(rows)} requests")
+        raw = logits
+        sps = [r.params for r in rows]
+        fast = all(sp.greedy and _no_penalties(sp) and _no_min_tokens_mask(r) for sp, r in zip(sps, rows))
+        if fast:
+            tokens = raw.argmax(dim=-1)
+        else:
+            logits = self._apply_penalties(logits.clone(), rows)
+            tokens = self._choose(logits, rows)
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw, tokens, rows)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        n, vocab = logits.shape
+        for i, r in enumerate(rows):
+            if not _no_min_tokens_mask(r):
+                banned = list(r.params.stop_token_ids) + ([r.eos_token_id] if r.eos_token_id is not None else [])
+                logits[i, [t for t in banned if 0 <= t < vocab]] = _NEG_INF
+        need = [i for i, r in enumerate(rows) if not _no_penalties(r.params)]
+        if not need:
+            return logits
+        dev = logits.device
+        sub = logits[need]
+        rep = torch.tensor([rows[i].params.repetition_penalty for i in need], device=dev)[:, None]
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in need], device=dev)[:, None]
+        pres = torch.tensor([rows[i].params.presence_penalty for i in need], device=dev)[:, None]
+        counts = torch.zeros(len(need), vocab, device=dev)
+        seen = torch.zeros(len(need), vocab, dtype=torch.bool, device=dev)
+        for j, i in enumerate(need):
+            out = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=dev)
+            counts[j].scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
+            seen[j, torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=dev)] = True
+        seen |= counts > 0
+        # repetition: shrink the logit of any seen token towards "less likely" whatever its sign
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+        logits[need] = sub
+        return logits
+
+    def _choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not rand:
+            return tokens
+        dev = logits.device
+        x = logits[rand]
+        temp = torch.tensor([rows[i].params.temperature for i in rand], device=dev)[:, None]
+        x = x / temp
+        top_k = [rows[i].params.top_k for i in rand]
+        top_p = [rows[i].params.top_p for i in rand]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            x = _top_k_top_p(x, top_k, top_p)
+        probs = torch.softmax(x, dim=-1)
+        min_p = [rows[i].params.min_p for i in rand]
+        if any(m > 0 for m in min_p):
+            mp = torch.tensor(min_p, device=dev)[:, None]
+            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+        q = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(rand) if rows[i].params.seed is None]
+        if unseeded:
+            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(generator=self.generator)
+        for j, i in enumerate(rand):
+            r = rows[i]
+            if r.params.seed is not None:
+                g = seeded_generator(r.params.seed, len(r.output_token_ids), dev)
+                q[j].exponential_(generator=g)
+        tokens[rand] = (probs / q).argmax(dim=-1)
+        return tokens
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[TokenLogprobs | None]:
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        result: list[TokenLogprobs | None] = [None] * len(rows)
+        if not want:
+            return result
+        lp = torch.log_softmax(raw[want], dim=-1)
+        chosen = lp.gather(1, tokens[want][:, None]).squeeze(1).tolist()
+        kmax = max(rows[i].params.logprobs for i in want)
+        top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(want):
+            k = rows[i].params.logprobs
+            result[i] = TokenLogprobs(logprob=chosen[j], top=list(zip(top_i[j][:k], top_v[j][:k])))
+        return result
+
+
+def _no_penalties(sp: SamplingParams) -> bool:
+    return sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
+
+
+def _no_min_tokens_mask(r: SampleRow) -> bool:
+    return len(r.output_token_ids) >= r.params.min_tokens
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Keep each row's top_k highest and the smallest set whose probability reaches top_p; -inf the rest."""
+    vocab = x.shape[1]
+    dev = x.device
+    sorted_x, idx = x.sort(dim=-1, descending=True)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=dev)[:, None]
+    drop = torch.arange(vocab, device=dev)[None, :] >= k
+    sorted_x = sorted_x.masked_fill(drop, _NEG_INF)
+    p = torch.tensor(top_p, device=dev)[:, None]
+    cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
+    # drop a token when the tokens before it already reach top_p; the first token always stays
+    drop = (cum - torch.softmax(sorted_x, dim=-1)) >= p
+    sorted_x = sorted_x.masked_fill(drop, _NEG_INF)
+    return torch.full_like(x, _NEG_INF).scatter(1, idx, sorted_x)
