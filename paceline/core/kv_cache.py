@@ -146,8 +146,7 @@ class KVCacheManager:
         rid = request.request_id
         table = self.tables.pop(rid, None)
         if table:
-            table.reverse()
-            self.pool.free(table)
+            self.pool.free(table[::-1])
         self.num_registered.pop(rid, None)
         host = self.host_tables.pop(rid, None)
         if host:

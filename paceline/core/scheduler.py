@@ -173,16 +173,16 @@ class Scheduler:
         finished. Returns the requests that got a token or finished, in schedule order."""
         changed = []
         sampled = result.token_ids
-        caching = self.kv.enable_prefix_caching
-        register = self.kv.register_computed
+        kv = self.kv
+        caching, registered, bs = kv.enable_prefix_caching, kv.num_registered, self.block_size
         for s in output.scheduled:
             request = s.request
             if request.status is not RUNNING:  # aborted or finished by the engine after schedule()
                 continue
             end = s.start + s.num_tokens
             request.num_computed_tokens = end
-            if caching:
-                register(request)
+            if caching and end // bs > registered.get(request.request_id, 0):
+                kv.register_computed(request)
             if end == len(request.token_ids):
                 token = sampled.get(request.request_id)
                 if token is None:
@@ -223,6 +223,10 @@ class Scheduler:
     def run_running(self, step: Step, request: Request, num_tokens: int) -> bool:
         """Schedule num_tokens of a running request, preempting others if its blocks do not fit.
         False when the request itself was preempted or could not be placed."""
+        table = self.kv.tables.get(request.request_id)
+        if table is not None and request.num_computed_tokens + num_tokens <= len(table) * self.block_size:
+            self.add_scheduled(step, request, num_tokens)  # fast path: most decodes fit their last block
+            return True
         allocate = self.kv.allocate
         while not allocate(request, num_tokens):
             victim = self.pick_victim(step)

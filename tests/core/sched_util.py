@@ -1,0 +1,120 @@
+"""Helpers shared by the scheduler tests: requests, a fake executor step, and the invariant checks."""
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+
+from paceline.config import CacheConfig, SchedulerConfig
+from paceline.core.outputs import SchedulerOutput, StepResult
+from paceline.core.scheduler import Scheduler
+from paceline.request import Request, RequestStatus
+from paceline.sampling import SamplingParams
+
+
+def make_request(rid: str | int, prompt: int | list[int], max_tokens: int = 8, arrival: float = 0.0,
+                 priority: int = 0, salt: str | None = None, base: int | None = None) -> Request:
+    """A request whose prompt is distinct per id unless given as a list."""
+    if isinstance(prompt, int):
+        start = (zlib.crc32(str(rid).encode()) % 100_000) * 1000 if base is None else base
+        prompt = list(range(start, start + prompt))
+    return Request(str(rid), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   arrival_time=arrival, priority=priority, cache_salt=salt)
+
+
+def make_scheduler(policy: str = "sarathi", budget: int = 64, max_seqs: int = 128, num_blocks: int = 1000,
+                   block_size: int = 16, host_blocks: int = 0, watermark: float = 0.0, caching: bool = True,
+                   **kw) -> Scheduler:
+    cfg = SchedulerConfig(policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_seqs, **kw)
+    cache = CacheConfig(block_size=block_size, watermark=watermark, enable_prefix_caching=caching)
+    return Scheduler(cfg, cache, num_blocks, host_blocks)
+
+
+def fake_result(out: SchedulerOutput, token: int = 7) -> StepResult:
+    return StepResult({s.request.request_id: token for s in out.scheduled if s.needs_sample})
+
+
+@dataclass
+class StepView:
+    """A step as it was scheduled (the output's properties change once update() appends tokens)."""
+    out: SchedulerOutput
+    changed: list[Request]
+    batch: list[tuple[str, int]]  # (request id, tokens), in schedule order
+    decodes: list[bool]
+    shape: tuple[int, int]  # (decode tokens, prefill tokens)
+
+    @property
+    def ids(self) -> list[str]:
+        return [rid for rid, _ in self.batch]
+
+
+def step(sched: Scheduler, now: float, token: int = 7, result: StepResult | None = None) -> StepView:
+    out = sched.schedule(now)
+    check_output(sched, out)
+    view = StepView(out, [], [(s.request.request_id, s.num_tokens) for s in out.scheduled],
+                    [s.is_decode for s in out.scheduled], (out.num_decode_tokens, out.num_prefill_tokens))
+    view.changed = sched.update(out, result or fake_result(out, token), now)
+    check_state(sched)
+    return view
+
+
+def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
+    """A step's output, checked before update(): limits, block coverage, starts."""
+    cfg = sched.config
+    assert len(out.scheduled) <= cfg.max_num_seqs
+    ids = [s.request.request_id for s in out.scheduled]
+    assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+    total = out.num_batched_tokens
+    prompts = [s.num_tokens for s in out.scheduled if not s.is_decode]
+    if cfg.policy == "sarathi":
+        assert total <= cfg.max_num_batched_tokens
+    elif cfg.policy == "vllm":
+        assert total <= cfg.max_num_batched_tokens or len(out.scheduled) == 1
+    else:  # one whole prompt may overflow the budget
+        assert total - max(prompts, default=0) <= cfg.max_num_batched_tokens
+    bs = sched.block_size
+    for s in out.scheduled:
+        r = s.request
+        assert r.status is RequestStatus.RUNNING
+        assert s.num_tokens >= 1
+        assert s.start == r.num_computed_tokens
+        assert s.start + s.num_tokens <= r.num_tokens
+        assert len(s.block_table) * bs >= s.start + s.num_tokens
+        assert s.block_table == sched.kv.tables[r.request_id]
+    if cfg.policy == "sarathi" and out.num_prefill_tokens:
+        # decodes first: when any prompt chunk runs, every running decode runs too
+        scheduled = set(ids)
+        for r in sched.running:
+            if r.is_decoding and r.request_id not in out.swapped_in_ids:
+                assert r.request_id in scheduled, f"decode {r.request_id} skipped while a prompt chunk ran"
+        kinds = [s.is_decode for s in out.scheduled if s.request.request_id not in out.swapped_in_ids]
+        assert kinds == sorted(kinds, reverse=True), "a decode scheduled after a prompt chunk"
+
+
+def check_state(sched: Scheduler) -> None:
+    """Block accounting and queue membership."""
+    kv, pool = sched.kv, sched.kv.pool
+    held = Counter(b for t in kv.tables.values() for b in t)
+    for t in kv.tables.values():
+        assert len(t) == len(set(t)), "a block twice in one table"
+    for b in range(pool.num_blocks):
+        assert pool.ref_counts[b] == held.get(b, 0), f"block {b}: ref {pool.ref_counts[b]} != {held.get(b, 0)} tables"
+    free = {b for b in range(pool.num_blocks) if pool.ref_counts[b] == 0}
+    assert set(pool.free_queue) == free and len(pool.free_queue) == len(free)
+    for h, b in pool.cached.items():
+        assert pool.block_hashes[b] == h
+    host = Counter(b for t in kv.host_tables.values() for b in t)
+    host.update(kv.host.free_list)
+    host.update(kv._host_to_release)
+    assert sorted(host) == list(range(kv.host.num_blocks)) and all(c == 1 for c in host.values())
+
+    running = {r.request_id for r in sched.running}
+    assert len(running) == len(sched.running) <= sched.config.max_num_seqs
+    assert all(r.status is RequestStatus.RUNNING for r in sched.running)
+    assert set(kv.tables) <= running
+    assert set(kv.host_tables) == {r.request_id for r in sched.swapped}
+    assert all(r.status is RequestStatus.WAITING for r in sched.waiting)
+    assert all(r.status is RequestStatus.SWAPPED for r in sched.swapped)
+    assert len(running) + len(sched.waiting) + len(sched.swapped) == len(sched.requests)
+    for r in sched.waiting:
+        assert r.num_computed_tokens == 0 and r.request_id not in kv.tables
