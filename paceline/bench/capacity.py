@@ -1,0 +1,123 @@
+"""Capacity under an SLO: the highest request rate at which p99 TBT <= the TBT SLO and the median scheduling delay
+(median TTFT when the server does not expose scheduling) <= 2 s, found by a bounded bisection on the rate.
+
+SLOs are given in ms, or as `strict` (5x) / `relaxed` (25x) the median decode-only step time at batch 16,
+measured once at the start of a run (`calibrate_decode_step`) and then held fixed for every system.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from paceline.bench.client import Endpoint, run
+from paceline.bench.metrics import all_decoding_gaps
+from paceline.bench.prompts import PromptSource
+from paceline.bench.workload import RequestSpec
+
+SLO_FACTORS = {"strict": 5.0, "relaxed": 25.0}
+MAX_DELAY_S = 2.0
+
+
+def parse_slo(value: str, decode_step_s: float | None) -> tuple[str, float]:
+    """'strict' | 'relaxed' | a number of ms -> (name, seconds)."""
+    if value in SLO_FACTORS:
+        if decode_step_s is None:
+            raise ValueError(f"a {value} SLO needs the decode step measured first")
+        return value, SLO_FACTORS[value] * decode_step_s
+    try:
+        ms = float(value)
+    except ValueError:
+        raise ValueError(f"an SLO is strict, relaxed or a number of ms, got {value!r}") from None
+    if ms <= 0:
+        raise ValueError(f"an SLO must be > 0 ms, got {ms}")
+    return f"{ms:g}ms", ms / 1e3
+
+
+def calibrate_decode_step(ep: Endpoint, source: PromptSource, *, batch: int = 16, prompt_tokens: int = 16,
+                          output_tokens: int = 96, seed: int = 0, progress: bool = False) -> float:
+    """Median gap while all `batch` requests are decoding: `batch` short prompts sent at once, long outputs."""
+    requests = [RequestSpec(i, 0.0, prompt_tokens, output_tokens) for i in range(batch)]
+    rng = np.random.default_rng([seed, 99])
+    ids = [source.token_ids(prompt_tokens, rng) for _ in requests]
+    prompts = [source.text(p) for p in ids] if ep.prompt_format == "text" else ids
+    result = run(ep, requests, prompts, progress=progress, scrape_interval=None, label="calibrating")
+    failed = [r.error for r in result.records if not r.ok]
+    if failed:
+        raise RuntimeError(f"calibration failed: {failed[0]}")
+    gaps = all_decoding_gaps(result.records)
+    gaps = [g for g in gaps if g > 0]  # tokens that shared a chunk are not steps
+    if len(gaps) < 4:
+        raise RuntimeError("calibration saw too few gaps with every request decoding; raise output_tokens")
+    return float(np.median(gaps))
+
+
+@dataclass
+class Verdict:
+    rate: float
+    passed: bool
+    p99_tbt_s: float | None
+    delay_s: float | None  # median scheduling delay, or median TTFT
+    delay_source: str  # "scheduling" | "ttft"
+    failed_requests: int
+
+
+def judge(rate: float, summary: dict, tbt_slo_s: float, max_delay_s: float = MAX_DELAY_S) -> Verdict:
+    """Does one probe's summary meet the SLO? Any failed request fails the probe (overload shows as timeouts)."""
+    tbt = summary.get("tbt") or {}
+    sched = summary.get("scheduling_delay")
+    if sched and sched.get("p50") is not None:
+        delay, source = sched["p50"], "scheduling"
+    else:
+        delay, source = (summary.get("ttft") or {}).get("p50"), "ttft"
+    p99 = tbt.get("p99")
+    ok = (summary.get("failed", 0) == 0 and p99 is not None and p99 <= tbt_slo_s
+          and delay is not None and delay <= max_delay_s)
+    return Verdict(rate, ok, p99, delay, source, summary.get("failed", 0))
+
+
+@dataclass
+class CapacityResult:
+    slo_name: str
+    tbt_slo_s: float
+    capacity: float  # req/s; 0 when even the lowest probe failed
+    verdicts: list[Verdict] = field(default_factory=list)
+
+
+def search_capacity(probe: Callable[[float], dict], tbt_slo_s: float, *, start_rate: float, max_probes: int = 8,
+                    rel_tol: float = 0.1, min_rate: float = 0.01, max_delay_s: float = MAX_DELAY_S,
+                    slo_name: str = "", cache: dict[float, dict] | None = None) -> CapacityResult:
+    """Double (or halve) from start_rate until the SLO flips, then bisect until the bracket is within rel_tol.
+    `probe(rate)` returns a summary (metrics.summarize, plus scheduling_delay); `cache` maps rate -> summary so
+    several SLOs can share probes. Assumes latency grows with the rate."""
+    if start_rate <= 0:
+        raise ValueError(f"start_rate must be > 0, got {start_rate}")
+    cache = {} if cache is None else cache
+    lo: float | None = None  # highest rate that passed
+    hi: float | None = None  # lowest rate that failed
+    rate = start_rate
+    verdicts: list[Verdict] = []
+    fresh = 0
+    while fresh < max_probes:
+        key = round(rate, 6)
+        if key not in cache:
+            cache[key] = probe(rate)
+            fresh += 1
+        v = judge(rate, cache[key], tbt_slo_s, max_delay_s)
+        verdicts.append(v)
+        if v.passed:
+            lo = rate
+        else:
+            hi = rate
+        if lo is not None and hi is not None:
+            if hi - lo <= rel_tol * hi:
+                break
+            rate = (lo + hi) / 2
+        elif lo is None:
+            rate /= 2
+            if rate < min_rate:
+                break
+        else:
+            rate *= 2
+    return CapacityResult(slo_name, tbt_slo_s, lo or 0.0, verdicts)

@@ -1,0 +1,233 @@
+"""Side by side: start each system, run the same workload at the same rates, search capacity under the SLOs, stop it;
+one table and one set of plots for all. Also `paceline bench capacity` against one running server."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+from paceline.bench import plots
+from paceline.bench.capacity import CapacityResult, calibrate_decode_step, parse_slo, search_capacity
+from paceline.bench.client import Endpoint, run
+from paceline.bench.prompts import PromptSource, cached_prompts, bundled_gguf, load_tokenizer
+from paceline.bench.report import environment, markdown_table, run_dict, runs_table, write_json
+from paceline.bench.workload import RequestSpec, WorkloadSpec, generate, load_workload
+
+ALL_SYSTEMS = ("paceline-sarathi", "paceline-vllm", "paceline-orca", "paceline-static", "llama-server-np8",
+               "llama-server-np32", "transformers-cb")
+
+
+def _csv(s: str | None, cast=str) -> list:
+    return [cast(x) for x in s.split(",") if x.strip()] if s else []
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="chat", help="chat | long-prompt | bursty-priority | a YAML path | a trace CSV")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None, help="default: the model's (the bundled GGUF)")
+    p.add_argument("--slo", default="strict,relaxed", help="comma list of TBT SLOs: strict, relaxed, or ms numbers")
+    p.add_argument("--decode-step-ms", type=float, default=None,
+                   help="skip calibration: the median decode step at batch 16 that strict/relaxed scale")
+    p.add_argument("--probe-requests", type=int, default=24, help="requests per capacity probe")
+    p.add_argument("--max-probes", type=int, default=6, help="probes per system and SLO (shared probes are free)")
+    p.add_argument("--start-rate", type=float, default=0.5, help="first rate the capacity search tries")
+    p.add_argument("--probe-timeout", type=float, default=90.0, help="s after the last arrival before a probe fails")
+    p.add_argument("--output-dir", default=None)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    add_common_args(p)
+    p.add_argument("--model", default=None, help="GGUF every system serves (default: the bundled SmolLM2-135M)")
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list of {', '.join(ALL_SYSTEMS)}")
+    p.add_argument("--sarathi-budgets", default="256,1024", help="token budgets of the paceline-sarathi runs")
+    p.add_argument("--budget", type=int, default=1024,
+                   help="token budget of the other paceline schedulers, llama-server -b/-ub, transformers cb")
+    p.add_argument("--rates", default="", help="comma list of fixed rates every system runs (besides capacity)")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per fixed-rate run")
+    p.add_argument("--no-capacity", action="store_true", help="only the fixed-rate runs")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads each server may use")
+    p.set_defaults(func=cmd_compare)
+
+
+def add_capacity_args(p: argparse.ArgumentParser) -> None:
+    add_common_args(p)
+    p.add_argument("--url", required=True)
+    p.add_argument("--label", default=None)
+    p.add_argument("--prompt-format", choices=("ids", "text"), default="ids")
+    p.add_argument("--no-priority", action="store_true")
+    p.set_defaults(func=cmd_capacity)
+
+
+class Bench:
+    """The fixed parts of one comparison: workload, prompts, SLOs, and every run so far."""
+
+    def __init__(self, args: argparse.Namespace, spec: WorkloadSpec, source: PromptSource):
+        self.args = args
+        self.spec = spec
+        self.source = source
+        # lengths, priorities and prompts do not depend on the rate: generate at rate 1, rescale arrivals
+        n = max(args.probe_requests, getattr(args, "num_requests", 0) or 0)
+        self.base = generate(spec, rate=1.0, num_requests=n, seed=args.seed)
+        self.prompt_cache: dict[tuple[str, int], list[int] | str] = {}
+        self.runs: list[dict] = []
+        self.decode_step_s: float | None = args.decode_step_ms / 1e3 if args.decode_step_ms else None
+        self.slos: list[tuple[str, float]] = []
+        self.capacities: list[dict] = []
+
+    def requests(self, rate: float, n: int) -> list[RequestSpec]:
+        return [dataclasses.replace(r, arrival_s=r.arrival_s / rate) for r in self.base[:n]]
+
+    def prompts(self, requests: list[RequestSpec], fmt: str) -> list[list[int] | str]:
+        return cached_prompts(self.source, requests, self.args.seed, fmt == "text", self.prompt_cache)
+
+    def set_slos(self, ep: Endpoint | None) -> None:
+        names = _csv(self.args.slo)
+        if self.decode_step_s is None and any(n in ("strict", "relaxed") for n in names) and ep is not None:
+            self.decode_step_s = calibrate_decode_step(ep, self.source, seed=self.args.seed,
+                                                       progress=not self.args.no_progress)
+            print(f"median decode step at batch 16: {self.decode_step_s * 1e3:.1f} ms")
+        self.slos = [parse_slo(n, self.decode_step_s) for n in names]
+
+    def run_at(self, system: str, ep: Endpoint, rate: float, n: int, probe: bool) -> dict:
+        reqs = self.requests(rate, n)
+        deadline = reqs[-1].arrival_s + self.args.probe_timeout
+        result = run(ep, reqs, self.prompts(reqs, ep.prompt_format), progress=not self.args.no_progress,
+                     deadline_s=deadline, label=f"{system} @ {rate:.2f}/s")
+        strict = self.slos[0][1] if self.slos else None
+        stall = 5 * self.decode_step_s if self.decode_step_s else None
+        r = run_dict(system, self.spec.name, rate, result, tbt_slo=strict, stall_threshold_s=stall,
+                     extra={"probe": probe})
+        self.runs.append(r)
+        s = r["summary"]
+        print(f"  {system} @ {rate:.3f} req/s: {s['completed']}/{s['num_requests']} done, "
+              f"p99 TBT {((s['tbt'] or {}).get('p99') or 0) * 1e3:.0f} ms, "
+              f"median TTFT {((s['ttft'] or {}).get('p50') or 0):.2f} s")
+        return r
+
+    def capacity(self, system: str, ep: Endpoint) -> list[CapacityResult]:
+        cache: dict[float, dict] = {}
+        out = []
+        for name, slo_s in self.slos:
+            res = search_capacity(lambda rate: self.run_at(system, ep, rate, self.args.probe_requests, True)["summary"],
+                                  slo_s, start_rate=self.args.start_rate, max_probes=self.args.max_probes,
+                                  slo_name=name, cache=cache)
+            out.append(res)
+            self.capacities.append({"system": system, "slo": name, "tbt_slo_s": slo_s, "capacity": res.capacity,
+                                    "verdicts": [dataclasses.asdict(v) for v in res.verdicts]})
+            print(f"  {system}: capacity under the {name} SLO ({slo_s * 1e3:.0f} ms) = {res.capacity:.3f} req/s")
+        return out
+
+    def skip(self, system: str, reason: str) -> None:
+        print(f"  {system}: skipped: {reason}")
+        self.runs.append({"system": system, "workload": self.spec.name, "rate": None, "skipped": reason, "summary": {}})
+        for name, slo_s in self.slos or [(n, None) for n in _csv(self.args.slo)]:
+            self.capacities.append({"system": system, "slo": name, "tbt_slo_s": slo_s, "capacity": None,
+                                    "skipped": reason})
+
+    def write(self, out: Path, command: str) -> str:
+        env = environment()
+        payload = {"environment": env, "command": command, "workload": dataclasses.asdict(self.spec),
+                   "decode_step_s": self.decode_step_s, "slos": self.slos, "capacities": self.capacities,
+                   "runs": self.runs}
+        write_json(out / "results.json", payload)
+        md = [f"Workload `{self.spec.name}`, {time.strftime('%Y-%m-%d')}, {env['cpu']} ({env['cpus']} CPUs), "
+              f"commit {env['commit']}{' (dirty)' if env['dirty'] else ''}. Command: `{command}`"]
+        if self.decode_step_s:
+            md.append(f"Median decode-only step at batch 16: {self.decode_step_s * 1e3:.1f} ms; SLOs: "
+                      + ", ".join(f"{n} = {s * 1e3:.0f} ms" for n, s in self.slos))
+        if self.capacities:
+            md.append(capacity_table(self.capacities))
+        fixed = [r for r in self.runs if not r.get("probe")]
+        if fixed:
+            md.append(runs_table(fixed))
+        text = "\n\n".join(md) + "\n"
+        (out / "results.md").write_text(text)
+        plots.all_plots([r for r in self.runs if not r.get("skipped")], out, self.slos[0][1] if self.slos else None)
+        return text
+
+
+def capacity_table(caps: list[dict]) -> str:
+    slos = list(dict.fromkeys(c["slo"] for c in caps))
+    systems = list(dict.fromkeys(c["system"] for c in caps))
+    by = {(c["system"], c["slo"]): c for c in caps}
+    header = ["system"] + [f"capacity, {s} SLO (req/s)" for s in slos]
+    rows = []
+    for sys_name in systems:
+        row = [sys_name]
+        for s in slos:
+            c = by.get((sys_name, s))
+            if c is None:
+                row.append("–")
+            elif c.get("skipped"):
+                row.append(f"skipped: {c['skipped']}")
+            else:
+                probes = len({v['rate'] for v in c["verdicts"]})
+                row.append(f"{c['capacity']:.3f} ({probes} rates tried)")
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
+def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
+    from paceline.bench.peers import llama_server_system, paceline_system, transformers_system
+    longest = max(r.prompt_tokens + r.output_tokens for r in generate(spec, rate=1.0, num_requests=500, seed=args.seed))
+    ctx_per_slot = (longest // 256 + 2) * 256
+    out = []
+    for name in _csv(args.systems):
+        if name == "paceline-sarathi":
+            out += [paceline_system("sarathi", b, model, args.threads) for b in _csv(args.sarathi_budgets, int)]
+        elif name.startswith("paceline-"):
+            out.append(paceline_system(name.split("-", 1)[1], args.budget, model, args.threads))
+        elif name.startswith("llama-server-np"):
+            out.append(llama_server_system(int(name.removeprefix("llama-server-np")), args.budget, model,
+                                           ctx_per_slot, args.threads))
+        elif name == "transformers-cb":
+            out.append(transformers_system(model, args.budget))
+        else:
+            raise ValueError(f"unknown system {name!r}; choose from {', '.join(ALL_SYSTEMS)}")
+    return out
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from paceline.bench.cli import output_dir
+    from paceline.bench.peers import Server
+    model = args.model or bundled_gguf()
+    spec = load_workload(args.workload)
+    bench = Bench(args, spec, PromptSource(load_tokenizer(args.tokenizer or model)))
+    out = output_dir(args.output_dir, spec.name)
+    rates = _csv(args.rates, float)
+    command = "paceline bench compare " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                                    if v not in (None, False) and k not in ("func", "command", "bench_command"))
+    for system in systems_for(args, spec, model):
+        print(f"== {system.name}")
+        if system.skip:
+            bench.skip(system.name, system.skip)
+            continue
+        try:
+            with Server(system, out / "logs" / f"{system.name}.log") as srv:
+                ep = system.endpoint(srv.url)
+                if not bench.slos:
+                    bench.set_slos(ep)
+                for rate in rates:
+                    bench.run_at(system.name, ep, rate, args.num_requests, probe=False)
+                if not args.no_capacity:
+                    bench.capacity(system.name, ep)
+        except RuntimeError as e:  # failed to start, or calibration failed: report, go on with the next
+            bench.skip(system.name, str(e)[:300])
+        bench.write(out, command)  # after every system, so a long run leaves results behind
+    print(bench.write(out, command))
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from paceline.bench.cli import output_dir
+    spec = load_workload(args.workload)
+    bench = Bench(args, spec, PromptSource(load_tokenizer(args.tokenizer)))
+    ep = Endpoint(args.url, prompt_format=args.prompt_format, send_priority=not args.no_priority)
+    bench.set_slos(ep)
+    bench.capacity(args.label or ep.url, ep)
+    out = output_dir(args.output_dir, spec.name)
+    print(bench.write(out, "paceline bench capacity " + args.url))
+    return 0

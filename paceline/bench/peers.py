@@ -1,0 +1,179 @@
+"""The systems a comparison starts: paceline with each scheduler, llama.cpp's llama-server, `transformers serve`.
+
+Each is a `System`: a command line with a `{port}` placeholder, how to talk to it, and, when it cannot run on
+this machine, the reason (reported as "skipped: <reason>", never dropped). `Server` starts one on 127.0.0.1 on a
+free port, waits for it to answer, and stops it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from paceline.bench.client import Endpoint
+
+PEERS_DIR = Path(os.environ.get("PACELINE_PEERS_DIR") or Path.home() / ".cache" / "paceline" / "peers")
+PACELINE_SCHEDULERS = ("sarathi", "vllm", "orca", "static")
+
+
+@dataclass
+class System:
+    name: str
+    argv: list[str]  # "{port}" is replaced by the port
+    prompt_format: str = "ids"
+    send_priority: bool = True
+    api: str = "completions"
+    skip: str | None = None  # why it cannot run here
+    startup_timeout_s: float = 180.0
+    env: dict[str, str] = field(default_factory=dict)
+    is_paceline: bool = False
+
+    def endpoint(self, url: str) -> Endpoint:
+        return Endpoint(url, api=self.api, prompt_format=self.prompt_format, send_priority=self.send_priority)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bin(name: str) -> str | None:
+    """A console script next to this Python first (the venv's), then on PATH."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+def paceline_system(scheduler: str, budget: int, model: str, threads: int | None = None,
+                    extra: list[str] | None = None) -> System:
+    exe = _bin("paceline")
+    argv = [exe] if exe else [sys.executable, "-m", "paceline.entrypoints.cli"]
+    argv += ["--log-level", "WARNING", "serve", "--model", model, "--host", "127.0.0.1", "--port", "{port}",
+             "--scheduler", scheduler, "--max-num-batched-tokens", str(budget), *(extra or [])]
+    env = {"OMP_NUM_THREADS": str(threads), "PACELINE_NUM_THREADS": str(threads)} if threads else {}
+    name = f"paceline-{scheduler}-{budget}" if scheduler == "sarathi" else f"paceline-{scheduler}"
+    return System(name, argv, is_paceline=True, env=env)
+
+
+def find_llama_server() -> str | None:
+    """$PACELINE_LLAMA_SERVER, else the newest build under the peers cache, else llama-server on PATH."""
+    env = os.environ.get("PACELINE_LLAMA_SERVER")
+    if env:
+        return env if Path(env).exists() else None
+    builds = sorted(PEERS_DIR.glob("llama-server-*/llama-server"), key=lambda p: p.stat().st_mtime)
+    return str(builds[-1]) if builds else shutil.which("llama-server")
+
+
+def llama_server_system(slots: int, budget: int, model: str, ctx_per_slot: int, threads: int | None = None) -> System:
+    exe = find_llama_server()
+    name = f"llama-server-np{slots}"
+    if exe is None:
+        return System(name, [], skip="no llama-server binary (build it with benchmarks/build_llama_server.sh)")
+    # -kvu: one KV pool shared by all slots, so a slot may hold a long prompt without reserving ctx for every slot
+    argv = [exe, "-m", model, "--host", "127.0.0.1", "--port", "{port}", "-np", str(slots), "-cb",
+            "-b", str(budget), "-ub", str(budget), "-c", str(ctx_per_slot * slots), "-kvu", "--no-webui",
+            "--log-disable"]
+    if threads:
+        argv += ["-t", str(threads), "-tb", str(threads)]
+    # llama-server reads `ignore_eos`, but rejects nothing it does not know; token-id prompts are exact
+    return System(name, argv, send_priority=False)
+
+
+def transformers_system(model: str, budget: int) -> System:
+    """`transformers serve --continuous-batching` on the same weights (the HF folder paceline converts the GGUF to)."""
+    exe = _bin("transformers")
+    name = "transformers-cb"
+    if exe is None:
+        return System(name, [], skip="the transformers CLI is not installed")
+    try:
+        folder = hf_folder(model)
+    except Exception as e:  # the loader is another module's; any failure means this peer cannot run
+        return System(name, [], skip=f"cannot write a Hugging Face folder for {model}: {e}")
+    argv = [exe, "serve", str(folder), "--continuous-batching", "--host", "127.0.0.1", "--port", "{port}",
+            "--device", "cpu", "--dtype", "float32", "--cb-max-batch-tokens", str(budget)]
+    return System(name, argv, prompt_format="text", send_priority=False, startup_timeout_s=300.0)
+
+
+def hf_folder(model: str) -> Path:
+    """A Hugging Face folder with the model's weights: the model itself, or paceline's converted-GGUF cache."""
+    p = Path(model)
+    if p.is_dir():
+        return p
+    from paceline.model.loader import cache_root, gguf_cache_key, load_checkpoint
+    folder = cache_root() / f"gguf-{gguf_cache_key(p)}"
+    if not folder.is_dir():
+        load_checkpoint(str(p))  # converts and caches
+    if not folder.is_dir():
+        raise ValueError(f"the converted copy did not appear at {folder}")
+    return folder
+
+
+class Server:
+    """One system running on 127.0.0.1; use as a context manager. Its output goes to log_path."""
+
+    def __init__(self, system: System, log_path: Path):
+        self.system = system
+        self.log_path = log_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Server":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = [a.replace("{port}", str(self.port)) for a in self.system.argv]
+        self._log = open(self.log_path, "w")
+        self._log.write("$ " + " ".join(argv) + "\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.system.env},
+                                     start_new_session=True)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.system.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.system.name} exited with code {self.proc.returncode} at startup; "
+                                   f"last log lines: {self.tail()}")
+            for path in ("/health", "/v1/models"):
+                try:
+                    if httpx.get(self.url + path, timeout=2.0).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.system.name} did not answer within {self.system.startup_timeout_s:.0f} s")
+
+    def tail(self, n: int = 5) -> str:
+        try:
+            return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the server and its children only
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

