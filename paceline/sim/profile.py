@@ -1,0 +1,129 @@
+"""`paceline profile`: time the real executor over a grid of batch shapes and fit ProfiledCostModel.
+
+The batches are built by hand (requests with fake token ids, block tables of distinct blocks) and run
+through the same ModelRunner.execute the engine calls, so the profile sees exactly the kernels a server
+step runs. The KV contents are garbage, which costs the same as real keys and values.
+"""
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+from paceline.core.outputs import ScheduledRequest, SchedulerOutput
+from paceline.request import Request
+from paceline.sampling import SamplingParams
+from paceline.sim.cost_model import BatchShape, ProfiledCostModel, batch_shape
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class GridPoint:
+    chunks: list[tuple[int, int, bool]]  # (start, tokens, samples) of each prompt chunk
+    decode_contexts: list[int]
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(s + c for s, c, _ in self.chunks) + sum(self.decode_contexts)
+
+
+def grid(quick: bool = False, max_kv_tokens: int = 12288) -> list[GridPoint]:
+    """Decode-only, prompt-only and mixed batches spanning what a CPU server runs; chunks that end their
+    prompt (sampled) and chunks that do not, so the fit can tell the LM-head cost from the per-request one."""
+    if quick:
+        batches, contexts, chunk_sizes, starts = (1, 4, 16, 32), (128, 1024), (32, 128, 512), (0, 1024)
+    else:
+        batches, contexts, chunk_sizes, starts = (1, 2, 4, 8, 16, 32, 64), (64, 256, 1024, 2048), (16, 64, 128, 256, 512, 1024), (0, 512, 1536)
+    pts: list[GridPoint] = []
+    for b in batches:
+        for ctx in contexts:
+            pts.append(GridPoint([], [ctx] * b))
+    for i, c in enumerate(chunk_sizes):
+        for j, s in enumerate(starts):
+            pts.append(GridPoint([(s, c, (i + j) % 2 == 0)], []))
+    for b in batches[1:4]:
+        for c in chunk_sizes[-3:]:
+            pts.append(GridPoint([(256, c, True)], [512] * b))
+    pts.append(GridPoint([(0, 128, True), (512, 256, False), (0, 64, True)], [300] * 8))
+    return [p for p in pts if p.kv_tokens <= max_kv_tokens]
+
+
+def build_output(point: GridPoint, vocab_size: int, first_block: int = 0) -> SchedulerOutput:
+    sp = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    out = SchedulerOutput()
+    block = first_block
+    for i, (start, c, samples) in enumerate(point.chunks):
+        n_prompt = start + c if samples else start + c + 1
+        r = Request(f"p{i}", [(7 * k + i) % vocab_size for k in range(n_prompt)], sp, 0.0)
+        r.num_computed_tokens = start
+        nb = -(-(start + c) // BLOCK_SIZE)
+        out.scheduled.append(ScheduledRequest(r, start, c, list(range(block, block + nb))))
+        block += nb
+    for i, ctx in enumerate(point.decode_contexts):
+        r = Request(f"d{i}", [(3 * k + i) % vocab_size for k in range(ctx - 1)], sp, 0.0)
+        r.token_ids.append(1)
+        r.num_computed_tokens = ctx - 1
+        nb = -(-ctx // BLOCK_SIZE)
+        out.scheduled.append(ScheduledRequest(r, ctx - 1, 1, list(range(block, block + nb))))
+        block += nb
+    return out
+
+
+def run_profile(out_path: str, model: str | None = None, dtype: str = "float32", quick: bool = False,
+                threads: int = 2, repeats: int = 3, max_kv_tokens: int = 12288) -> ProfiledCostModel:
+    import torch
+
+    from paceline.engine.engine import DTYPES, resolve_device
+    from paceline.engine.runner import ModelRunner
+    from paceline.model.llama import LlamaModel
+    from paceline.model.loader import load_checkpoint
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    torch.set_num_threads(threads)
+    device = resolve_device("auto")
+    torch_dtype = DTYPES[dtype]
+    ckpt = load_checkpoint(model, dtype)
+    arch = ckpt.arch
+    net = LlamaModel.from_weights(arch, ckpt.weights, device=device, dtype=torch_dtype)
+    num_blocks = max_kv_tokens // BLOCK_SIZE + 64
+    runner = ModelRunner(net, arch, num_blocks, BLOCK_SIZE, num_host_blocks=0, device=device, dtype=torch_dtype, seed=0)
+
+    shapes: list[BatchShape] = []
+    times: list[float] = []
+    points = grid(quick, max_kv_tokens)
+    runner.execute(build_output(points[0], arch.vocab_size))  # warm-up: first-call allocations
+    for p in points:
+        sched = build_output(p, arch.vocab_size)
+        samples = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            runner.execute(sched)
+            samples.append(time.perf_counter() - t0)
+        shapes.append(batch_shape(sched))
+        times.append(statistics.median(samples[1:]))  # the first run of a shape warms its buffers
+
+    bytes_per_token = ModelRunner.bytes_per_block(arch, BLOCK_SIZE, torch_dtype) / BLOCK_SIZE
+    meta = {"machine": platform.processor() or platform.machine(), "device": str(device), "threads": threads,
+            "model": model or "bundled SmolLM2-135M-Instruct", "dtype": dtype, "kv_bytes_per_token": bytes_per_token,
+            "quick": quick, "grid": [[p.chunks, p.decode_contexts] for p in points], "times_s": times}
+    fitted = ProfiledCostModel.fit(shapes, times, meta)
+    fitted.swap_s_per_block = _swap_time_per_block(bytes_per_token * BLOCK_SIZE)
+    fitted.save(out_path)
+    return fitted
+
+
+def _swap_time_per_block(block_bytes: float) -> float:
+    """A swap is a memory copy of whole blocks; on CPU, host memory to host memory."""
+    import torch
+
+    n = 64
+    src = torch.empty(int(block_bytes * n) // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return (time.perf_counter() - t0) / 5 / n
