@@ -175,22 +175,22 @@ class Engine:
     def _delta(self, request: Request) -> RequestOutput:
         state = self._text[request.request_id]
         new_ids = request.token_ids[request.num_prompt_tokens + state.num_emitted_tokens:]
-        new_text = ""
-        stopped_by_token = request.finish_reason == "stop" and request.stop_reason != "str" and not isinstance(
-            request.stop_reason, str)
-        for i, tok in enumerate(new_ids):
-            # a stop token id or EOS ends the text without being shown, as OpenAI servers do
-            if stopped_by_token and i == len(new_ids) - 1 and not request.sampling_params.include_stop_str_in_output:
-                break
-            piece, stop = state.matcher.feed(state.detok.add(tok))
-            new_text += piece
-            if stop is not None:
-                self.scheduler.finish_request(request.request_id, "stop", time.monotonic())
-                request.stop_reason = stop
-                break
-        if request.is_finished:
-            new_text += state.matcher.flush()
         state.num_emitted_tokens += len(new_ids)
+        # a stop token or EOS ends the text without being shown, as OpenAI servers do
+        shown = new_ids
+        if request.finish_reason == "stop" and not request.sampling_params.include_stop_str_in_output:
+            shown = new_ids[:-1]
+        new_text = ""
+        for tok in shown:
+            piece, stopped, stop_str = state.matcher.feed(state.detok.add(tok))
+            new_text += piece
+            if stopped:
+                self.scheduler.finish_request(request.request_id, "stop", time.monotonic())
+                request.stop_reason = stop_str
+                break
+        else:
+            if request.is_finished:  # release what was held back as a possible stop string
+                new_text += state.matcher.feed(state.detok.flush())[0] + state.matcher.flush()
         state.text += new_text
         logprobs, state.pending_logprobs = state.pending_logprobs, []
         if request.is_finished:
