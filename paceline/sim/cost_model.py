@@ -59,12 +59,24 @@ class BatchShape:
 
 def batch_shape(output: SchedulerOutput) -> BatchShape:
     s = BatchShape(num_swapped_blocks=len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out))
+    # inlined: this runs once per simulated step
+    decodes = decode_ctx = chunks = prefill = sampled = kv = 0
+    pairs = 0.0
     for item in output.scheduled:
-        sampled = item.needs_sample
-        if item.num_tokens == 1 and sampled and item.request.num_output_tokens > 0:
-            s.add_decode(item.start + 1)
-        else:
-            s.add_chunk(item.start, item.num_tokens, sampled)
+        req, start, c = item.request, item.start, item.num_tokens
+        n = len(req.token_ids)
+        if start + c == n:
+            sampled += 1
+            if c == 1 and n > len(req.prompt_token_ids):
+                decodes += 1
+                decode_ctx += n
+                continue
+        chunks += 1
+        prefill += c
+        pairs += c * start + c * (c + 1) / 2
+        kv += start + c
+    s.num_decodes, s.decode_context, s.num_prefill_tokens = decodes, decode_ctx, prefill
+    s.num_requests, s.num_sampled, s.prefill_attn_pairs, s.prefill_kv_tokens = decodes + chunks, sampled, pairs, kv
     return s
 
 

@@ -139,9 +139,10 @@ class Simulator:
                     self._idle_with_work(rep, now, heap, seq)
                     seq += 1
                     continue
-                d = cost(batch_shape(out))
+                shape = batch_shape(out)
+                d = cost(shape)
                 rep.busy, rep.in_flight, rep.in_flight_duration = True, out, d
-                steps.append(StepRecord(rep.index, now, d, out.num_decode_tokens, out.num_prefill_tokens, len(out.scheduled)))
+                steps.append(StepRecord(rep.index, now, d, shape.num_decodes, shape.num_prefill_tokens, shape.num_requests))
                 heapq.heappush(heap, (now + d, STEP_DONE, seq, rep.index))
                 seq += 1
         stuck = [rep.index for rep in self.replicas if rep.scheduler.has_unfinished()]
