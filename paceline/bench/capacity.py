@@ -99,7 +99,9 @@ def search_capacity(probe: Callable[[float], dict], tbt_slo_s: float, *, start_r
     rate = start_rate
     verdicts: list[Verdict] = []
     fresh = 0
-    while fresh < max_probes:
+    for _ in range(4 * max_probes + 64):  # cached probes cost nothing but must not loop forever
+        if fresh >= max_probes:
+            break
         key = round(rate, 6)
         if key not in cache:
             cache[key] = probe(rate)

@@ -40,8 +40,8 @@ def load_tokenizer(path: str | None = None) -> TextTokenizer:
     try:
         from paceline.model.tokenizer import Tokenizer
         if p.suffix == ".gguf":
-            import gguf
-            return Tokenizer.from_gguf(gguf.GGUFReader(str(p)))
+            from paceline.model.loader import read_gguf  # reads the header only; tensors stay memory-mapped
+            return Tokenizer.from_gguf(read_gguf(p)[0])
         return Tokenizer.from_hf_folder(p)
     except Exception:  # paceline's tokenizer is missing or cannot read this file: transformers can
         from transformers import AutoTokenizer

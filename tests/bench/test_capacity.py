@@ -1,0 +1,64 @@
+import pytest
+
+from paceline.bench.capacity import judge, parse_slo, search_capacity
+
+
+def synthetic(knee: float, log: list):
+    """A monotone system: p99 TBT 20 ms below the knee, growing fast above it; TTFT grows too."""
+    def probe(rate: float) -> dict:
+        log.append(rate)
+        over = max(0.0, rate - knee)
+        return {"failed": 0, "tbt": {"p99": 0.02 + 0.5 * over}, "ttft": {"p50": 0.2 + 3 * over},
+                "scheduling_delay": None}
+    return probe
+
+
+@pytest.mark.parametrize("knee,start", [(1.3, 0.5), (0.2, 2.0), (3.7, 0.25)])
+def test_capacity_converges_on_a_monotone_system(knee, start):
+    log = []
+    res = search_capacity(synthetic(knee, log), tbt_slo_s=0.1, start_rate=start, max_probes=12, rel_tol=0.05)
+    # the SLO flips at knee + 0.16 (p99 TBT reaches 100 ms); the median-TTFT rule at knee + 0.6
+    assert res.capacity <= knee + 0.16
+    assert res.capacity >= (knee + 0.16) * 0.95 - 1e-9
+    assert len(log) <= 12
+    assert all(v.passed == (v.rate <= knee + 0.16) for v in res.verdicts)
+
+
+def test_probe_budget_is_respected_and_probes_are_shared():
+    log, cache = [], {}
+    probe = synthetic(1.0, log)
+    a = search_capacity(probe, 0.1, start_rate=0.5, max_probes=3, cache=cache)
+    assert len(log) == 3 and a.capacity > 0
+    again = search_capacity(probe, 0.1, start_rate=0.5, max_probes=2, cache=cache)
+    assert log[:3] == [v.rate for v in again.verdicts[:3]]  # the same path again costs nothing...
+    assert len(log) == 5  # ...and the budget buys 2 new probes beyond it
+    assert again.capacity >= a.capacity
+    b = search_capacity(probe, 1.0, start_rate=0.5, max_probes=6, cache=cache)
+    assert b.capacity >= a.capacity  # a looser SLO never has less capacity
+
+
+def test_zero_capacity_when_even_the_slowest_rate_fails():
+    res = search_capacity(lambda r: {"failed": 0, "tbt": {"p99": 1.0}, "ttft": {"p50": 0.1}}, 0.1, start_rate=1.0,
+                          max_probes=20, min_rate=0.1)
+    assert res.capacity == 0.0 and all(not v.passed for v in res.verdicts)
+
+
+def test_judge_prefers_scheduling_delay_and_fails_on_errors():
+    s = {"failed": 0, "tbt": {"p99": 0.05}, "ttft": {"p50": 5.0}, "scheduling_delay": {"p50": 1.0}}
+    v = judge(1.0, s, 0.1)
+    assert v.passed and v.delay_source == "scheduling" and v.delay_s == 1.0
+    v = judge(1.0, {**s, "scheduling_delay": None}, 0.1)
+    assert not v.passed and v.delay_source == "ttft"  # median TTFT 5 s > 2 s
+    assert not judge(1.0, {**s, "failed": 1}, 0.1).passed
+    assert not judge(1.0, {**s, "tbt": {"p99": 0.2}}, 0.1).passed
+
+
+def test_parse_slo():
+    assert parse_slo("strict", 0.04) == ("strict", pytest.approx(0.2))
+    assert parse_slo("relaxed", 0.04) == ("relaxed", pytest.approx(1.0))
+    assert parse_slo("250", None) == ("250ms", 0.25)
+    for bad in ("fast", "-3", "0"):
+        with pytest.raises(ValueError):
+            parse_slo(bad, 0.04)
+    with pytest.raises(ValueError):
+        parse_slo("strict", None)
