@@ -51,6 +51,7 @@ class Step:
     out: SchedulerOutput
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     resumed: set[str] = field(default_factory=set)  # admitted or swapped in now: not preempted again this step
+    preempted: set[str] = field(default_factory=set)  # preempted now: not admitted or swapped in again this step
 
 
 class Scheduler:
@@ -282,6 +283,7 @@ class Scheduler:
             out.preempted_ids.append(victim.request_id)
             self.waiting.push(victim)
         victim.preemption_times.append(step.now)
+        step.preempted.add(victim.request_id)
         self.num_preemptions += 1
 
     def resume_swapped(self, step: Step, chunk: Callable[[Request], int]) -> None:
@@ -289,6 +291,8 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         while self.swapped and len(self.running) < max_seqs:
             request = self.swapped.peek()
+            if request.request_id in step.preempted:
+                return
             n = chunk(request)
             if n <= 0 or not self.kv.can_swap_in(request, n, self.reserve()):
                 return
@@ -322,6 +326,8 @@ class Scheduler:
         (0: not now), blocks for them. Under the priority policy a request that cannot get memory or a seat
         preempts running requests it outranks."""
         kv, cfg = self.kv, self.config
+        if request.request_id in step.preempted:
+            return False
         seat_free = len(self.running) < cfg.max_num_seqs
         if not seat_free and not self.by_priority:
             return False

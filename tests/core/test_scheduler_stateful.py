@@ -1,0 +1,137 @@
+"""Hypothesis state machine: random arrivals (lengths, priorities, shared prefixes, salts), steps with random
+sampled tokens, random aborts and early finishes, on a pool small enough to force preemption by recompute and
+by swap. Every step's output and the block accounting are checked (sched_util); at the end every request not
+aborted or stopped early has exactly its requested output, with every sampled token kept as sampled."""
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from sched_util import check_output, check_state, make_scheduler
+
+from paceline.core.outputs import StepResult
+from paceline.request import Request, RequestStatus
+from paceline.sampling import SamplingParams
+
+PREFIXES = [list(range(5000, 5040)), list(range(6000, 6040))]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["sarathi", "sarathi", "vllm", "orca", "static"]),
+                scheduling=st.sampled_from(["fcfs", "priority"]),
+                mode=st.sampled_from(["recompute", "swap", "auto"]),
+                block_size=st.sampled_from([2, 4, 8]),
+                num_blocks=st.integers(6, 24),
+                budget=st.integers(4, 48),
+                max_seqs=st.integers(1, 6),
+                host_blocks=st.integers(0, 16),
+                threshold=st.sampled_from([0, 0, 5]),
+                partial=st.sampled_from([0, 0, 1, 2]),
+                aging=st.sampled_from([0.0, 0.0, 3.0]),
+                wait_ms=st.sampled_from([0.0, 1500.0]))
+    def setup(self, policy, scheduling, mode, block_size, num_blocks, budget, max_seqs, host_blocks, threshold,
+              partial, aging, wait_ms) -> None:
+        self.sched = make_scheduler(policy, budget=budget, max_seqs=max_seqs, num_blocks=num_blocks,
+                                    block_size=block_size, host_blocks=host_blocks, scheduling_policy=scheduling,
+                                    preemption_mode=mode, long_prefill_token_threshold=threshold,
+                                    max_num_partial_prefills=partial, priority_aging_s=aging,
+                                    max_batch_wait_ms=wait_ms)
+        self.capacity = num_blocks * block_size
+        self.now = 0.0
+        self.count = 0
+        self.all: dict[str, Request] = {}
+        self.sampled: dict[str, list[int]] = {}  # every token handed to update(), per request
+        self.ended_early: set[str] = set()
+
+    @rule(prompt_len=st.integers(1, 40), max_tokens=st.integers(1, 12), priority=st.integers(0, 3),
+          prefix=st.sampled_from([None, 0, 1]), salt=st.sampled_from([None, None, "x"]), seed=st.integers(0, 999))
+    def arrive(self, prompt_len, max_tokens, priority, prefix, salt, seed) -> None:
+        rng = random.Random(seed)
+        prompt = [rng.randrange(100) for _ in range(prompt_len)]
+        if prefix is not None:
+            prompt = PREFIXES[prefix][:rng.randrange(4, 40)] + prompt
+        max_tokens = min(max_tokens, self.capacity - len(prompt))
+        if max_tokens < 1:
+            return
+        self.count += 1
+        rid = f"r{self.count}"
+        r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=self.now,
+                    priority=priority, cache_salt=salt)
+        self.sched.add_request(r)
+        self.all[rid] = r
+        self.sampled[rid] = []
+
+    @rule(seed=st.integers(0, 2**16))
+    def step(self, seed) -> None:
+        self.run_step(random.Random(seed))
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule(pick=st.integers(0, 10**6), how=st.sampled_from(["abort", "abort", "stop"]))
+    def end_one(self, pick, how) -> None:
+        ids = sorted(self.sched.requests)
+        rid = ids[pick % len(ids)]
+        if how == "abort":
+            r = self.sched.abort_request(rid, self.now)
+            assert r is self.all[rid] and r.finish_reason == "abort"
+        else:
+            self.sched.finish_request(rid, "stop", self.now)
+            assert self.all[rid].finish_reason == "stop"
+        assert self.all[rid].status is RequestStatus.FINISHED
+        self.ended_early.add(rid)
+
+    def run_step(self, rng: random.Random) -> None:
+        self.now += 1.0
+        sched = self.sched
+        running_before = {r.request_id for r in sched.running}
+        out = sched.schedule(self.now)
+        check_output(sched, out)
+        assert not (set(out.preempted_ids) | set(out.swapped_out_ids)) & set(out.swapped_in_ids)
+        for s in out.scheduled:  # a request resumed this step is not preempted in it
+            assert s.request.request_id not in out.preempted_ids
+        if sched.config.policy == "sarathi":
+            assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        tokens = {s.request.request_id: rng.randrange(100) for s in out.scheduled if s.needs_sample}
+        changed = sched.update(out, StepResult(tokens), self.now)
+        for rid, tok in tokens.items():
+            self.sampled[rid].append(tok)
+        assert [r.request_id for r in changed] == [s.request.request_id for s in out.scheduled
+                                                  if s.request.request_id in tokens]
+        del running_before
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        check_state(self.sched)
+        for rid, r in self.all.items():
+            assert r.output_token_ids == self.sampled[rid], f"{rid}: tokens lost or changed"
+
+    def teardown(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        rng = random.Random(0)
+        for _ in range(5000):
+            if not self.sched.has_unfinished():
+                break
+            self.run_step(rng)
+            check_state(self.sched)
+        assert not self.sched.has_unfinished(), "requests never finished"
+        for rid, r in self.all.items():
+            assert r.status is RequestStatus.FINISHED
+            assert r.output_token_ids == self.sampled[rid]
+            if rid not in self.ended_early:
+                assert r.finish_reason == "length"
+                assert r.num_output_tokens == r.sampling_params.max_tokens
+        st = self.sched.stats()
+        assert st.num_used_blocks == 0 and st.num_running == st.num_waiting == st.num_swapped == 0
+        self.sched.schedule(self.now + 1)  # host blocks read by the last swap-ins come back
+        assert self.sched.stats().num_used_host_blocks == 0
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, derandomize=True,
+                                              database=None, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+TestScheduler = SchedulerMachine.TestCase
