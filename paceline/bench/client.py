@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ class Endpoint:
     prompt_format: str = "ids"  # ids: token-id prompts (exact lengths) | text
     send_priority: bool = True  # vLLM-style `priority` field; servers that reject unknown fields need False
     include_usage: bool = True
+    send_ignore_eos: bool = True  # False for servers that reject the field (they get the same effect via extra_body)
     temperature: float = 0.0
     extra_body: dict = field(default_factory=dict)
     timeout_s: float = 600.0
@@ -54,8 +56,9 @@ class RunResult:
 
 
 def request_body(ep: Endpoint, model: str, spec: RequestSpec, prompt: list[int] | str) -> dict:
-    body: dict = {"model": model, "max_tokens": spec.output_tokens, "stream": True, "ignore_eos": True,
-                  "temperature": ep.temperature}
+    body: dict = {"model": model, "max_tokens": spec.output_tokens, "stream": True, "temperature": ep.temperature}
+    if ep.send_ignore_eos:
+        body["ignore_eos"] = True
     if ep.api == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -158,6 +161,7 @@ async def run_async(ep: Endpoint, requests: list[RequestSpec], prompts: list[lis
                     scrape_interval: float | None = 0.5, label: str = "") -> RunResult:
     """Send every request at its arrival time; wait for all (or until deadline_s after the start, then cancel the
     rest and mark them failed). Scrapes /metrics every scrape_interval seconds (None: only before and after)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the progress bar
     if len(prompts) != len(requests):
         raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
     limits = httpx.Limits(max_connections=max(1024, len(requests)), max_keepalive_connections=256)
@@ -222,6 +226,13 @@ def _progress_bar(label: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("{task.fields[stats]}"), transient=True)
+
+
+def warmup(ep: Endpoint, prompt: list[int] | str, max_tokens: int = 4) -> None:
+    """One small request, so lazy model loading and first-call costs stay out of the measurements."""
+    res = run(ep, [RequestSpec(0, 0.0, 1, max_tokens)], [prompt], progress=False, scrape_interval=None)
+    if not res.records[0].ok:
+        raise RuntimeError(f"warm-up request failed: {res.records[0].error}")
 
 
 def run(ep: Endpoint, requests: list[RequestSpec], prompts: list[list[int] | str], **kwargs) -> RunResult:

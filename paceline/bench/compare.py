@@ -9,7 +9,7 @@ from pathlib import Path
 
 from paceline.bench import plots
 from paceline.bench.capacity import CapacityResult, calibrate_decode_step, parse_slo, search_capacity
-from paceline.bench.client import Endpoint, run
+from paceline.bench.client import Endpoint, run, warmup
 from paceline.bench.prompts import PromptSource, cached_prompts, bundled_gguf, load_tokenizer
 from paceline.bench.report import environment, markdown_table, run_dict, runs_table, write_json
 from paceline.bench.workload import RequestSpec, WorkloadSpec, generate, load_workload
@@ -207,6 +207,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         try:
             with Server(system, out / "logs" / f"{system.name}.log") as srv:
                 ep = system.endpoint(srv.url)
+                warmup(ep, bench.prompts(bench.base[:1], ep.prompt_format)[0])
                 if not bench.slos:
                     bench.set_slos(ep)
                 for rate in rates:

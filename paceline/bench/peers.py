@@ -6,6 +6,7 @@ free port, waits for it to answer, and stops it.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -31,13 +32,16 @@ class System:
     prompt_format: str = "ids"
     send_priority: bool = True
     api: str = "completions"
+    model: str | None = None  # the name requests carry; None: ask /v1/models
+    endpoint_options: dict = field(default_factory=dict)  # more Endpoint fields
     skip: str | None = None  # why it cannot run here
     startup_timeout_s: float = 180.0
     env: dict[str, str] = field(default_factory=dict)
     is_paceline: bool = False
 
     def endpoint(self, url: str) -> Endpoint:
-        return Endpoint(url, api=self.api, prompt_format=self.prompt_format, send_priority=self.send_priority)
+        return Endpoint(url, model=self.model, api=self.api, prompt_format=self.prompt_format,
+                        send_priority=self.send_priority, **self.endpoint_options)
 
 
 def free_port() -> int:
@@ -99,7 +103,12 @@ def transformers_system(model: str, budget: int) -> System:
         return System(name, [], skip=f"cannot write a Hugging Face folder for {model}: {e}")
     argv = [exe, "serve", str(folder), "--continuous-batching", "--host", "127.0.0.1", "--port", "{port}",
             "--device", "cpu", "--dtype", "float32", "--cb-max-batch-tokens", str(budget)]
-    return System(name, argv, prompt_format="text", send_priority=False, startup_timeout_s=300.0)
+    # its request schema rejects unknown fields (ignore_eos, priority) and only takes text prompts; eos_token_id -1
+    # in a per-request generation config is how it generates to max_tokens; it loads the model on the first request
+    opts = {"send_ignore_eos": False, "include_usage": False,
+            "extra_body": {"generation_config": json.dumps({"eos_token_id": -1})}}
+    return System(name, argv, prompt_format="text", send_priority=False, startup_timeout_s=300.0, model=str(folder),
+                  endpoint_options=opts)
 
 
 def hf_folder(model: str) -> Path:

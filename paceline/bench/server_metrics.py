@@ -128,9 +128,9 @@ def step_composition(snapshots: list[tuple[float, dict[str, float]]]) -> list[di
         pre = b.get(PREFILL_TOKENS, 0.0) - a.get(PREFILL_TOKENS, 0.0)
         row = {"t": t1, "dt": t1 - t0, "decode_tokens": dec, "prefill_tokens": pre}
         steps = next((b[k] - a.get(k, 0.0) for k in STEP_COUNTERS if k in b), None)
-        if steps:
+        if steps is not None:
             row["steps"] = steps
-            row["decode_per_step"] = dec / steps
-            row["prefill_per_step"] = pre / steps
+            row["decode_per_step"] = dec / steps if steps else 0.0
+            row["prefill_per_step"] = pre / steps if steps else 0.0
         out.append(row)
     return out
