@@ -132,10 +132,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     t, h, d = q.shape
     kvh = k.shape[1]
-    k_flat = k_cache.view(-1, kvh, d)
-    v_flat = v_cache.view(-1, kvh, d)
-    k_flat.index_copy_(0, meta.slot_mapping, k)
-    v_flat.index_copy_(0, meta.slot_mapping, v)
+    # 2-D views: index_select/index_copy_ over whole rows take the memcpy fast path (3-D ones do not)
+    k_flat = k_cache.view(-1, kvh * d)
+    v_flat = v_cache.view(-1, kvh * d)
+    k_flat.index_copy_(0, meta.slot_mapping, k.reshape(t, kvh * d))
+    v_flat.index_copy_(0, meta.slot_mapping, v.reshape(t, kvh * d))
 
     tp = meta.num_prefill_tokens
     outs = []

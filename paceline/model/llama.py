@@ -19,6 +19,29 @@ from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, paged_attention
 
 
+class Linear:
+    """y = x W^T (+ b). On CPU the weight is prepacked once into oneDNN's blocked layout when this torch build
+    has the op inductor uses for frozen linears: measured here 2-4x faster than F.linear (MKL) for fp32 at
+    3..2048 rows and ~2x for bf16 matrix-vector products. Elsewhere it is plain F.linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+        self.weight, self.bias = weight, bias
+        self.packed = None
+        if pack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                probe = torch.ones(2, weight.shape[1], dtype=weight.dtype)
+                torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+                self.packed, self.weight = packed, None  # the packed copy replaces the plain one
+            except (RuntimeError, AttributeError):
+                self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 def rope_inv_freq(arch: ModelArch) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the position scale, following the rope_scaling field of a HF config."""
     d = arch.head_dim
@@ -61,16 +84,15 @@ def _permute_heads(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tens
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor]):
+    def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor], pack: bool = True):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
         self.scale = arch.head_dim ** -0.5
-        self.register_buffer("qkv", w["qkv"])
-        self.register_buffer("qkv_bias", w.get("qkv_bias"))
-        self.register_buffer("o", w["o"])
-        self.register_buffer("gate_up", w["gate_up"])
-        self.register_buffer("down", w["down"])
+        self.qkv = Linear(w["qkv"], w.get("qkv_bias"), pack)
+        self.o = Linear(w["o"], None, pack)
+        self.gate_up = Linear(w["gate_up"], None, pack)
+        self.down = Linear(w["down"], None, pack)
         self.register_buffer("input_norm", w["input_norm"])
         self.register_buffer("post_norm", w["post_norm"])
 
@@ -79,30 +101,30 @@ class LlamaLayer(nn.Module):
         t = h.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.rms_norm(h, (h.shape[-1],), self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = self.qkv(x)
         qk = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d // 2, 2)
         if qk.dtype != torch.float32:
             qk = qk.float()
         qk = torch.view_as_real(torch.view_as_complex(qk) * rope).view(t, nh + nkv, d).to(h.dtype)
         v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
         attn = paged_attention(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)
-        h = h + F.linear(attn, self.o)
+        h = h + self.o(attn)
         x = F.rms_norm(h, (h.shape[-1],), self.post_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate).mul_(up), self.down)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate).mul_(up))
 
 
 class LlamaModel(nn.Module):
     """Inference-only Llama-family model; weights are buffers built by `from_weights`."""
 
     def __init__(self, arch: ModelArch, layers: list[dict[str, torch.Tensor]], embed: torch.Tensor, norm: torch.Tensor,
-                 lm_head: torch.Tensor | None, max_positions: int | None = None):
+                 lm_head: torch.Tensor | None, max_positions: int | None = None, pack: bool = True):
         super().__init__()
         self.arch = arch
-        self.layers = nn.ModuleList(LlamaLayer(arch, w) for w in layers)
+        self.layers = nn.ModuleList(LlamaLayer(arch, w, pack) for w in layers)
         self.register_buffer("embed", embed)
         self.register_buffer("norm", norm)
-        self.register_buffer("lm_head_weight", lm_head)  # None when tied to the embedding
+        self.lm_head = Linear(embed if lm_head is None else lm_head, None, pack)  # tied: shares the embedding
         self.max_positions = max_positions or arch.max_position_embeddings
         self.register_buffer("rope", rope_table(arch, self.max_positions, embed.device))
 
@@ -116,8 +138,11 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_weights(cls, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
-                     dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> "LlamaModel":
-        """Build from Hugging Face-named tensors; a missing tensor is a ValueError naming it."""
+                     dtype: torch.dtype = torch.float32, max_positions: int | None = None,
+                     pack: bool = True) -> "LlamaModel":
+        """Build from Hugging Face-named tensors; a missing tensor is a ValueError naming it.
+
+        pack=False keeps plain F.linear weights (no oneDNN prepacking)."""
         rope_inv_freq(arch)  # reject unsupported rope scaling before any work
 
         def get(name: str) -> torch.Tensor:
@@ -156,7 +181,7 @@ class LlamaModel(nn.Module):
             lm_head = None
         else:
             lm_head = put(weights["lm_head.weight"])
-        return cls(arch, layers, embed, put(get("model.norm.weight")), lm_head, max_positions)
+        return cls(arch, layers, embed, put(get("model.norm.weight")), lm_head, max_positions, pack)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
@@ -169,5 +194,4 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for the rows that need a sample, in float32."""
-        w = self.embed if self.lm_head_weight is None else self.lm_head_weight
-        return F.linear(hidden, w).float()
+        return self.lm_head(hidden).float()

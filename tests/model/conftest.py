@@ -38,7 +38,14 @@ def make_hf_model(kind: str = "llama", seed: int = 0, **overrides):
 
 
 def arch_of(hf_model) -> ModelArch:
-    return ModelArch.from_hf_config(hf_model.config.to_dict())
+    cfg = hf_model.config.to_dict()
+    # transformers >= 5 writes rope settings as `rope_parameters`; ModelArch reads the classic fields
+    rp = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rp:
+        cfg["rope_theta"] = rp["rope_theta"]
+    if rp.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+    return ModelArch.from_hf_config(cfg)
 
 
 def make_runner(hf_model, num_blocks: int = 64, block_size: int = 4, num_host_blocks: int = 0,
@@ -56,3 +63,15 @@ def hf_llama():
 @pytest.fixture
 def runner(hf_llama) -> ModelRunner:
     return make_runner(hf_llama)
+
+
+class Tiny:
+    """The helpers above, handed to tests as a fixture (test modules cannot import a conftest by name)."""
+    make_hf_model = staticmethod(make_hf_model)
+    make_runner = staticmethod(make_runner)
+    arch_of = staticmethod(arch_of)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> type[Tiny]:
+    return Tiny
