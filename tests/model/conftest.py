@@ -8,7 +8,15 @@ from paceline.engine.runner import ModelRunner
 from paceline.model.arch import ModelArch
 from paceline.model.llama import LlamaModel
 
-torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared machine its barrier waits dominate."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def make_hf_model(kind: str = "llama", seed: int = 0, **overrides):
