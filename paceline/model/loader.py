@@ -79,14 +79,10 @@ def load_checkpoint(model: str | None = None, dtype: str = "float32") -> Checkpo
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     path = Path(model if model is not None else default_model_path()).expanduser()
     if path.is_dir():
-        ckpt = _load_hf_folder(path)
-    elif path.is_file():
-        ckpt = _load_gguf_cached(path)
-    else:
-        raise ValueError(f"model {str(path)!r} is neither a GGUF file nor a Hugging Face folder")
-    torch_dtype = DTYPES[dtype]
-    ckpt.weights = {k: v.to(torch_dtype) for k, v in ckpt.weights.items()}
-    return ckpt
+        return _load_hf_folder(path, DTYPES[dtype])
+    if path.is_file():
+        return _load_gguf_cached(path, DTYPES[dtype])
+    raise ValueError(f"model {str(path)!r} is neither a GGUF file nor a Hugging Face folder")
 
 
 def expected_weight_names(arch: ModelArch) -> list[str]:
@@ -122,12 +118,12 @@ def _check_weights(arch: ModelArch, weights: dict[str, torch.Tensor], where: str
 
 # ---------------------------------------------------------------- Hugging Face folders
 
-def _load_hf_folder(path: Path) -> Checkpoint:
-    from safetensors.torch import load_file
+def _load_hf_folder(path: Path, dtype: torch.dtype | None = None) -> Checkpoint:
+    from safetensors import safe_open
 
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json; a model folder needs config.json, *.safetensors and tokenizer.json")
-    arch = ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
+    arch = ModelArch.from_hf_config(_with_rope_fields(json.loads((path / "config.json").read_text())))
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -136,11 +132,28 @@ def _load_hf_folder(path: Path) -> Checkpoint:
     if not files:
         raise ValueError(f"{path} has no *.safetensors files (other weight formats are not supported)")
     weights: dict[str, torch.Tensor] = {}
+    wanted = set(expected_weight_names(arch))
     for f in files:
         if not f.is_file():
             raise ValueError(f"{path}: the safetensors index names {f.name}, which is not there")
-        weights.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                if k in wanted:  # cast tensor by tensor: never two full copies in memory
+                    weights[k] = st.get_tensor(k) if dtype is None else st.get_tensor(k).to(dtype)
     return Checkpoint(arch, _check_weights(arch, weights, str(path)), Tokenizer.from_hf_folder(path), path.name, str(path))
+
+
+def _with_rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers >= 5 writes rope_theta and rope_scaling inside `rope_parameters`; spell them the classic way."""
+    rope = cfg.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return cfg
+    cfg = dict(cfg)
+    if "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+    if rope.get("rope_type", "default") != "default" and cfg.get("rope_scaling") is None:
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return cfg
 
 
 def hf_config(arch: ModelArch, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -203,13 +216,14 @@ def gguf_cache_key(path: Path) -> str:
     return h.hexdigest()[:32]
 
 
-def _load_gguf_cached(path: Path) -> Checkpoint:
+def _load_gguf_cached(path: Path, dtype: torch.dtype) -> Checkpoint:
     folder = cache_root() / f"gguf-{gguf_cache_key(path)}"
     if folder.is_dir():  # present means complete: it only ever appears by an atomic rename
-        ckpt = _load_hf_folder(folder)
+        ckpt = _load_hf_folder(folder, dtype)
     else:
         ckpt = load_gguf(path)
-        _store(ckpt, folder)
+        _store(ckpt, folder)  # float32, whatever dtype this run wants: the cache is exact
+        ckpt.weights = {k: v.to(dtype) for k, v in ckpt.weights.items()}
     ckpt.name, ckpt.source = path.stem, str(path)
     return ckpt
 
@@ -223,6 +237,7 @@ def _store(ckpt: Checkpoint, folder: Path) -> None:
         return
     try:
         write_hf_folder(ckpt, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
         os.rename(tmp, folder)  # another process may have won the race; then its copy stays
     except OSError as e:
         if not folder.is_dir():
@@ -333,19 +348,62 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, GGUFTe
     return metadata, tensors
 
 
+def _halves(b: np.ndarray, start: int) -> np.ndarray:
+    return b[:, start:start + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _q4_0(b: np.ndarray) -> np.ndarray:  # blocks of 32: f16 scale, 16 bytes of nibbles (low nibbles first)
+    b = b.reshape(-1, 18)
+    q = np.empty((b.shape[0], 32), np.float32)
+    np.bitwise_and(b[:, 2:], 0x0F, out=q[:, :16], casting="unsafe")
+    np.right_shift(b[:, 2:], 4, out=q[:, 16:], casting="unsafe")
+    q -= 8
+    q *= _halves(b, 0)
+    return q
+
+
+def _q4_1(b: np.ndarray) -> np.ndarray:  # blocks of 32: f16 scale, f16 min, 16 bytes of nibbles
+    b = b.reshape(-1, 20)
+    q = np.empty((b.shape[0], 32), np.float32)
+    np.bitwise_and(b[:, 4:], 0x0F, out=q[:, :16], casting="unsafe")
+    np.right_shift(b[:, 4:], 4, out=q[:, 16:], casting="unsafe")
+    q *= _halves(b, 0)
+    q += _halves(b, 2)
+    return q
+
+
+def _q8_0(b: np.ndarray) -> np.ndarray:  # blocks of 32: f16 scale, 32 int8
+    b = b.reshape(-1, 34)
+    q = b[:, 2:].copy().view(np.int8).astype(np.float32)
+    q *= _halves(b, 0)
+    return q
+
+
+# Whole-tensor versions of the commonest small-model types, bit-identical to gguf.quants (same float32
+# operations in the same order) and ~3x faster, because gguf's work row-group by row-group.
+_FAST_DEQUANT = {2: _q4_0, 3: _q4_1, 8: _q8_0}
+
+
 def _dequantize(t: GGUFTensor) -> np.ndarray:
+    """float32 values of a GGUF tensor, always a fresh writable array (never a view of the file)."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
     qtype = GGMLQuantizationType(t.qtype)
-    if qtype == GGMLQuantizationType.BF16:  # bf16 is the top half of a float32
+    if qtype == GGMLQuantizationType.F32:
+        w = t.data.view(np.float32).copy()
+    elif qtype == GGMLQuantizationType.F16:
+        w = t.data.view(np.float16).astype(np.float32)
+    elif qtype == GGMLQuantizationType.BF16:  # bf16 is the top half of a float32
         w = (t.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif t.qtype in _FAST_DEQUANT:
+        w = _FAST_DEQUANT[t.qtype](t.data)
     else:
         try:
             w = dequantize(t.data, qtype)
         except NotImplementedError:
             raise ValueError(f"tensor {t.name}: GGUF type {qtype.name} cannot be dequantized by the gguf package") from None
-    return np.array(w, dtype=np.float32).reshape(t.shape)  # a writable copy, never a view of the file
+    return w.reshape(t.shape)
 
 
 def load_gguf(path: str | os.PathLike) -> Checkpoint:

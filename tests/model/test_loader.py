@@ -110,6 +110,22 @@ def test_quantized_tensors_dequantize_as_the_gguf_package_does(tmp_path):
     assert not np.array_equal(expect, w)  # it really was quantized
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "Q5_K"])
+def test_dequantize_matches_gguf_package(qtype):
+    import gguf
+
+    q = gguf.GGMLQuantizationType[qtype]
+    w = np.random.default_rng(0).normal(size=(8, 512)).astype(np.float32)
+    raw = gguf.quants.quantize(w, q) if qtype != "Q5_K" else np.random.default_rng(1).integers(0, 255, (8, 176 * 2), dtype=np.uint8)
+    if qtype == "Q5_K":  # no quantizer in the package: random blocks with sane f16 scales
+        raw[:, 0:4] = raw[:, 176:180] = np.frombuffer(np.float16([0.01, 0.002]).tobytes(), np.uint8)
+    t = loader.GGUFTensor("t", (8, 512), int(q), raw.view(np.uint8).reshape(8, -1))
+    got = loader._dequantize(t)
+    expect = gguf.quants.dequantize(raw.view(np.uint8).reshape(8, -1), q).reshape(8, 512)
+    assert got.dtype == np.float32 and got.flags.writeable
+    assert np.array_equal(got, expect)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_dtype_and_cache(dtype, tmp_path, monkeypatch):
     ckpt = tiny_checkpoint("llama")
@@ -160,6 +176,25 @@ def test_sharded_folder(with_index, tmp_path):
     got = load_checkpoint(str(tmp_path / "m"))
     assert got.arch == ckpt.arch and got.name == "m"
     assert all(torch.equal(got.weights[n], w) for n, w in ckpt.weights.items())
+
+
+def test_folder_saved_by_transformers(tmp_path):
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, rope_theta=5e5,
+                                   rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    model.save_pretrained(tmp_path)
+    tiny_checkpoint("qwen2").tokenizer.save(tmp_path)
+    got = load_checkpoint(str(tmp_path))
+    assert got.arch.architecture == "qwen2" and got.arch.attention_bias
+    assert got.arch.rope_theta == 5e5 and got.arch.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    ref = model.state_dict()
+    assert got.weights.keys() == ref.keys()
+    assert all(torch.equal(w, ref[n]) for n, w in got.weights.items())
 
 
 def test_folder_drops_unused_and_tied_tensors(tmp_path):
