@@ -15,7 +15,7 @@ from paceline.sim.capacity import search_capacity
 from paceline.sim.cost_model import roofline_from_names
 from paceline.sim.deploy import Deployment
 from paceline.sim.metrics import summarize
-from paceline.sim.workloads import WORKLOADS, generate
+from paceline.sim.workloads import generate, load_workload
 
 MAX_MODEL_LEN = 16384
 SLOS_MS = (100.0, 500.0)
@@ -38,7 +38,7 @@ def main() -> None:
           f"max_num_seqs {args.max_num_seqs}; commit {commit}\n")
     rows = []
     for wl_name in args.workloads:
-        wl = WORKLOADS[wl_name]
+        wl = load_workload(wl_name)
         caps = {}
         for policy, budget in SYSTEMS:
             dep = Deployment(cm, SchedulerConfig(policy=policy, max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,

@@ -14,7 +14,7 @@ from paceline.config import CacheConfig, SchedulerConfig
 from paceline.sim.cost_model import roofline_from_names
 from paceline.sim.deploy import Deployment
 from paceline.sim.metrics import summarize
-from paceline.sim.workloads import WORKLOADS, generate
+from paceline.sim.workloads import generate, load_workload
 
 CASES = [  # (workload, rate, replicas, policy, budget): a loaded single GPU and a small fleet
     ("sharegpt", 1.5, 1, "sarathi", 512),
@@ -35,7 +35,7 @@ def main() -> None:
         dep = Deployment(roofline_from_names("mistral-7b", "a100"),
                          SchedulerConfig(policy=policy, max_num_batched_tokens=budget, max_model_len=16384),
                          CacheConfig(), num_replicas=replicas, router="least-outstanding")
-        reqs = generate(WORKLOADS[wl], rate, args.num_requests, seed=0)
+        reqs = generate(load_workload(wl), rate, args.num_requests, seed=0)
         sim = dep.simulator()
         prof = cProfile.Profile() if args.profile else None
         t0 = time.perf_counter()

@@ -10,12 +10,11 @@ from pathlib import Path
 from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
 from paceline.sim.hardware import GPUS
 from paceline.sim.router import ROUTERS
-from paceline.sim.workloads import WORKLOADS
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", default="chat", help=f"{' | '.join(WORKLOADS)} | path.yaml")
+    g.add_argument("--workload", default="chat", help="chat | long-prompt | bursty-priority | sharegpt | arxiv | path.yaml | trace.csv")
     g.add_argument("--rate", type=float, default=1.0, help="requests per second")
     g.add_argument("--num-requests", type=int, default=1000)
     g.add_argument("--seed", type=int, default=0)
@@ -41,7 +40,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default=SchedulerConfig.scheduling_policy, choices=SCHEDULING_POLICIES)
     g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    g.add_argument("--max-model-len", type=int, default=None, help="default: the workload's, else 8192")
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the workload's (8192 unless it says)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--max-num-partial-prefills", type=int, default=0)
     g.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode, choices=PREEMPTION_MODES)
@@ -57,7 +56,7 @@ def deployment_from_args(args: argparse.Namespace):
     from paceline.sim.deploy import Deployment, cost_model_from_spec
     from paceline.sim.workloads import load_workload
 
-    workload = load_workload(args.workload)
+    workload = load_workload(args.workload, args.max_model_len)
     eff = {}
     for item in args.efficiency:
         k, _, v = item.partition("=")
@@ -71,7 +70,7 @@ def deployment_from_args(args: argparse.Namespace):
         kw["efficiency"] = {**DEFAULT_EFFICIENCY, **eff}
     cost = cost_model_from_spec(args.cost_model, args.model_config, args.gpu, args.tp, args.pp,
                                 **(kw if args.cost_model == "roofline" else {}))
-    max_len = args.max_model_len or workload.max_model_len or SchedulerConfig.max_model_len
+    max_len = workload.max_model_len
     sched = SchedulerConfig(policy=args.scheduler, scheduling_policy=args.scheduling_policy,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_model_len=max_len, long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -93,7 +92,7 @@ def _simulate(args: argparse.Namespace) -> None:
         sim = dep.simulator()
     except ValueError as e:
         sys.exit(f"error: {e}")
-    result = sim.run(reqs, workload.shared_prefix_tokens)
+    result = sim.run(reqs)
     s = summarize(result, ttft_slo_s=args.ttft_slo / 1e3 if args.ttft_slo else None)
     print(f"{workload.name} at {args.rate} req/s, {args.replicas} x {_device_name(args)}, {args.scheduler} "
           f"budget {args.max_num_batched_tokens}, {sim.num_blocks} KV blocks per replica")
@@ -124,7 +123,7 @@ def _capacity(args: argparse.Namespace) -> None:
         sys.exit(f"error: {e}")
 
     def run_at(rate: float):
-        return summarize(dep.simulator().run(generate(workload, rate, args.num_requests, args.seed), workload.shared_prefix_tokens))
+        return summarize(dep.simulator().run(generate(workload, rate, args.num_requests, args.seed)))
 
     cache: dict = {}
     print(f"capacity of {workload.name}, {args.replicas} x {_device_name(args)}, {args.scheduler} budget {args.max_num_batched_tokens}")

@@ -133,3 +133,25 @@ def markdown(s: Summary, title: str = "simulated") -> str:
         for p, d in s.per_priority.items():
             lines.append(f"| {p} | {d['num']} | {ms(d['ttft'], 'p50')} | {ms(d['ttft'], 'p99')} | {ms(d['tbt'], 'p50')} | {ms(d['tbt'], 'p99')} |")
     return "\n".join(lines)
+
+
+def bench_records(result: SimResult) -> list:
+    """The run as paceline.bench.metrics records (arrival = sent time), for the benchmark's own summary and report."""
+    from paceline.bench.metrics import RequestRecord as BenchRecord
+    out = []
+    for r in result.requests:
+        rec = BenchRecord(int(r.request_id), r.prompt_len, r.output_len, r.priority, scheduled_s=r.arrival, sent_s=r.arrival,
+                          token_times=list(r.token_times), end_s=r.finish_time)
+        if r.finish_reason == "rejected":
+            rec.error = "rejected: longer than the context or the KV cache"
+        out.append(rec)
+    return out
+
+
+def bench_summary(result: SimResult, **kw) -> dict:
+    """paceline.bench.metrics.summarize over the simulated timelines, with the stall threshold from the simulated
+    median decode step, as the server's metrics would give it."""
+    from paceline.bench.metrics import summarize as bench_summarize
+    med = median_decode_step(result.steps)
+    kw.setdefault("stall_threshold_s", 5.0 * med if med else None)
+    return bench_summarize(bench_records(result), **kw)

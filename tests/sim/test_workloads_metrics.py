@@ -8,11 +8,11 @@ import pytest
 from paceline.sim.capacity import search_capacity
 from paceline.sim.metrics import summarize
 from paceline.sim.simulator import RequestRecord, SimResult, StepRecord
-from paceline.sim.workloads import WORKLOADS, generate, load_workload
+from paceline.sim.workloads import generate, load_workload, requests_for
 
 
-def test_workload_lengths_follow_their_median_and_p90():
-    reqs = generate(WORKLOADS["sharegpt"], 5.0, 4000, seed=3)
+def test_datacenter_workload_lengths_follow_their_median_and_p90():
+    reqs = generate(load_workload("sharegpt"), 5.0, 4000, seed=3)
     p = np.array([r.prompt_len for r in reqs])
     o = np.array([r.output_len for r in reqs])
     assert np.median(p) == pytest.approx(1730, rel=0.06)
@@ -21,31 +21,19 @@ def test_workload_lengths_follow_their_median_and_p90():
     assert (p + o <= 16384).all()
     gaps = np.diff([0.0] + [r.arrival for r in reqs])
     assert gaps.mean() == pytest.approx(1 / 5.0, rel=0.06)
+    arxiv = generate(load_workload("arxiv"), 1.0, 2000, seed=3)
+    assert np.median([r.prompt_len for r in arxiv]) == pytest.approx(7059, rel=0.06)
 
 
-def test_workloads_are_reproducible_and_rate_keeps_lengths():
-    a = generate(WORKLOADS["chat"], 1.0, 50, seed=7)
-    b = generate(WORKLOADS["chat"], 1.0, 50, seed=7)
-    c = generate(WORKLOADS["chat"], 4.0, 50, seed=7)
-    assert a == b
-    assert [(r.prompt_len, r.output_len) for r in a] == [(r.prompt_len, r.output_len) for r in c]
-    assert c[-1].arrival < a[-1].arrival
-
-
-def test_bursty_priority_mix_and_yaml(tmp_path):
-    reqs = generate(WORKLOADS["bursty-priority"], 2.0, 2000, seed=0)
-    share = sum(r.priority == 0 for r in reqs) / len(reqs)
-    assert share == pytest.approx(0.2, abs=0.03)
-    gaps = np.diff([r.arrival for r in reqs])
-    assert gaps.std() / gaps.mean() == pytest.approx(3.0, rel=0.2)
-    y = tmp_path / "w.yaml"
-    y.write_text("name: mine\nprompt: {median: 50, p90: 80, min: 10, max: 100}\noutput: {median: 5, p90: 9}\n")
-    w = load_workload(str(y))
-    assert w.name == "mine" and all(10 <= r.prompt_len <= 100 for r in generate(w, 1.0, 100))
+def test_benchmark_workloads_give_the_benchmarks_requests():
+    from paceline.bench import workload as bw
+    ours = requests_for("chat", 2.0, 50, seed=7)
+    theirs = bw.generate(bw.load_workload("chat"), rate=2.0, num_requests=50, seed=7)
+    assert [(r.arrival, r.prompt_len, r.output_len, r.priority) for r in ours] == \
+        [(t.arrival_s, t.prompt_tokens, t.output_tokens, t.priority) for t in theirs]
+    assert {r.priority for r in requests_for("bursty-priority", 2.0, 200)} == {0, 10}
     with pytest.raises(ValueError):
         load_workload("nope")
-    with pytest.raises(ValueError):
-        generate(w, 0.0, 10)
 
 
 def test_metrics_on_a_hand_made_timeline():
@@ -102,3 +90,15 @@ def test_cli_simulate_and_capacity(tmp_path, capsys):
     assert "| 100 |" in capsys.readouterr().out
     args = parser.parse_args(["profile", "--quick", "--out", str(tmp_path / "p.json")])
     assert args.quick and callable(args.func)
+
+
+def test_bench_summary_agrees_with_ours():
+    from paceline.sim.metrics import bench_summary
+    recs = [RequestRecord("0", 0, 0.0, 10, 4, first_scheduled=0.5, token_times=[1.0, 1.1, 1.2, 2.2], finish_time=2.2, finish_reason="length"),
+            RequestRecord("1", 0, 1.0, 10, 2, first_scheduled=1.0, token_times=[1.5, 1.6], finish_time=1.6, finish_reason="length")]
+    result = SimResult(recs, [StepRecord(0, 0.0, 0.1, 2, 0, 2)], 0.01, 1)
+    ours, theirs = summarize(result), bench_summary(result)
+    assert theirs["completed"] == 2
+    for k in ("ttft", "tbt"):
+        assert theirs[k]["p50"] == pytest.approx(getattr(ours, k)["p50"])
+    assert theirs["stalls"]["count"] == ours.num_stalls == 1
