@@ -145,6 +145,34 @@ def test_dtype_and_cache(dtype, tmp_path, monkeypatch):
         assert torch.equal(second.weights[name], w.to(loader.DTYPES[dtype]))
 
 
+def test_concurrent_loads_share_one_cache_entry(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    ckpt = tiny_checkpoint("llama")
+    path = write_gguf(ckpt, tmp_path / "m.gguf")
+    with ThreadPoolExecutor(4) as pool:  # all miss the cache, all convert, one rename wins
+        results = list(pool.map(lambda _: load_checkpoint(str(path)), range(4)))
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"gguf-{loader.gguf_cache_key(path)}"]  # no temp dirs left
+    for got in results:
+        assert all(torch.equal(got.weights[n], w) for n, w in ckpt.weights.items())
+    loader._store(results[0], tmp_path / "cache" / f"gguf-{loader.gguf_cache_key(path)}")  # losing the race is fine
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_written_folder_loads_in_transformers(kind, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tiny_checkpoint(kind, tie=kind == "mistral")
+    write_hf_folder(ckpt, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[kind]
+    ref = hf.state_dict()
+    for name, w in ckpt.weights.items():
+        assert torch.equal(ref[name], w), name
+    assert hf.config.rope_parameters["rope_theta"] == ckpt.arch.rope_theta
+
+
 def test_cache_key_follows_file_content(tmp_path):
     a = write_gguf(tiny_checkpoint("llama", seed=0), tmp_path / "a.gguf")
     b = write_gguf(tiny_checkpoint("llama", seed=1), tmp_path / "b.gguf")
