@@ -132,8 +132,9 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
         self.abort(request_id)
 
-    async def shutdown(self, grace_s: float = 0.0) -> None:
-        """Take no new requests, let in-flight ones run up to grace_s, abort the rest and stop the thread."""
+    async def drain(self, grace_s: float = 0.0) -> None:
+        """Take no new requests; let in-flight ones run up to grace_s, then abort the rest (their streams end
+        with finish_reason "abort")."""
         self._accepting = False
         deadline = time.monotonic() + grace_s
         while self._streams and time.monotonic() < deadline:
@@ -142,6 +143,10 @@ class AsyncEngine:
             ids = list(self._streams)
         for rid in ids:
             self.abort(rid)
+
+    async def shutdown(self) -> None:
+        """drain(0), then stop the engine thread."""
+        await self.drain(0.0)
         self._submit(self._request_stop)
         await asyncio.to_thread(self._thread.join, 10.0)
 

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -589,8 +590,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from paceline.engine.engine import Engine
 
     try:
@@ -609,10 +608,28 @@ def run_server(args: argparse.Namespace) -> None:
              engine.model_name, args.host, args.port, engine.num_blocks * engine.block_size, engine.num_blocks,
              engine.block_size, sched.max_num_batched_tokens, sched.max_num_seqs, sched.policy,
              sched.scheduling_policy, sched.preemption_mode, engine.max_model_len)
-    # uvicorn turns Ctrl-C / SIGTERM into a graceful stop: no new connections, in-flight ones get
-    # GRACEFUL_SHUTDOWN_S to finish, then are cancelled (which aborts their requests); lifespan stops the engine
-    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
-                                  timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")).run()
+    _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
+                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5, lifespan="on"),
+                    async_engine).run()
+
+
+class _GracefulServer(uvicorn.Server):
+    """On Ctrl-C / SIGTERM, drain the engine first: in-flight requests get GRACEFUL_SHUTDOWN_S to finish, then
+    are aborted so their streams end properly ([DONE], finish_reason "abort"); lifespan then stops the engine
+    thread. uvicorn's own graceful timeout is only the backstop."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # a handled Ctrl-C / SIGTERM ends with status 0, not a re-raised signal
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        drain = asyncio.ensure_future(self.async_engine.drain(GRACEFUL_SHUTDOWN_S))
+        await super().shutdown(sockets)
+        drain.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
