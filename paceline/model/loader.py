@@ -4,7 +4,11 @@ A model is a GGUF file, a Hugging Face folder (config.json, *.safetensors, token
 tokenizer_config.json), or None for the bundled SmolLM2-135M-Instruct GGUF.
 
 A GGUF is dequantized to float32 once and kept as an ordinary Hugging Face folder in a cache
-($PACELINE_CACHE, else ~/.cache/paceline), so later loads only read safetensors.
+($PACELINE_CACHE, else ~/.cache/paceline): gguf-<key>/ holds the exact float32 weights, gguf-<key>-bfloat16/
+(or -float16) a copy in that dtype once it has been asked for. Later loads only memory-map safetensors.
+
+q/k projections come back in Hugging Face row order: llama.cpp interleaves each head's rotary halves for
+llama/mistral files, and load_gguf undoes it (qwen2 files are stored unpermuted).
 """
 from __future__ import annotations
 
@@ -217,13 +221,21 @@ def gguf_cache_key(path: Path) -> str:
 
 
 def _load_gguf_cached(path: Path, dtype: torch.dtype) -> Checkpoint:
-    folder = cache_root() / f"gguf-{gguf_cache_key(path)}"
-    if folder.is_dir():  # present means complete: it only ever appears by an atomic rename
-        ckpt = _load_hf_folder(folder, dtype)
+    # Folders only ever appear by an atomic rename, so one that exists is complete. The float32 copy is exact;
+    # other dtypes get their own copy too, so a warm load never pays for a cast.
+    exact = cache_root() / f"gguf-{gguf_cache_key(path)}"
+    typed = exact.with_name(f"{exact.name}-{str(dtype).removeprefix('torch.')}") if dtype != torch.float32 else exact
+    if typed.is_dir():
+        ckpt = _load_hf_folder(typed, dtype)
     else:
-        ckpt = load_gguf(path)
-        _store(ckpt, folder)  # float32, whatever dtype this run wants: the cache is exact
-        ckpt.weights = {k: v.to(dtype) for k, v in ckpt.weights.items()}
+        if exact.is_dir():
+            ckpt = _load_hf_folder(exact, dtype)
+        else:
+            ckpt = load_gguf(path)
+            _store(ckpt, exact)
+            ckpt.weights = {k: v.to(dtype) for k, v in ckpt.weights.items()}
+        if typed != exact:
+            _store(ckpt, typed)
     ckpt.name, ckpt.source = path.stem, str(path)
     return ckpt
 

@@ -131,9 +131,11 @@ def test_dtype_and_cache(dtype, tmp_path, monkeypatch):
     ckpt = tiny_checkpoint("llama")
     path = write_gguf(ckpt, tmp_path / "m.gguf")
     first = load_checkpoint(str(path), dtype)
-    cached = list((tmp_path / "cache").iterdir())
-    assert len(cached) == 1 and cached[0].name.startswith("gguf-")
-    assert {p.name for p in cached[0].iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    key = loader.gguf_cache_key(path)
+    cached = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert cached == [f"gguf-{key}"] + ([f"gguf-{key}-{dtype}"] if dtype != "float32" else [])  # exact copy + this dtype's
+    for name in cached:
+        assert {p.name for p in (tmp_path / "cache" / name).iterdir()} == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
     # the second load must come from the cache, not the GGUF
     monkeypatch.setattr(loader, "load_gguf", lambda p: pytest.fail("GGUF parsed again despite the cache"))
     second = load_checkpoint(str(path), dtype)
