@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
+import sys
 import time
 from pathlib import Path
 
 from paceline.bench import plots
-from paceline.bench.capacity import CapacityResult, calibrate_decode_step, parse_slo, search_capacity
+from paceline.bench.capacity import (CapacityResult, calibrate_decode_step, measure_prefill_rate, parse_slo,
+                                     search_capacity, ttft_excess)
 from paceline.bench.client import Endpoint, run, warmup
 from paceline.bench.prompts import PromptSource, cached_prompts, bundled_gguf, load_tokenizer
 from paceline.bench.report import environment, markdown_table, run_dict, runs_table, write_json
@@ -29,10 +32,13 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", default="strict,relaxed", help="comma list of TBT SLOs: strict, relaxed, or ms numbers")
     p.add_argument("--decode-step-ms", type=float, default=None,
                    help="skip calibration: the median decode step at batch 16 that strict/relaxed scale")
-    p.add_argument("--probe-requests", type=int, default=24, help="requests per capacity probe")
-    p.add_argument("--max-probes", type=int, default=6, help="probes per system and SLO (shared probes are free)")
+    p.add_argument("--probe-requests", type=int, default=16, help="requests per capacity probe")
+    p.add_argument("--max-probes", type=int, default=5, help="probes per system and SLO (shared probes are free)")
     p.add_argument("--start-rate", type=float, default=0.5, help="first rate the capacity search tries")
     p.add_argument("--probe-timeout", type=float, default=90.0, help="s after the last arrival before a probe fails")
+    p.add_argument("--delay-rule", choices=("ttft-excess", "ttft"), default="ttft-excess",
+                   help="for servers that do not expose their scheduling delay, judge the 2 s rule on TTFT minus the "
+                        "prompt's own prefill time (measured alone), or on the raw median TTFT")
     p.add_argument("--output-dir", default=None)
     p.add_argument("--no-progress", action="store_true")
 
@@ -75,6 +81,7 @@ class Bench:
         self.decode_step_s: float | None = args.decode_step_ms / 1e3 if args.decode_step_ms else None
         self.slos: list[tuple[str, float]] = []
         self.capacities: list[dict] = []
+        self.prefill_rates: dict[str, float] = {}  # prompt tok/s of one request alone, per system
 
     def requests(self, rate: float, n: int) -> list[RequestSpec]:
         return [dataclasses.replace(r, arrival_s=r.arrival_s / rate) for r in self.base[:n]]
@@ -99,6 +106,8 @@ class Bench:
         stall = 5 * self.decode_step_s if self.decode_step_s else None
         r = run_dict(system, self.spec.name, rate, result, tbt_slo=strict, stall_threshold_s=stall,
                      extra={"probe": probe})
+        if system in self.prefill_rates and self.args.delay_rule == "ttft-excess":
+            r["summary"]["ttft_excess"] = ttft_excess(result.records, self.prefill_rates[system])
         self.runs.append(r)
         s = r["summary"]
         print(f"  {system} @ {rate:.3f} req/s: {s['completed']}/{s['num_requests']} done, "
@@ -107,6 +116,9 @@ class Bench:
         return r
 
     def capacity(self, system: str, ep: Endpoint) -> list[CapacityResult]:
+        if self.args.delay_rule == "ttft-excess":
+            self.prefill_rates[system] = measure_prefill_rate(ep, self.source, seed=self.args.seed)
+            print(f"  {system}: one prompt alone prefills at {self.prefill_rates[system]:.0f} tok/s")
         cache: dict[float, dict] = {}
         out = []
         for name, slo_s in self.slos:
@@ -115,6 +127,7 @@ class Bench:
                                   slo_name=name, cache=cache)
             out.append(res)
             self.capacities.append({"system": system, "slo": name, "tbt_slo_s": slo_s, "capacity": res.capacity,
+                                    "prefill_rate": self.prefill_rates.get(system),
                                     "verdicts": [dataclasses.asdict(v) for v in res.verdicts]})
             print(f"  {system}: capacity under the {name} SLO ({slo_s * 1e3:.0f} ms) = {res.capacity:.3f} req/s")
         return out
@@ -152,10 +165,12 @@ def capacity_table(caps: list[dict]) -> str:
     slos = list(dict.fromkeys(c["slo"] for c in caps))
     systems = list(dict.fromkeys(c["system"] for c in caps))
     by = {(c["system"], c["slo"]): c for c in caps}
-    header = ["system"] + [f"capacity, {s} SLO (req/s)" for s in slos]
+    header = ["system"] + [f"capacity, {s} SLO (req/s)" for s in slos] + ["2 s rule judged on", "prefill alone (tok/s)"]
     rows = []
     for sys_name in systems:
         row = [sys_name]
+        verdicts = [v for s in slos for v in (by.get((sys_name, s)) or {}).get("verdicts", [])]
+        rate = next((c.get("prefill_rate") for (n, _), c in by.items() if n == sys_name and c.get("prefill_rate")), None)
         for s in slos:
             c = by.get((sys_name, s))
             if c is None:
@@ -165,6 +180,8 @@ def capacity_table(caps: list[dict]) -> str:
             else:
                 probes = len({v['rate'] for v in c["verdicts"]})
                 row.append(f"{c['capacity']:.3f} ({probes} rates tried)")
+        sources = sorted({v["delay_source"] for v in verdicts})
+        row += [", ".join(sources) or "–", f"{rate:.0f}" if rate else "–"]
         rows.append(row)
     return markdown_table(header, rows)
 
@@ -189,6 +206,11 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
     return out
 
 
+def the_command() -> str:
+    """The command line that produced a report, as typed (benchmarks/compare.py ... or paceline bench ...)."""
+    return " ".join([Path(sys.argv[0]).name, *map(shlex.quote, sys.argv[1:])])
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from paceline.bench.cli import output_dir
     from paceline.bench.peers import Server
@@ -197,8 +219,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     bench = Bench(args, spec, PromptSource(load_tokenizer(args.tokenizer or model)))
     out = output_dir(args.output_dir, spec.name)
     rates = _csv(args.rates, float)
-    command = "paceline bench compare " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                    if v not in (None, False) and k not in ("func", "command", "bench_command"))
+    command = the_command()
     for system in systems_for(args, spec, model):
         print(f"== {system.name}")
         if system.skip:
@@ -230,5 +251,5 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     bench.set_slos(ep)
     bench.capacity(args.label or ep.url, ep)
     out = output_dir(args.output_dir, spec.name)
-    print(bench.write(out, "paceline bench capacity " + args.url))
+    print(bench.write(out, the_command()))
     return 0

@@ -62,3 +62,15 @@ def test_parse_slo():
             parse_slo(bad, 0.04)
     with pytest.raises(ValueError):
         parse_slo("strict", None)
+
+
+def test_ttft_excess_judges_waiting_not_prefill_speed():
+    from paceline.bench.capacity import ttft_excess
+    from paceline.bench.metrics import RequestRecord
+    # 1000-token prompts on a server that prefills 250 tok/s alone: 4 s of every TTFT is the prompt itself
+    recs = [RequestRecord(i, 1000, 2, 0, 0.0, 0.0, [4.0 + w, 4.1 + w], 4.1 + w) for i, w in enumerate([0.5, 1.0, 3.0])]
+    ex = ttft_excess(recs, 250.0)
+    assert ex["p50"] == pytest.approx(1.0)
+    s = {"failed": 0, "tbt": {"p99": 0.05}, "ttft": {"p50": 5.0}, "scheduling_delay": None, "ttft_excess": ex}
+    v = judge(1.0, s, 0.1)
+    assert v.passed and v.delay_source == "ttft-excess" and v.delay_s == pytest.approx(1.0)

@@ -54,4 +54,4 @@ def test_skipped_systems_stay_in_the_capacity_table():
     caps = [{"system": "a", "slo": "strict", "capacity": 1.5, "verdicts": [{"rate": 1.0}, {"rate": 2.0}]},
             {"system": "b", "slo": "strict", "capacity": None, "skipped": "no binary"}]
     t = capacity_table(caps)
-    assert "| a | 1.500 (2 rates tried) |" in t and "| b | skipped: no binary |" in t
+    assert "| a | 1.500 (2 rates tried) | – | – |" in t and "| b | skipped: no binary | – | – |" in t
