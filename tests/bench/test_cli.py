@@ -51,7 +51,8 @@ def test_subcommands_are_wired():
 
 
 def test_skipped_systems_stay_in_the_capacity_table():
-    caps = [{"system": "a", "slo": "strict", "capacity": 1.5, "verdicts": [{"rate": 1.0}, {"rate": 2.0}]},
+    verdicts = [{"rate": 1.0, "delay_source": "scheduling"}, {"rate": 2.0, "delay_source": "scheduling"}]
+    caps = [{"system": "a", "slo": "strict", "capacity": 1.5, "verdicts": verdicts, "prefill_rate": 790.4},
             {"system": "b", "slo": "strict", "capacity": None, "skipped": "no binary"}]
     t = capacity_table(caps)
-    assert "| a | 1.500 (2 rates tried) | – | – |" in t and "| b | skipped: no binary | – | – |" in t
+    assert "| a | 1.500 (2 rates tried) | scheduling | 790 |" in t and "| b | skipped: no binary | – | – |" in t
