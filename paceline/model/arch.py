@@ -40,6 +40,11 @@ class ModelArch:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; paceline runs {', '.join(SUPPORTED)}"
             )
         heads = cfg["num_attention_heads"]
+        # transformers >= 5 writes rope settings as `rope_parameters` instead of rope_theta / rope_scaling
+        rope = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         hidden = cfg["hidden_size"]
         return cls(
             architecture=name,
@@ -51,8 +56,8 @@ class ModelArch:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", name == "qwen2"),
