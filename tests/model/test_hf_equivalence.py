@@ -28,7 +28,7 @@ def _long_text() -> str:
     things = ["a stone bridge", "a public library", "a grain mill", "a lighthouse", "a railway station",
               "a covered market", "a school for weavers", "an observatory"]
     lines = []
-    for i in range(60):
+    for i in range(31):
         lines.append(f"In {1780 + 7 * i}, the town of {towns[i % len(towns)]} built {things[i % len(things)]}, "
                      f"which cost {120 + 13 * i} pounds and took {2 + i % 5} years to finish.")
     return "A short history of the valley.\n" + " ".join(lines) + "\nThe most expensive project was"
