@@ -47,11 +47,17 @@ class SchedulerStats:
 class Step:
     """One step under construction."""
     now: float
-    budget: int  # tokens left this step; never negative
+    max_tokens: int  # the token budget
     out: SchedulerOutput
+    used: int = 0  # tokens scheduled so far (may pass max_tokens by one whole prompt under non-chunking policies)
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     resumed: set[str] = field(default_factory=set)  # admitted or swapped in now: not preempted again this step
     preempted: set[str] = field(default_factory=set)  # preempted now: not admitted or swapped in again this step
+
+    @property
+    def budget(self) -> int:
+        """Tokens left this step; never negative."""
+        return max(0, self.max_tokens - self.used)
 
 
 class Scheduler:
@@ -202,7 +208,7 @@ class Scheduler:
         s = ScheduledRequest(request, request.num_computed_tokens, num_tokens, list(self.kv.tables[rid]))
         step.out.scheduled.append(s)
         step.scheduled[rid] = s
-        step.budget = max(0, step.budget - num_tokens)
+        step.used += num_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = step.now
             request.num_cached_tokens = request.num_computed_tokens
@@ -215,7 +221,7 @@ class Scheduler:
                 if scheduled[i] is s:
                     del scheduled[i]
                     break
-            step.budget += s.num_tokens
+            step.used -= s.num_tokens
 
     def reserve(self) -> int:
         """Blocks an admission must leave free: the watermark, unless nothing runs that could need them."""
@@ -238,9 +244,6 @@ class Scheduler:
                 return False
         self.add_scheduled(step, request, num_tokens)
         return True
-
-    def victim_key(self, request: Request) -> tuple:
-        return self.rank(request)
 
     def pick_victim(self, step: Step, candidates: list[Request] | None = None) -> Request | None:
         """The lowest-ranked running request (largest priority value, then latest arrival; under fcfs the
