@@ -15,7 +15,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=None, help="mean request rate (req/s)")
     p.add_argument("--duration", type=float, default=None, help="send requests arriving within this many seconds")
     p.add_argument("--num-requests", type=int, default=None, help="send this many requests")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="workload and prompt seed; against a server with a prefix cache, repeat runs need a new seed")
     p.add_argument("--max-model-len", type=int, default=None, help="clip prompt + output to this context (default: the workload's)")
     p.add_argument("--tokenizer", default=None, help="GGUF or Hugging Face folder whose tokenizer cuts prompts (default: the bundled model)")
     p.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in ms, for goodput")

@@ -20,6 +20,8 @@ from paceline.bench.metrics import RequestRecord
 from paceline.bench.server_metrics import Scraper, scheduling_delay
 from paceline.bench.workload import RequestSpec
 
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the progress bar
+
 
 @dataclass
 class Endpoint:
@@ -161,7 +163,6 @@ async def run_async(ep: Endpoint, requests: list[RequestSpec], prompts: list[lis
                     scrape_interval: float | None = 0.5, label: str = "") -> RunResult:
     """Send every request at its arrival time; wait for all (or until deadline_s after the start, then cancel the
     rest and mark them failed). Scrapes /metrics every scrape_interval seconds (None: only before and after)."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the progress bar
     if len(prompts) != len(requests):
         raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
     limits = httpx.Limits(max_connections=max(1024, len(requests)), max_keepalive_connections=256)

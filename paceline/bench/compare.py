@@ -13,7 +13,7 @@ from paceline.bench import plots
 from paceline.bench.capacity import (CapacityResult, calibrate_decode_step, measure_prefill_rate, parse_slo,
                                      search_capacity, ttft_excess)
 from paceline.bench.client import Endpoint, run, warmup
-from paceline.bench.prompts import PromptSource, cached_prompts, bundled_gguf, load_tokenizer
+from paceline.bench.prompts import PromptSource, build_prompts, bundled_gguf, load_tokenizer
 from paceline.bench.report import environment, markdown_table, run_dict, runs_table, write_json
 from paceline.bench.workload import RequestSpec, WorkloadSpec, generate, load_workload
 
@@ -76,7 +76,7 @@ class Bench:
         # lengths, priorities and prompts do not depend on the rate: generate at rate 1, rescale arrivals
         n = max(args.probe_requests, getattr(args, "num_requests", 0) or 0)
         self.base = generate(spec, rate=1.0, num_requests=n, seed=args.seed)
-        self.prompt_cache: dict[tuple[str, int], list[int] | str] = {}
+        self.epochs: dict[str, int] = {}  # runs so far per system: each run gets fresh prompts (see build_prompts)
         self.runs: list[dict] = []
         self.decode_step_s: float | None = args.decode_step_ms / 1e3 if args.decode_step_ms else None
         self.slos: list[tuple[str, float]] = []
@@ -86,8 +86,8 @@ class Bench:
     def requests(self, rate: float, n: int) -> list[RequestSpec]:
         return [dataclasses.replace(r, arrival_s=r.arrival_s / rate) for r in self.base[:n]]
 
-    def prompts(self, requests: list[RequestSpec], fmt: str) -> list[list[int] | str]:
-        return cached_prompts(self.source, requests, self.args.seed, fmt == "text", self.prompt_cache)
+    def prompts(self, requests: list[RequestSpec], fmt: str, epoch: int) -> list[list[int] | str]:
+        return build_prompts(self.source, requests, self.args.seed, fmt == "text", epoch)
 
     def set_slos(self, ep: Endpoint | None) -> None:
         names = _csv(self.args.slo)
@@ -100,7 +100,8 @@ class Bench:
     def run_at(self, system: str, ep: Endpoint, rate: float, n: int, probe: bool) -> dict:
         reqs = self.requests(rate, n)
         deadline = reqs[-1].arrival_s + self.args.probe_timeout
-        result = run(ep, reqs, self.prompts(reqs, ep.prompt_format), progress=not self.args.no_progress,
+        epoch = self.epochs[system] = self.epochs.get(system, 0) + 1  # the k-th run of every system: same prompts
+        result = run(ep, reqs, self.prompts(reqs, ep.prompt_format, epoch), progress=not self.args.no_progress,
                      deadline_s=deadline, label=f"{system} @ {rate:.2f}/s")
         strict = self.slos[0][1] if self.slos else None
         stall = 5 * self.decode_step_s if self.decode_step_s else None
@@ -228,7 +229,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         try:
             with Server(system, out / "logs" / f"{system.name}.log") as srv:
                 ep = system.endpoint(srv.url)
-                warmup(ep, bench.prompts(bench.base[:1], ep.prompt_format)[0])
+                warmup(ep, bench.prompts(bench.base[:1], ep.prompt_format, epoch=0)[0])
                 if not bench.slos:
                     bench.set_slos(ep)
                 for rate in rates:

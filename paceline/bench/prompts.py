@@ -68,20 +68,13 @@ class PromptSource:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def build_prompts(source: PromptSource, requests: list[RequestSpec], seed: int, as_text: bool) -> list[list[int] | str]:
-    """One prompt per request; the same seed gives the same prompts at any rate."""
+def build_prompts(source: PromptSource, requests: list[RequestSpec], seed: int, as_text: bool,
+                  epoch: int = 0) -> list[list[int] | str]:
+    """One prompt per request; the same seed and epoch give the same prompts at any rate. Runs against one server
+    must use different epochs: a prompt the server has seen is served from its prefix cache, which would make every
+    run after the first cheaper than it should be."""
     out: list[list[int] | str] = []
     for r in requests:
-        ids = source.token_ids(r.prompt_tokens, np.random.default_rng([seed, 4, r.index]))
+        ids = source.token_ids(r.prompt_tokens, np.random.default_rng([seed, 4, epoch, r.index]))
         out.append(source.text(ids) if as_text else ids)
     return out
-
-
-def cached_prompts(source: PromptSource, requests: list[RequestSpec], seed: int, as_text: bool,
-                   cache: dict[tuple[str, int], list[int] | str]) -> list[list[int] | str]:
-    """build_prompts, remembering each request's prompt (by format and index) across runs at different rates."""
-    fmt = "text" if as_text else "ids"
-    missing = [r for r in requests if (fmt, r.index) not in cache]
-    for r, p in zip(missing, build_prompts(source, missing, seed, as_text)):
-        cache[(fmt, r.index)] = p
-    return [cache[(fmt, r.index)] for r in requests]

@@ -158,6 +158,9 @@ def test_prompts_have_exact_lengths_and_are_reproducible():
     assert [len(p) for p in ids] == [r.prompt_tokens for r in reqs]  # longer than the corpus: wraps around
     assert ids == build_prompts(source, reqs, seed=3, as_text=False)
     assert ids != build_prompts(source, reqs, seed=4, as_text=False)
+    # a new epoch (the next run against the same server) gets other text of the same lengths: no prefix-cache hits
+    other = build_prompts(source, reqs, seed=3, as_text=False, epoch=1)
+    assert [len(p) for p in other] == [len(p) for p in ids] and other != ids
     texts = build_prompts(source, reqs, seed=3, as_text=True)
     assert [len(t.split()) for t in texts] == [r.prompt_tokens for r in reqs]
 
