@@ -8,7 +8,7 @@ sequence (decodes, or a prompt chunk of one token). All index tensors are built 
 `build_metadata`; each layer then does a fixed handful of ops whatever the batch holds:
 
 - write: one `index_copy_` of this step's K and one of V into their slots;
-- decodes: one `index_select` gathers every decode's context from a padded `[B, Lmax]` slot index, then
+- decodes: one `index_select` gathers every decode's context, whole blocks from a padded `[B, nblocks]` index, then
   one SDPA call. GQA costs no copy: the query heads sharing a KV head become that head's query rows
   (`[B, kv_heads, group, head_dim]`), so SDPA sees plain multi-head attention with `group` queries.
 - prompt chunks: one chunk that starts at position 0 (the common prefill) attends to its own fresh K/V with
@@ -45,26 +45,26 @@ class AttnMetadata:
     prefill_fresh: bool = False  # one chunk starting at 0: attend to its own K/V, causal
     prefill_q_index: torch.Tensor | None = None  # [Bp * Qmax] flat row per padded query (None: Bp == 1)
     prefill_out_index: torch.Tensor | None = None  # [Tp] padded row of each real query (None: Bp == 1)
-    prefill_kv_index: torch.Tensor | None = None  # [Bp * Lmax] cache slots of each chunk's context
+    prefill_kv_index: torch.Tensor | None = None  # [Bp * Lmax / block_size] blocks of each chunk's context
     prefill_mask: torch.Tensor | None = None  # [Bp, 1, Qmax, Lmax] True where a query may look
     prefill_q_max: int = 0
     prefill_kv_max: int = 0
     # single tokens
     num_decodes: int = 0
-    decode_kv_index: torch.Tensor | None = None  # [Bd * Lmax] cache slots of each decode's context
+    decode_kv_index: torch.Tensor | None = None  # [Bd * Lmax / block_size] blocks of each decode's context
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] (None when no padding is needed)
     decode_kv_max: int = 0
 
 
-def _slots(block_tables: list[list[int]], lengths: list[int], block_size: int, device) -> tuple[torch.Tensor, int]:
-    """[B * Lmax] cache slots of positions 0..Lmax-1 of each sequence; padding points at a valid slot."""
-    lmax = max(lengths)
-    nblocks = (lmax + block_size - 1) // block_size
-    table = torch.tensor([bt[:nblocks] + [0] * (nblocks - len(bt[:nblocks])) for bt in block_tables],
-                         dtype=torch.long)
-    pos = torch.arange(lmax)
-    slots = table[:, pos // block_size] * block_size + pos % block_size
-    return slots.reshape(-1).to(device, non_blocking=True), lmax
+def _blocks(block_tables: list[list[int]], lengths: list[int], block_size: int, device) -> tuple[torch.Tensor, int]:
+    """[B * nblocks] block ids covering positions 0..Lpad-1 of each sequence (Lpad = nblocks * block_size).
+
+    Gathering whole blocks (rows of block_size * kv_heads * head_dim) copies ~1.5x faster than gathering slots;
+    positions past a sequence's length are masked. Padding entries point at block 0, which is always valid.
+    """
+    nblocks = (max(lengths) + block_size - 1) // block_size
+    table = [bt[:nblocks] + [0] * (nblocks - len(bt[:nblocks])) for bt in block_tables]
+    return torch.tensor(table, dtype=torch.long).reshape(-1).to(device, non_blocking=True), nblocks * block_size
 
 
 def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu") -> AttnMetadata:
@@ -99,8 +99,8 @@ def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device |
             qlens = [s.num_tokens for s in prefills]
             starts = torch.tensor([s.start for s in prefills])
             qmax = max(qlens)
-            kv_index, lmax = _slots([s.block_table for s in prefills], [s.start + s.num_tokens for s in prefills],
-                                    block_size, device)
+            kv_index, lmax = _blocks([s.block_table for s in prefills], [s.start + s.num_tokens for s in prefills],
+                                     block_size, device)
             qpos = starts[:, None] + torch.arange(qmax)[None, :]  # [Bp, Qmax] position of each padded query
             mask = torch.arange(lmax)[None, None, :] <= qpos[:, :, None]
             meta.prefill_kv_index, meta.prefill_kv_max, meta.prefill_q_max = kv_index, lmax, qmax
@@ -117,7 +117,7 @@ def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device |
     if decodes:
         meta.num_decodes = len(decodes)
         lengths = [s.start + 1 for s in decodes]
-        meta.decode_kv_index, meta.decode_kv_max = _slots([s.block_table for s in decodes], lengths, block_size, device)
+        meta.decode_kv_index, meta.decode_kv_max = _blocks([s.block_table for s in decodes], lengths, block_size, device)
         if min(lengths) != meta.decode_kv_max:
             mask = torch.arange(meta.decode_kv_max)[None, :] < torch.tensor(lengths)[:, None]
             meta.decode_mask = mask[:, None, None, :].to(device, non_blocking=True)
@@ -137,6 +137,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_flat = v_cache.view(-1, kvh * d)
     k_flat.index_copy_(0, meta.slot_mapping, k.reshape(t, kvh * d))
     v_flat.index_copy_(0, meta.slot_mapping, v.reshape(t, kvh * d))
+    k_blocks = k_cache.view(k_cache.shape[0], -1)
+    v_blocks = v_cache.view(v_cache.shape[0], -1)
 
     tp = meta.num_prefill_tokens
     outs = []
@@ -148,8 +150,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             bp, qmax, lmax = meta.num_prefills, meta.prefill_q_max, meta.prefill_kv_max
             qp = q[:tp] if meta.prefill_q_index is None else q.index_select(0, meta.prefill_q_index)
-            kc = k_flat.index_select(0, meta.prefill_kv_index).view(bp, lmax, kvh, d).transpose(1, 2)
-            vc = v_flat.index_select(0, meta.prefill_kv_index).view(bp, lmax, kvh, d).transpose(1, 2)
+            kc = k_blocks.index_select(0, meta.prefill_kv_index).view(bp, lmax, kvh, d).transpose(1, 2)
+            vc = v_blocks.index_select(0, meta.prefill_kv_index).view(bp, lmax, kvh, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(qp.view(bp, qmax, h, d).transpose(1, 2), kc, vc,
                                                attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
             o = o.transpose(1, 2).reshape(bp * qmax, h * d)
@@ -157,8 +159,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.num_decodes:
         bd, lmax = meta.num_decodes, meta.decode_kv_max
         group = h // kvh
-        kc = k_flat.index_select(0, meta.decode_kv_index).view(bd, lmax, kvh, d).transpose(1, 2)
-        vc = v_flat.index_select(0, meta.decode_kv_index).view(bd, lmax, kvh, d).transpose(1, 2)
+        kc = k_blocks.index_select(0, meta.decode_kv_index).view(bd, lmax, kvh, d).transpose(1, 2)
+        vc = v_blocks.index_select(0, meta.decode_kv_index).view(bd, lmax, kvh, d).transpose(1, 2)
         # query heads h = kv_head * group + g, so [bd, H, D] is already [bd, kv_heads, group, D]
         qd = q[tp:].reshape(bd, kvh, group, d)
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask, scale=scale)
