@@ -554,6 +554,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients may use in `model` (default: the model's own name)")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1 calls")
+    parser.add_argument("--graceful-shutdown-s", type=float, default=GRACEFUL_SHUTDOWN_S,
+                        help=f"on Ctrl-C / SIGTERM, how long in-flight requests may run before they are aborted "
+                             f"(default: {GRACEFUL_SHUTDOWN_S})")
     parser.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES,
                         help=f"larger request bodies get 413 (default: {MAX_BODY_BYTES})")
     flag("dtype", "weights and activations dtype", choices=["float32", "bfloat16", "float16"])
@@ -609,25 +612,25 @@ def run_server(args: argparse.Namespace) -> None:
              engine.block_size, sched.max_num_batched_tokens, sched.max_num_seqs, sched.policy,
              sched.scheduling_policy, sched.preemption_mode, engine.max_model_len)
     _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
-                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5, lifespan="on"),
-                    async_engine).run()
+                                   timeout_graceful_shutdown=args.graceful_shutdown_s + 5, lifespan="on"),
+                    async_engine, args.graceful_shutdown_s).run()
 
 
 class _GracefulServer(uvicorn.Server):
-    """On Ctrl-C / SIGTERM, drain the engine first: in-flight requests get GRACEFUL_SHUTDOWN_S to finish, then
+    """On Ctrl-C / SIGTERM, drain the engine first: in-flight requests get grace_s to finish, then
     are aborted so their streams end properly ([DONE], finish_reason "abort"); lifespan then stops the engine
     thread. uvicorn's own graceful timeout is only the backstop."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, grace_s: float) -> None:
         super().__init__(config)
-        self.async_engine = async_engine
+        self.async_engine, self.grace_s = async_engine, grace_s
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()  # a handled Ctrl-C / SIGTERM ends with status 0, not a re-raised signal
 
     async def shutdown(self, sockets: list | None = None) -> None:
-        drain = asyncio.ensure_future(self.async_engine.drain(GRACEFUL_SHUTDOWN_S))
+        drain = asyncio.ensure_future(self.async_engine.drain(self.grace_s))
         await super().shutdown(sockets)
         drain.cancel()
 

@@ -31,19 +31,21 @@ class Server:
         env = {**os.environ, "OMP_NUM_THREADS": "2"}
         self.proc = subprocess.Popen([sys.executable, "-m", "paceline.entrypoints.server", "--port", str(self.port),
                                       *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
+        self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
+        self.openai = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def wait_ready(self) -> Server:
+        deadline = time.monotonic() + 180
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
+                    return self
             except httpx.HTTPError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"server did not start:\n{self.output()}")
             time.sleep(0.2)
-        self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
-        self.openai = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
     def output(self) -> str:
         self.log.flush()
@@ -79,10 +81,24 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--kv-cache-memory-gb", "0.25", "--api-key", KEY)
-    yield s
-    assert s.stop() == 0, s.output()
+def servers():
+    """Every configuration this module needs, launched at once so their model loads overlap."""
+    launched = {
+        "main": Server("--kv-cache-memory-gb", "0.25", "--api-key", KEY),
+        # 24 blocks x 16 tokens: 16 requests of ~50 tokens need ~64 blocks, so the cache fills and some wait
+        "priority": Server("--scheduling-policy", "priority", "--num-kv-blocks", "24", "--block-size", "16",
+                           "--no-enable-prefix-caching", "--api-key", KEY),
+        "queue": Server("--max-num-seqs", "1", "--max-waiting-requests", "1", "--kv-cache-memory-gb", "0.1",
+                        "--graceful-shutdown-s", "0.5"),
+    }
+    yield launched
+    for s in launched.values():
+        assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["main"].wait_ready()
 
 
 def model_id(server: Server) -> str:
@@ -280,90 +296,99 @@ def test_disconnect_mid_stream_frees_blocks(server):
 
 # ---- priorities under a full KV cache -------------------------------------------------------------------------
 
+LOW_TOKENS = 40
 LOW_PROMPTS = ["Write a story about a dragon.", "Describe the ocean at night.", "Explain how a bicycle works.",
                "List facts about the moon."]
 
 
-def test_high_priority_overtakes_a_full_cache():
-    # 40 blocks x 16 tokens: 16 requests of ~70 tokens each need ~80 blocks, so the cache is full and some wait
-    s = Server("--scheduling-policy", "priority", "--num-kv-blocks", "40", "--block-size", "16",
-               "--no-enable-prefix-caching", "--api-key", KEY)
-    try:
-        model = model_id(s)
+def test_high_priority_overtakes_a_full_cache(servers):
+    s = servers["priority"].wait_ready()
+    model = model_id(s)
 
-        async def main():
-            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
-            low_first_token = asyncio.Event()
-            low_done: list[float] = []
+    async def main():
+        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        low_first_token = asyncio.Event()
+        low_done: list[float] = []
 
-            async def low(prompt: str) -> tuple[str, str, int]:
-                stream = await client.completions.create(
-                    model=model, prompt=prompt, max_tokens=48, temperature=0, stream=True,
-                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "priority": 10})
-                text, reason, n = "", None, 0
-                async for c in stream:
-                    if c.choices:
-                        text += c.choices[0].text
-                        low_first_token.set()
-                        reason = c.choices[0].finish_reason or reason
-                    if c.usage:
-                        n = c.usage.completion_tokens
-                low_done.append(time.monotonic())
-                return text, reason, n
+        async def low(prompt: str) -> tuple[str, str, int]:
+            stream = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=LOW_TOKENS, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "priority": 10})
+            text, reason, n = "", None, 0
+            async for c in stream:
+                if c.choices:
+                    text += c.choices[0].text
+                    low_first_token.set()
+                    reason = c.choices[0].finish_reason or reason
+                if c.usage:
+                    n = c.usage.completion_tokens
+            low_done.append(time.monotonic())
+            return text, reason, n
 
-            async def high() -> float:
-                stream = await client.completions.create(model=model, prompt="Say hello.", max_tokens=4,
-                                                         temperature=0, stream=True,
-                                                         extra_body={"ignore_eos": True, "priority": -10})
-                first = None
-                async for c in stream:
-                    if first is None and c.choices and c.choices[0].text:
-                        first = time.monotonic()
-                return first
+        async def high() -> float:
+            stream = await client.completions.create(model=model, prompt="Say hello.", max_tokens=4,
+                                                     temperature=0, stream=True,
+                                                     extra_body={"ignore_eos": True, "priority": -10})
+            first = None
+            async for c in stream:
+                if first is None and c.choices and c.choices[0].text:
+                    first = time.monotonic()
+            return first
 
-            lows = [asyncio.ensure_future(low(LOW_PROMPTS[i % 4])) for i in range(16)]
-            await low_first_token.wait()
-            await asyncio.sleep(0.2)
-            high_first = await high()
-            results = await asyncio.gather(*lows)
-            return high_first, min(low_done), results
+        lows = [asyncio.ensure_future(low(LOW_PROMPTS[i % 4])) for i in range(16)]
+        await low_first_token.wait()
+        # the lows grow until the cache is full: some get preempted or wait for blocks
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            full = await asyncio.to_thread(s.metrics)
+            if full["paceline:num_requests_waiting"] > 0 or full["paceline:num_preemptions_total"] > 0:
+                break
+            await asyncio.sleep(0.02)
+        high_first = await high()
+        results = await asyncio.gather(*lows)
+        return full, high_first, min(low_done), results
 
-        high_first, first_low_finish, results = asyncio.run(main())
-        assert high_first < first_low_finish
-        m = s.metrics()
-        assert m["paceline:num_preemptions_total"] > 0 or m["paceline:num_requests_waiting"] == 0
-        references = {p: s.openai.completions.create(model=model, prompt=p, max_tokens=48, temperature=0,
-                                                     extra_body={"ignore_eos": True}).choices[0].text
-                      for p in LOW_PROMPTS}
-        for i, (text, reason, n) in enumerate(results):
-            assert (reason, n) == ("length", 48)
-            assert text == references[LOW_PROMPTS[i % 4]], i
-        assert s.wait_idle()["paceline:kv_cache_used_blocks"] == 0
-    finally:
-        assert s.stop() == 0, s.output()
+    full, high_first, first_low_finish, results = asyncio.run(main())
+    # when the high-priority request came, the cache was full: requests were waiting for blocks
+    assert full["paceline:num_requests_waiting"] > 0 or full["paceline:num_preemptions_total"] > 0
+    assert full["paceline:kv_cache_usage_perc"] > 0.5
+    assert high_first < first_low_finish
+    # the same prompts again, four at a time (the cache holds them all): the references
+    batch = s.openai.completions.create(model=model, prompt=LOW_PROMPTS, max_tokens=LOW_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    references = {LOW_PROMPTS[c.index]: c.text for c in batch.choices}
+    for i, (text, reason, n) in enumerate(results):
+        assert (reason, n) == ("length", LOW_TOKENS)
+        assert text == references[LOW_PROMPTS[i % 4]], i
+    assert s.wait_idle()["paceline:kv_cache_used_blocks"] == 0
 
 
 # ---- overload and shutdown ------------------------------------------------------------------------------------
 
-def test_full_queue_then_clean_shutdown():
-    s = Server("--max-num-seqs", "1", "--max-waiting-requests", "1", "--kv-cache-memory-gb", "0.1")
+def test_full_queue_then_clean_shutdown(servers):
+    s = servers["queue"].wait_ready()
     body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     try:
         with httpx.Client(base_url=s.url, timeout=60) as a, httpx.Client(base_url=s.url, timeout=60) as b:
             with a.stream("POST", "/v1/completions", json=body) as running:
-                next(line for line in running.iter_lines() if line.startswith("data: "))  # it runs
+                # keep the iterator: dropping a half-read httpx iterator closes the connection (a disconnect)
+                lines = running.iter_lines()
+                while not next(lines).startswith("data: "):
+                    pass
                 with b.stream("POST", "/v1/completions", json=body) as waiting:
                     assert waiting.status_code == 200
-                    deadline = time.monotonic() + 5
+                    deadline = time.monotonic() + 10
                     while s.metrics()["paceline:num_requests_waiting"] < 1 and time.monotonic() < deadline:
                         time.sleep(0.02)
                     r = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
                     expect_error(r, 503, None, "server_overloaded")
                     assert int(r.headers["retry-after"]) >= 1
-                    # Ctrl-C with two requests in flight: they finish or are aborted, the process exits 0
+                    # Ctrl-C with two requests in flight: both streams end properly (finished or aborted)
                     s.proc.send_signal(signal.SIGINT)
-                    lines = [line for line in running.iter_lines() if line.startswith("data: ")]
-                    assert lines[-1] == "data: [DONE]" or not lines
+                    for stream_lines in (lines, waiting.iter_lines()):
+                        events = [line for line in stream_lines if line.startswith("data: ")]
+                        assert events[-1] == "data: [DONE]"
+                        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("abort", "length")
         assert s.proc.wait(30) == 0, s.output()
     finally:
         s.stop()
