@@ -140,6 +140,21 @@ class Bench:
             self.capacities.append({"system": system, "slo": name, "tbt_slo_s": slo_s, "capacity": None,
                                     "skipped": reason})
 
+    def featured_runs(self) -> list[dict]:
+        """One line per system in the CDF and timeline plots: the fixed-rate runs when there are some, else each
+        system's probe at the highest rate that met the first SLO (its lowest probe when none did)."""
+        runs = [r for r in self.runs if not r.get("skipped")]
+        fixed = [r for r in runs if not r.get("probe")]
+        if fixed:
+            return fixed
+        out = []
+        for system in dict.fromkeys(r["system"] for r in runs):
+            cap = next((c["capacity"] for c in self.capacities if c["system"] == system and c.get("capacity")), None)
+            mine = sorted((r for r in runs if r["system"] == system), key=lambda r: r["rate"])
+            best = [r for r in mine if cap is not None and r["rate"] <= cap + 1e-9]
+            out.append(best[-1] if best else mine[0])
+        return out
+
     def write(self, out: Path, command: str) -> str:
         env = environment()
         payload = {"environment": env, "command": command, "workload": dataclasses.asdict(self.spec),
@@ -158,7 +173,7 @@ class Bench:
             md.append(runs_table(fixed))
         text = "\n\n".join(md) + "\n"
         (out / "results.md").write_text(text)
-        plots.all_plots([r for r in self.runs if not r.get("skipped")], out, self.slos[0][1] if self.slos else None)
+        plots.all_plots(self.runs, out, self.slos[0][1] if self.slos else None, featured=self.featured_runs())
         return text
 
 

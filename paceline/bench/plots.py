@@ -106,12 +106,17 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def all_plots(runs: list[dict], out_dir: Path, tbt_slo: float | None = None) -> list[Path]:
+def all_plots(runs: list[dict], out_dir: Path, tbt_slo: float | None = None,
+              featured: list[dict] | None = None) -> list[Path]:
+    """Every plot. `featured` (default: all runs) are the runs drawn one line each in the CDF, tokens-over-time and
+    step-composition plots; latency vs rate uses every run."""
     runs = [r for r in runs if not r.get("skipped")]
-    out = [tbt_cdf(runs, out_dir / "tbt_cdf.png", tbt_slo), tokens_over_time(runs, out_dir / "tokens_over_time.png")]
+    featured = runs if featured is None else featured
+    out = [tbt_cdf(featured, out_dir / "tbt_cdf.png", tbt_slo),
+           tokens_over_time(featured, out_dir / "tokens_over_time.png")]
     if len({r.get("rate") for r in runs}) > 1:
         out.append(latency_vs_rate(runs, out_dir / "latency_vs_rate.png", tbt_slo))
-    sc = step_composition(runs, out_dir / "step_composition.png")
+    sc = step_composition(featured, out_dir / "step_composition.png")
     if sc:
         out.append(sc)
     return out

@@ -56,3 +56,41 @@ def test_skipped_systems_stay_in_the_capacity_table():
             {"system": "b", "slo": "strict", "capacity": None, "skipped": "no binary"}]
     t = capacity_table(caps)
     assert "| a | 1.500 (2 rates tried) | scheduling | 790 |" in t and "| b | skipped: no binary | – | – |" in t
+
+
+def test_compare_report_from_runs(tmp_path):
+    """Bench.write on hand-made runs: the table, the capacity table with a skipped peer, and the plots."""
+    from paceline.bench.compare import Bench
+    from paceline.bench.prompts import PromptSource
+    from paceline.bench.workload import load_workload
+
+    class Words:
+        def encode(self, text, add_special_tokens=False):
+            return [len(w) for w in text.split()]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join("x" * i for i in ids)
+
+    args = parse(["compare", "--workload", "chat", "--slo", "200", "--probe-requests", "4"])
+    bench = Bench(args, load_workload("chat"), PromptSource(Words(), "a bb ccc dddd"))
+    bench.slos = [("200ms", 0.2)]
+
+    def run(system, rate, gap):
+        reqs = [{"index": i, "prompt_tokens": 5, "output_tokens": 3, "priority": 0, "scheduled_s": i / rate,
+                 "sent_s": i / rate, "token_times": [i / rate + 0.1 + k * gap for k in range(3)],
+                 "end_s": i / rate + 0.1 + 2 * gap, "usage_prompt_tokens": None, "usage_completion_tokens": None,
+                 "error": None} for i in range(4)]
+        from paceline.bench.metrics import RequestRecord, summarize
+        return {"system": system, "workload": "chat", "rate": rate, "probe": True, "step_composition": [],
+                "summary": summarize([RequestRecord(**r) for r in reqs]), "requests": reqs}
+
+    bench.runs = [run("a", 1.0, 0.05), run("a", 2.0, 0.3), run("b", 1.0, 0.1)]
+    bench.capacities = [{"system": "a", "slo": "200ms", "tbt_slo_s": 0.2, "capacity": 1.0,
+                         "verdicts": [{"rate": 1.0, "delay_source": "scheduling"}]}]
+    bench.skip("c", "no binary")
+    assert [(r["system"], r["rate"]) for r in bench.featured_runs()] == [("a", 1.0), ("b", 1.0)]
+    text = bench.write(tmp_path, "benchmarks/compare.py --workload chat")
+    assert "| c | skipped: no binary |" in text and "| a | 1.000 (1 rates tried) |" in text
+    for png in ("tbt_cdf.png", "tokens_over_time.png", "latency_vs_rate.png"):
+        assert (tmp_path / png).exists()
+    assert json.loads((tmp_path / "results.json").read_text())["command"] == "benchmarks/compare.py --workload chat"
