@@ -1,0 +1,17 @@
+"""Benchmark harness for any OpenAI-compatible server.
+
+    paceline bench serve --url http://127.0.0.1:8000 --workload chat --rate 1 --duration 60
+    paceline bench capacity --url http://127.0.0.1:8000 --workload long-prompt --slo strict,relaxed
+    paceline bench compare --workload chat          (same as python benchmarks/compare.py --workload chat)
+
+Modules, one job each:
+    workload.py        arrivals, lengths, priority classes -> RequestSpec list (seeded; YAML in benchmarks/workloads)
+    prompts.py         real text (benchmarks/data/corpus.txt) cut to exact token counts with the model's tokenizer
+    client.py          open-loop streaming load generator; one timestamp per output token
+    metrics.py         TTFT, TBT, TPOT, e2e, normalized latency, stalls, throughput, goodput (architecture.md)
+    server_metrics.py  /metrics scrapes: scheduling delay histogram, decode vs prompt-chunk tokens over time
+    report.py, plots.py  JSON with every sample, markdown tables, PNGs
+    capacity.py        decode-step calibration, SLOs (strict 5x / relaxed 25x), bounded bisection on the rate
+    peers.py           start/stop paceline (each scheduler), llama-server, transformers serve on 127.0.0.1
+    compare.py         the side-by-side run; cli.py wires the sub-commands
+"""
