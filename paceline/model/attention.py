@@ -81,13 +81,10 @@ def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device |
     if any(s.num_tokens > 1 for s in decodes):
         raise ValueError("multi-token chunks must come before single-token sequences in the flat batch")
 
-    # slot of every flat token, built with a few vectorised ops rather than a Python loop over tokens
-    slot_parts = []
-    for s in seqs:
-        pos = torch.arange(s.start, s.start + s.num_tokens)
-        table = torch.tensor(s.block_table, dtype=torch.long)
-        slot_parts.append(table[pos // block_size] * block_size + pos % block_size)
-    slot_mapping = torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]
+    # plain Python ints: cheaper than a few tiny tensor ops per sequence when the batch is mostly decodes
+    bs = block_size
+    slots = [s.block_table[p // bs] * bs + p % bs for s in seqs for p in range(s.start, s.start + s.num_tokens)]
+    slot_mapping = torch.tensor(slots, dtype=torch.long)
     tp = sum(s.num_tokens for s in prefills)
     meta = AttnMetadata(slot_mapping=slot_mapping.to(device, non_blocking=True), num_prefill_tokens=tp)
 
