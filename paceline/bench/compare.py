@@ -216,7 +216,7 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
             out.append(llama_server_system(int(name.removeprefix("llama-server-np")), args.budget, model,
                                            ctx_per_slot, args.threads))
         elif name == "transformers-cb":
-            out.append(transformers_system(model, args.budget))
+            out.append(transformers_system(model, args.budget, args.threads))
         else:
             raise ValueError(f"unknown system {name!r}; choose from {', '.join(ALL_SYSTEMS)}")
     return out

@@ -62,7 +62,7 @@ def paceline_system(scheduler: str, budget: int, model: str, threads: int | None
     argv = [exe] if exe else [sys.executable, "-m", "paceline.entrypoints.cli"]
     argv += ["--log-level", "WARNING", "serve", "--model", model, "--host", "127.0.0.1", "--port", "{port}",
              "--scheduler", scheduler, "--max-num-batched-tokens", str(budget), *(extra or [])]
-    env = {"OMP_NUM_THREADS": str(threads), "PACELINE_NUM_THREADS": str(threads)} if threads else {}
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else {}  # torch's intra-op threads
     name = f"paceline-{scheduler}-{budget}" if scheduler == "sarathi" else f"paceline-{scheduler}"
     return System(name, argv, is_paceline=True, env=env)
 
@@ -91,7 +91,7 @@ def llama_server_system(slots: int, budget: int, model: str, ctx_per_slot: int, 
     return System(name, argv, send_priority=False)
 
 
-def transformers_system(model: str, budget: int) -> System:
+def transformers_system(model: str, budget: int, threads: int | None = None) -> System:
     """`transformers serve --continuous-batching` on the same weights (the HF folder paceline converts the GGUF to)."""
     exe = _bin("transformers")
     name = "transformers-cb"
@@ -108,7 +108,7 @@ def transformers_system(model: str, budget: int) -> System:
     opts = {"send_ignore_eos": False, "include_usage": False,
             "extra_body": {"generation_config": json.dumps({"eos_token_id": -1})}}
     return System(name, argv, prompt_format="text", send_priority=False, startup_timeout_s=300.0, model=str(folder),
-                  endpoint_options=opts)
+                  endpoint_options=opts, env={"OMP_NUM_THREADS": str(threads)} if threads else {})
 
 
 def hf_folder(model: str) -> Path:
