@@ -97,3 +97,10 @@ class FakeServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+if __name__ == "__main__":  # `python fake_server.py PORT`: as a separate process, for peers.Server tests
+    import sys
+
+    app = build_app(0.05, 0.01, 0.0, -1, [])
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="error")
