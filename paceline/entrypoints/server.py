@@ -545,10 +545,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
     def flag(name: str, help: str, **kw: Any) -> None:
         section, field = _FLAGS[name]
+        default = _default(section, field)
         parser.add_argument("--" + name.replace("_", "-"), default=None,
-                            help=f"{help} (default: {_default(section, field)})", **kw)
+                            help=help if default is None else f"{help} (default: {default})", **kw)
 
-    flag("model", "GGUF file or Hugging Face folder; default is the bundled SmolLM2-135M-Instruct")
+    flag("model", "GGUF file or Hugging Face folder (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     parser.add_argument("--served-model-name", nargs="+", default=None,

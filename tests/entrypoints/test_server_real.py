@@ -392,3 +392,13 @@ def test_full_queue_then_clean_shutdown(servers):
         assert s.proc.wait(30) == 0, s.output()
     finally:
         s.stop()
+
+
+def test_disconnect_while_waiting_for_a_whole_response(server):
+    before = server.wait_idle()
+    body = {"prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        server.http.post("/v1/completions", json=body, timeout=1.0)
+    after = server.wait_idle(timeout=2.0)
+    assert after["paceline:kv_cache_used_blocks"] == 0 and after["paceline:num_requests_running"] == 0
+    assert after["paceline:request_success_total{abort}"] == before.get("paceline:request_success_total{abort}", 0) + 1
