@@ -109,6 +109,11 @@ class CapacityResult:
     capacity: float  # req/s; 0 when even the lowest probe failed
     verdicts: list[Verdict] = field(default_factory=list)
 
+    @property
+    def is_lower_bound(self) -> bool:
+        """Every probe passed (the probe budget ran out first): the capacity is at least this."""
+        return self.capacity > 0 and all(v.passed for v in self.verdicts)
+
 
 def search_capacity(probe: Callable[[float], dict], tbt_slo_s: float, *, start_rate: float, max_probes: int = 8,
                     rel_tol: float = 0.1, min_rate: float = 0.01, max_delay_s: float = MAX_DELAY_S,

@@ -128,9 +128,10 @@ class Bench:
                                   slo_name=name, cache=cache)
             out.append(res)
             self.capacities.append({"system": system, "slo": name, "tbt_slo_s": slo_s, "capacity": res.capacity,
-                                    "prefill_rate": self.prefill_rates.get(system),
+                                    "prefill_rate": self.prefill_rates.get(system), "lower_bound": res.is_lower_bound,
                                     "verdicts": [dataclasses.asdict(v) for v in res.verdicts]})
-            print(f"  {system}: capacity under the {name} SLO ({slo_s * 1e3:.0f} ms) = {res.capacity:.3f} req/s")
+            print(f"  {system}: capacity under the {name} SLO ({slo_s * 1e3:.0f} ms) "
+                  f"{'>=' if res.is_lower_bound else '='} {res.capacity:.3f} req/s")
         return out
 
     def skip(self, system: str, reason: str) -> None:
@@ -195,7 +196,7 @@ def capacity_table(caps: list[dict]) -> str:
                 row.append(f"skipped: {c['skipped']}")
             else:
                 probes = len({v['rate'] for v in c["verdicts"]})
-                row.append(f"{c['capacity']:.3f} ({probes} rates tried)")
+                row.append(f"{'≥ ' if c.get('lower_bound') else ''}{c['capacity']:.3f} ({probes} rates tried)")
         sources = sorted({v["delay_source"] for v in verdicts})
         row += [", ".join(sources) or "–", f"{rate:.0f}" if rate else "–"]
         rows.append(row)

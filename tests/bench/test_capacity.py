@@ -40,7 +40,10 @@ def test_probe_budget_is_respected_and_probes_are_shared():
 def test_zero_capacity_when_even_the_slowest_rate_fails():
     res = search_capacity(lambda r: {"failed": 0, "tbt": {"p99": 1.0}, "ttft": {"p50": 0.1}}, 0.1, start_rate=1.0,
                           max_probes=20, min_rate=0.1)
-    assert res.capacity == 0.0 and all(not v.passed for v in res.verdicts)
+    assert res.capacity == 0.0 and all(not v.passed for v in res.verdicts) and not res.is_lower_bound
+    always = search_capacity(lambda r: {"failed": 0, "tbt": {"p99": 0.01}, "ttft": {"p50": 0.1}}, 0.1, start_rate=1.0,
+                             max_probes=3)
+    assert always.capacity == 4.0 and always.is_lower_bound  # 1, 2, 4 all passed: at least 4
 
 
 def test_judge_prefers_scheduling_delay_and_fails_on_errors():
