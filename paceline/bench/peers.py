@@ -83,8 +83,7 @@ def llama_server_system(slots: int, budget: int, model: str, ctx_per_slot: int, 
         return System(name, [], skip="no llama-server binary (build it with benchmarks/build_llama_server.sh)")
     # -kvu: one KV pool shared by all slots, so a slot may hold a long prompt without reserving ctx for every slot
     argv = [exe, "-m", model, "--host", "127.0.0.1", "--port", "{port}", "-np", str(slots), "-cb",
-            "-b", str(budget), "-ub", str(budget), "-c", str(ctx_per_slot * slots), "-kvu", "--no-webui",
-            "--log-disable"]
+            "-b", str(budget), "-ub", str(budget), "-c", str(ctx_per_slot * slots), "-kvu", "--no-webui"]
     if threads:
         argv += ["-t", str(threads), "-tb", str(threads)]
     # llama-server reads `ignore_eos`, but rejects nothing it does not know; token-id prompts are exact
