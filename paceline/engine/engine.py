@@ -161,10 +161,12 @@ class Engine:
         if sched_out.is_empty:
             self.last_step = None
             return outputs
+        # composition is read before update(): afterwards a decode's request already holds its new token
+        num_decode = sched_out.num_decode_tokens
+        num_prefill = sched_out.num_batched_tokens - num_decode
         result = self.runner.execute(sched_out)
         updated = self.scheduler.update(sched_out, result, time.monotonic())
-        self.last_step = StepStats(sched_out.num_decode_tokens, sched_out.num_prefill_tokens,
-                                   len(sched_out.scheduled), result.duration,
+        self.last_step = StepStats(num_decode, num_prefill, len(sched_out.scheduled), result.duration,
                                    len(sched_out.preempted_ids), len(sched_out.swapped_out_ids))
         for request in updated:
             if request.request_id in result.logprobs:
