@@ -89,3 +89,16 @@ def test_bad_input_is_a_value_error(llm: LLM) -> None:
         llm.generate([[10**9]], greedy(4))
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_step_stats_count_decodes_and_prompt_chunks(llm: LLM) -> None:
+    engine = llm.engine
+    request = engine.add_request("stats-a", "The capital of France is", greedy(3))
+    first = engine.step()  # the whole prompt, and its first token
+    assert engine.last_step.num_prefill_tokens == request.num_prompt_tokens
+    assert engine.last_step.num_decode_tokens == 0
+    assert first[0].num_output_tokens == 1
+    engine.step()
+    assert engine.last_step.num_decode_tokens == 1 and engine.last_step.num_prefill_tokens == 0
+    while engine.has_unfinished():
+        engine.step()
