@@ -7,7 +7,6 @@ step runs. The KV contents are garbage, which costs the same as real keys and va
 from __future__ import annotations
 
 import platform
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -103,7 +102,8 @@ def run_profile(out_path: str, model: str | None = None, dtype: str = "float32",
             runner.execute(sched)
             samples.append(time.perf_counter() - t0)
         shapes.append(batch_shape(sched))
-        times.append(statistics.median(samples[1:]))  # the first run of a shape warms its buffers
+        # the minimum: on a shared machine every other reading is this cost plus someone else's work
+        times.append(min(samples[1:]))  # the first run of a shape warms its buffers
 
     bytes_per_token = ModelRunner.bytes_per_block(arch, BLOCK_SIZE, torch_dtype) / BLOCK_SIZE
     meta = {"machine": platform.processor() or platform.machine(), "device": str(device), "threads": threads,
