@@ -5,7 +5,8 @@ tokens of context, one new token per request per step), for each dtype, both eng
 
 Decode contexts are filled with random K/V instead of prefilling them (the values do not change the cost), so a
 batch of 128 needs no 32k-token prefill. paceline's decode step is a full `ModelRunner.execute` (batch build,
-forward, logits, greedy sampling); transformers' is `model(input_ids, past_key_values=DynamicCache)` + argmax.
+forward, logits, greedy sampling); transformers' is `model(input_ids, past_key_values=DynamicCache)` + argmax. Prefill of both computes logits
+for the last prompt token only (transformers: logits_to_keep=1, as its generate() does).
 
     python benchmarks/model_speed.py                      # everything (several minutes)
     python benchmarks/model_speed.py --quick              # 128/512 prefill, batches 1/8/32, fewer steps
@@ -34,86 +35,102 @@ def _best(fn, repeats: int) -> float:
     return min(times)
 
 
-def paceline_speeds(ckpt, dtype, args) -> dict[tuple[str, int], float]:
-    from paceline.core.outputs import ScheduledRequest, SchedulerOutput
-    from paceline.engine.runner import ModelRunner
-    from paceline.model.llama import LlamaModel
-    from paceline.request import Request
-    from paceline.sampling import SamplingParams
+class Paceline:
+    """paceline's executor: a full `ModelRunner.execute` per decode step."""
 
-    arch = ckpt.arch
-    model = LlamaModel.from_weights(arch, ckpt.weights, "cpu", dtype)
-    bs = 16
-    ctx = args.context
-    per_req = (ctx + args.steps + 2 + bs - 1) // bs
-    need = max([max(args.batches or [1]) * per_req] + [(n + bs - 1) // bs for n in args.prefill])
-    runner = ModelRunner(model, arch, need, bs, dtype=dtype)
-    out: dict[tuple[str, int], float] = {}
-    g = torch.Generator().manual_seed(0)
-    for n in args.prefill:
-        prompt = torch.randint(0, arch.vocab_size, (n,), generator=g).tolist()
-        t = _best(lambda: runner.prefill_logits(prompt), args.repeats)
-        out[("prefill", n)] = n / t
-    runner.kv_cache.normal_(generator=g)  # stands in for each request's 256 tokens of context
-    greedy = SamplingParams(temperature=0.0, max_tokens=None)
-    for b in args.batches:
+    name = "paceline"
+
+    def __init__(self, ckpt, dtype, args):
+        from paceline.engine.runner import ModelRunner
+        from paceline.model.llama import LlamaModel
+
+        self.arch, self.args = ckpt.arch, args
+        self.bs = 16
+        self.per_req = (args.context + args.steps + 2 + self.bs - 1) // self.bs
+        need = max([max(args.batches or [1]) * self.per_req] + [(n + self.bs - 1) // self.bs for n in args.prefill])
+        self.runner = ModelRunner(LlamaModel.from_weights(ckpt.arch, ckpt.weights, "cpu", dtype), ckpt.arch, need,
+                                  self.bs, dtype=dtype)
+        self.runner.kv_cache.normal_()  # stands in for each decoding request's context
+
+    def prefill(self, n: int) -> float:
+        from paceline.model.attention import SeqSlice
+
+        prompt = torch.randint(0, self.arch.vocab_size, (n,)).tolist()
+        table = list(range((n + self.bs - 1) // self.bs))
+        # as in serving: logits only for the last prompt token
+        run = lambda: self.runner.forward_tokens(prompt, list(range(n)), [SeqSlice(0, n, table)], [n - 1])  # noqa: E731
+        return n / _best(run, self.args.repeats)
+
+    def decode(self, b: int) -> float:
+        from paceline.core.outputs import ScheduledRequest, SchedulerOutput
+        from paceline.request import Request
+        from paceline.sampling import SamplingParams
+
+        ctx, greedy = self.args.context, SamplingParams(temperature=0.0, max_tokens=None)
         reqs = []
         for i in range(b):
-            r = Request(str(i), torch.randint(0, arch.vocab_size, (ctx,), generator=g).tolist(), greedy, 0.0)
+            r = Request(str(i), torch.randint(0, self.arch.vocab_size, (ctx,)).tolist(), greedy, 0.0)
             r.append_token(1, 0.0)
             r.num_computed_tokens = ctx
             reqs.append(r)
-        tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(b)]
+        tables = [list(range(i * self.per_req, (i + 1) * self.per_req)) for i in range(b)]
 
-        def step():
+        def step() -> float:
             sched = [ScheduledRequest(r, r.num_tokens - 1, 1, t) for r, t in zip(reqs, tables)]
-            res = runner.execute(SchedulerOutput(scheduled=sched))
+            res = self.runner.execute(SchedulerOutput(scheduled=sched))
             for r in reqs:
                 r.num_computed_tokens += 1
                 r.append_token(res.token_ids[r.request_id], 0.0)
             return res.duration
 
         step()  # warm-up
-        durations = [step() for _ in range(args.steps)]
-        out[("decode", b)] = b / statistics.median(durations)
-    return out
+        return b / statistics.median([step() for _ in range(self.args.steps)])
 
 
-def transformers_speeds(ckpt, dtype, args) -> dict[tuple[str, int], float]:
-    import transformers
-    from transformers import DynamicCache
+class Transformers:
+    """Hugging Face transformers: model(input_ids, past_key_values=DynamicCache) + argmax per decode step."""
 
-    from paceline.model.loader import hf_config
+    name = "transformers"
 
-    arch = ckpt.arch
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(arch)))
-    hf.load_state_dict(ckpt.weights, strict=False)
-    hf.tie_weights()
-    hf = hf.to(dtype).eval()
-    out: dict[tuple[str, int], float] = {}
-    g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for n in args.prefill:
-            ids = torch.randint(0, arch.vocab_size, (1, n), generator=g)
-            t = _best(lambda: hf(ids, past_key_values=DynamicCache(config=hf.config), use_cache=True), args.repeats)
-            out[("prefill", n)] = n / t
-        ctx = args.context
-        for b in args.batches:
-            cache = DynamicCache(config=hf.config)
-            for layer in range(arch.num_layers):
-                shape = (b, arch.num_kv_heads, ctx, arch.head_dim)
-                cache.update(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), layer)
-            ids = torch.ones(b, 1, dtype=torch.long)
-            durations = []
-            for i in range(args.steps + 1):
-                pos = ctx + i
-                t = time.perf_counter()
-                logits = hf(ids, past_key_values=cache, use_cache=True, attention_mask=torch.ones(b, pos + 1, dtype=torch.long),
-                            position_ids=torch.full((b, 1), pos)).logits
-                ids = logits[:, -1].argmax(-1, keepdim=True)
-                durations.append(time.perf_counter() - t)
-            out[("decode", b)] = b / statistics.median(durations[1:])
-    return out
+    def __init__(self, ckpt, dtype, args):
+        import transformers
+
+        from paceline.model.loader import hf_config
+
+        self.arch, self.args, self.dtype = ckpt.arch, args, dtype
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(ckpt.arch)))
+        hf.load_state_dict(ckpt.weights, strict=False)
+        hf.tie_weights()
+        self.hf = hf.to(dtype).eval()
+
+    @torch.inference_mode()
+    def prefill(self, n: int) -> float:
+        from transformers import DynamicCache
+
+        ids = torch.randint(0, self.arch.vocab_size, (1, n))
+        run = lambda: self.hf(ids, past_key_values=DynamicCache(config=self.hf.config), use_cache=True,  # noqa: E731
+                              logits_to_keep=1)
+        return n / _best(run, self.args.repeats)
+
+    @torch.inference_mode()
+    def decode(self, b: int) -> float:
+        from transformers import DynamicCache
+
+        arch, ctx = self.arch, self.args.context
+        cache = DynamicCache(config=self.hf.config)
+        shape = (b, arch.num_kv_heads, ctx, arch.head_dim)
+        for layer in range(arch.num_layers):
+            cache.update(torch.randn(shape, dtype=self.dtype), torch.randn(shape, dtype=self.dtype), layer)
+        ids = torch.ones(b, 1, dtype=torch.long)
+        durations = []
+        for i in range(self.args.steps + 1):
+            pos = ctx + i
+            t = time.perf_counter()
+            logits = self.hf(ids, past_key_values=cache, use_cache=True, position_ids=torch.full((b, 1), pos),
+                             attention_mask=torch.ones(b, pos + 1, dtype=torch.long)).logits
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            durations.append(time.perf_counter() - t)
+        return b / statistics.median(durations[1:])
 
 
 def main() -> None:
@@ -135,22 +152,22 @@ def main() -> None:
 
     from paceline.model.loader import load_checkpoint
 
-    rows = []
+    # each measurement runs paceline then transformers back to back, so both see the same machine load
+    print(f"threads={args.threads} context={args.context} (decode) -- tokens/s, higher is better", flush=True)
+    print(f"{'dtype':<9} {'phase':<14} {'paceline':>10} {'transformers':>13} {'ratio':>7}", flush=True)
+    ckpt = load_checkpoint(args.model, "float32")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        ckpt = load_checkpoint(args.model, "float32")
-        ours = paceline_speeds(ckpt, dtype, args)
-        theirs = {} if args.no_hf else transformers_speeds(ckpt, dtype, args)
-        for key, v in ours.items():
-            rows.append((dtype_name, key, v, theirs.get(key)))
-
-    print(f"\nthreads={args.threads} context={args.context} (decode) — tokens/s, higher is better")
-    print(f"{'dtype':<9} {'phase':<14} {'paceline':>10} {'transformers':>13} {'ratio':>7}")
-    for dtype_name, (phase, n), v, ref in rows:
-        label = f"prefill {n}" if phase == "prefill" else f"decode b={n}"
-        ref_s = f"{ref:13.1f}" if ref else f"{'-':>13}"
-        ratio = f"{v / ref:6.2f}x" if ref else f"{'-':>7}"
-        print(f"{dtype_name:<9} {label:<14} {v:10.1f} {ref_s} {ratio}")
+        engines = [Paceline(ckpt, dtype, args)] + ([] if args.no_hf else [Transformers(ckpt, dtype, args)])
+        jobs = [("prefill", n) for n in args.prefill] + [("decode", b) for b in args.batches]
+        for phase, n in jobs:
+            ours, *theirs = [getattr(e, phase)(n) for e in engines]
+            ref = theirs[0] if theirs else None
+            label = f"prefill {n}" if phase == "prefill" else f"decode b={n}"
+            ref_s = f"{ref:13.1f}" if ref else f"{'-':>13}"
+            ratio = f"{ours / ref:6.2f}x" if ref else f"{'-':>7}"
+            print(f"{dtype_name:<9} {label:<14} {ours:10.1f} {ref_s} {ratio}", flush=True)
+        del engines
 
 
 if __name__ == "__main__":
