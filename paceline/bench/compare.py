@@ -53,7 +53,10 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="", help="comma list of fixed rates every system runs (besides capacity)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per fixed-rate run")
     p.add_argument("--no-capacity", action="store_true", help="only the fixed-rate runs")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads each server may use")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads every server may use (torch: OMP_NUM_THREADS; llama-server: -t/-tb). On a machine "
+                        "busy with other work use 1: llama.cpp's spinning threads collapse when a core is taken "
+                        "(measured here: 7 tok/s with -t 2 vs 67 with -t 1 for one stream, load average 8 on 2 cores)")
     p.set_defaults(func=cmd_compare)
 
 
