@@ -141,9 +141,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     outs = []
     if meta.num_prefills:
         if meta.prefill_fresh:
-            o = F.scaled_dot_product_attention(q[:tp].transpose(0, 1), k[:tp].transpose(0, 1), v[:tp].transpose(0, 1),
-                                               is_causal=True, scale=scale, enable_gqa=True)
-            outs.append(o.transpose(0, 1).reshape(tp, h * d))
+            # 4-D on purpose: CPU's flash kernel rejects 3-D inputs and SDPA would fall back to the T x T math path
+            o = F.scaled_dot_product_attention(q[:tp].transpose(0, 1)[None], k[:tp].transpose(0, 1)[None],
+                                               v[:tp].transpose(0, 1)[None], is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            outs.append(o[0].transpose(0, 1).reshape(tp, h * d))
         else:
             bp, qmax, lmax = meta.num_prefills, meta.prefill_q_max, meta.prefill_kv_max
             qp = q[:tp] if meta.prefill_q_index is None else q.index_select(0, meta.prefill_q_index)
