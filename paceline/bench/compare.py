@@ -228,7 +228,9 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
 
 def the_command() -> str:
     """The command line that produced a report, as typed (benchmarks/compare.py ... or paceline bench ...)."""
-    return " ".join([Path(sys.argv[0]).name, *map(shlex.quote, sys.argv[1:])])
+    argv0 = Path(sys.argv[0])
+    shown = argv0.name if argv0.name == "paceline" or argv0.is_absolute() else str(argv0)  # benchmarks/compare.py
+    return " ".join([shown, *map(shlex.quote, sys.argv[1:])])
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
