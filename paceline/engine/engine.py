@@ -45,8 +45,8 @@ class StepStats:
     num_prefill_tokens: int
     num_requests: int
     duration: float
-    num_preempted: int
-    num_swapped_out: int
+    num_preempted: int = 0
+    num_swapped_out: int = 0
 
 
 @dataclass

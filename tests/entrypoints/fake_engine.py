@@ -3,11 +3,11 @@ Each step gives every running request one token; the token is a letter chosen by
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 from paceline.config import EngineConfig, SchedulerConfig
 from paceline.core.outputs import TokenLogprobs
+from paceline.engine.engine import RequestOutput as FakeOutput, StepStats  # the real contract, so the fake cannot drift
 from paceline.request import Request, RequestStatus
 from paceline.sampling import SamplingParams
 
@@ -23,32 +23,6 @@ class FakeTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
-
-
-@dataclass
-class StepStats:
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    num_requests: int
-    duration: float
-    num_preempted: int = 0
-    num_swapped_out: int = 0
-
-
-@dataclass
-class FakeOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    text: str
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    new_logprobs: list[TokenLogprobs]
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    request: Request
 
 
 class FakeEngine:
