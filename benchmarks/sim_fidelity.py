@@ -81,11 +81,14 @@ def main() -> None:
     rows = []
     with server(args) as url:
         ep = Endpoint(url)
+        epoch = 0
         for wl_name in args.workloads:
             spec = load_workload(wl_name)
             for rate in args.rates or DEFAULT_RATES.get(wl_name, (0.2, 0.5)):
                 reqs = bench_generate(spec, rate=rate, num_requests=args.num_requests, seed=args.seed)
-                prompts = build_prompts(source, reqs, args.seed, as_text=False)
+                # fresh prompts per run: the server's prefix cache would serve repeats, the simulator's would not
+                epoch += 1
+                prompts = build_prompts(source, reqs, args.seed, as_text=False, epoch=epoch)
                 real = run(ep, reqs, prompts, progress=False, label=f"{wl_name}@{rate}")
                 real_sum = bench_summarize(real.records)
                 real_step = measured_step_median(real)
