@@ -1,6 +1,7 @@
 """Engine: one schedule → execute → update round per step, and the text each request streams."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -123,16 +124,17 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenize_prompt(prompt)
         # a request must fit in the context and, whole, in the KV cache, or it could never finish
-        room = min(self.max_model_len, self.num_blocks * self.block_size) - len(prompt_ids)
+        context = min(self.max_model_len, self.num_blocks * self.block_size)
+        room = context - len(prompt_ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens, which leaves no room for output in the "
-                             f"context length {min(self.max_model_len, self.num_blocks * self.block_size)}")
+                             f"context length {context}")
         if params.max_tokens is None:
-            params.max_tokens = room
+            # a copy: the caller may share one SamplingParams across prompts of different lengths
+            params = dataclasses.replace(params, max_tokens=room)
         elif params.max_tokens > room:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{len(prompt_ids) + params.max_tokens} exceeds the context length "
-                             f"{min(self.max_model_len, self.num_blocks * self.block_size)}")
+                             f"{len(prompt_ids) + params.max_tokens} exceeds the context length {context}")
         if params.min_tokens > params.max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})")
         request = Request(request_id, prompt_ids, params, time.monotonic() if arrival_time is None else arrival_time,

@@ -102,3 +102,16 @@ def test_step_stats_count_decodes_and_prompt_chunks(llm: LLM) -> None:
     assert engine.last_step.num_decode_tokens == 1 and engine.last_step.num_prefill_tokens == 0
     while engine.has_unfinished():
         engine.step()
+
+
+def test_shared_params_without_max_tokens_fit_each_prompt(llm: LLM) -> None:
+    shared = SamplingParams(temperature=0.0, max_tokens=None, stop_token_ids=[0])
+    engine = llm.engine
+    short = engine.add_request("shared-a", "Hi", shared)
+    long = engine.add_request("shared-b", "Tell me a long story about the sea, the sky and the land.", shared)
+    assert shared.max_tokens is None
+    assert short.sampling_params.max_tokens - long.sampling_params.max_tokens == long.num_prompt_tokens - short.num_prompt_tokens
+    engine.abort("shared-a")
+    engine.abort("shared-b")
+    engine.step()
+    assert engine.stats().num_used_blocks == 0
