@@ -21,10 +21,19 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device, self.dtype = torch.device(device), dtype
         shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        # The caches must start as zeros: masked slots of a gathered block are multiplied by 0 in attention, and
+        # uninitialised NaN bits would survive that. On CPU an allocation over glibc's largest mmap threshold
+        # (32 MiB) is always fresh mmap'd memory the OS hands out zeroed page by page, so empty() is zeros without
+        # faulting in every page at startup (torch.zeros took 4.5 s for 3 GiB here); smaller ones are zeroed.
+        def alloc(shape: tuple, **kw) -> torch.Tensor:
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            lazy = self.device.type == "cpu" and nbytes > 64 * 2**20
+            return (torch.empty if lazy else torch.zeros)(shape, dtype=dtype, **kw)
+
+        self.kv_cache = alloc(shape, device=self.device)
         host_shape = (arch.num_layers, 2, num_host_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         pin = self.device.type == "cuda"
-        self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
+        self.host_cache = alloc(host_shape, pin_memory=pin) if num_host_blocks else None
         self.sampler = Sampler(seed, self.device)
 
     @staticmethod
