@@ -213,3 +213,28 @@ def test_closing_a_stream_aborts_its_request():
                    if s.name == "paceline:request_success_total" and s.labels["finished_reason"] == "abort"]
         assert aborted[0].value == 1
         assert metric(c, "paceline:kv_cache_used_blocks") == 0
+
+
+def test_engine_built_by_a_function_runs_on_the_engine_thread():
+    import threading
+
+    built_on = []
+
+    def build() -> FakeEngine:
+        built_on.append(threading.current_thread().name)
+        return FakeEngine()
+
+    async_engine = AsyncEngine(build)
+    assert built_on == ["paceline-engine"] and isinstance(async_engine.engine, FakeEngine)
+    metrics = EngineMetrics(async_engine.engine.model_name)
+    with TestClient(build_app(async_engine, metrics, ServerSettings())) as c:
+        r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc"
+
+
+def test_engine_builder_error_is_raised_to_the_caller():
+    def build() -> FakeEngine:
+        raise ValueError("no such model file: /nope.gguf")
+
+    with pytest.raises(ValueError, match="no such model file"):
+        AsyncEngine(build)
