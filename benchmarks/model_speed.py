@@ -11,6 +11,7 @@ for the last prompt token only (transformers: logits_to_keep=1, as its generate(
     python benchmarks/model_speed.py                      # everything (several minutes)
     python benchmarks/model_speed.py --quick              # 128/512 prefill, batches 1/8/32, fewer steps
     python benchmarks/model_speed.py --dtypes bfloat16 --batches 1,64 --no-hf
+    python benchmarks/model_speed.py --dtypes int4     # 4-bit weights (bf16 activations) vs transformers bf16
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class Paceline:
 
     name = "paceline"
 
-    def __init__(self, ckpt, dtype, args):
+    def __init__(self, ckpt, dtype, args, quantization="none"):
         from paceline.engine.runner import ModelRunner
         from paceline.model.llama import LlamaModel
 
@@ -48,7 +49,8 @@ class Paceline:
         self.bs = 16
         self.per_req = (args.context + args.steps + 2 + self.bs - 1) // self.bs
         need = max([max(args.batches or [1]) * self.per_req] + [(n + self.bs - 1) // self.bs for n in args.prefill])
-        self.runner = ModelRunner(LlamaModel.from_weights(ckpt.arch, ckpt.weights, "cpu", dtype), ckpt.arch, need,
+        model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, "cpu", dtype, quantization=quantization)
+        self.runner = ModelRunner(model, ckpt.arch, need,
                                   self.bs, dtype=dtype)
         self.runner.kv_cache.normal_()  # stands in for each decoding request's context
 
@@ -136,7 +138,8 @@ class Transformers:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF path or HF folder (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="float32,bfloat16,int4",
+                   help="int4: paceline's 4-bit weights with bfloat16 activations, against transformers in bfloat16")
     p.add_argument("--prefill", type=_ints, default=[128, 512, 2048], help="prompt lengths")
     p.add_argument("--batches", type=_ints, default=[1, 8, 32, 64, 128], help="decode batch sizes")
     p.add_argument("--context", type=int, default=256, help="context length of each decoding request")
@@ -157,8 +160,9 @@ def main() -> None:
     print(f"{'dtype':<9} {'phase':<14} {'paceline':>10} {'transformers':>13} {'ratio':>7}", flush=True)
     ckpt = load_checkpoint(args.model, "float32")
     for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        engines = [Paceline(ckpt, dtype, args)] + ([] if args.no_hf else [Transformers(ckpt, dtype, args)])
+        quantization = "int4" if dtype_name == "int4" else "none"
+        dtype = torch.bfloat16 if quantization == "int4" else getattr(torch, dtype_name)
+        engines = [Paceline(ckpt, dtype, args, quantization)] + ([] if args.no_hf else [Transformers(ckpt, dtype, args)])
         jobs = [("prefill", n) for n in args.prefill] + [("decode", b) for b in args.batches]
         for phase, n in jobs:
             ours, *theirs = [getattr(e, phase)(n) for e in engines]

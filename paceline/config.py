@@ -60,7 +60,8 @@ class SchedulerConfig:
 @dataclass
 class EngineConfig:
     model: str | None = None  # GGUF path, Hugging Face folder, or None for the bundled SmolLM2-135M-Instruct
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "auto"  # auto (float32; bfloat16 under int4) | float32 | bfloat16 | float16
+    quantization: str = "none"  # none | int4: the layers' linear weights as 4-bit codes (CPU, bfloat16)
     device: str = "auto"  # auto: cuda when present, else cpu
     served_model_name: str | None = None
     seed: int = 0  # seed of the generator used by requests that give none
@@ -68,5 +69,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if self.quantization not in ("none", "int4"):
+            raise ValueError(f"quantization must be none or int4, got {self.quantization!r}")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.quantization == "int4" else "float32"
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization == "int4" and self.dtype != "bfloat16":
+            raise ValueError(f"int4 quantization computes in bfloat16; use dtype bfloat16 (or auto), not {self.dtype}")

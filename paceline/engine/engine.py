@@ -72,11 +72,16 @@ class Engine:
         t0 = time.perf_counter()
         self.device = resolve_device(config.device)
         dtype = DTYPES[config.dtype]
-        ckpt = load_checkpoint(config.model, config.dtype)
+        quantized = config.quantization != "none"
+        if quantized and self.device.type != "cpu":
+            raise ValueError(f"{config.quantization} quantization runs on CPU only; this engine's device is {self.device}")
+        # int4 quantizes from float32 weights, so a Q4_1 GGUF's own codes come back before any rounding
+        ckpt = load_checkpoint(config.model, "float32" if quantized else config.dtype)
         self.arch = ckpt.arch
         self.tokenizer = ckpt.tokenizer
         self.model_name = config.served_model_name or ckpt.name
-        model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, device=self.device, dtype=dtype)
+        model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, device=self.device, dtype=dtype,
+                                        quantization=config.quantization)
         del ckpt
 
         cache = config.cache
@@ -93,9 +98,10 @@ class Engine:
         self._text: dict[str, _TextState] = {}
         self._aborted: list[Request] = []
         self.last_step: StepStats | None = None
-        log.info("model %s loaded in %.2f s on %s (%s); KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); "
+        log.info("model %s loaded in %.2f s on %s (%s, quantization %s); KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); "
                  "token budget %d per step, at most %d requests; scheduler %s/%s",
-                 self.model_name, time.perf_counter() - t0, self.device, config.dtype, self.num_blocks,
+                 self.model_name, time.perf_counter() - t0, self.device, config.dtype, config.quantization,
+                 self.num_blocks,
                  self.block_size, self.num_blocks * self.block_size, self.num_blocks * block_bytes / 2**30,
                  config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                  config.scheduler.policy, config.scheduler.scheduling_policy)

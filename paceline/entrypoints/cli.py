@@ -19,7 +19,11 @@ def _generate(args: argparse.Namespace) -> None:
                                 max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
     except ValueError as e:
         sys.exit(f"error: {e}")
-    llm = LLM(args.model, dtype=args.dtype, policy=args.scheduler, kv_cache_memory_gb=args.kv_cache_memory_gb)
+    try:
+        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, policy=args.scheduler,
+                  kv_cache_memory_gb=args.kv_cache_memory_gb)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     prompts = args.prompt or [SAMPLE_PROMPT]
     if args.raw:
         outputs = llm.generate(prompts, params)
@@ -42,7 +46,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--dtype", default=EngineConfig.dtype, choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--quantization", default=EngineConfig.quantization, choices=["none", "int4"])
     p.add_argument("--scheduler", default="sarathi", choices=SCHEDULERS)
     p.add_argument("--kv-cache-memory-gb", type=float, default=CacheConfig.kv_cache_memory_gb)
     p.set_defaults(func=_generate)

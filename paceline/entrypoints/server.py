@@ -520,6 +520,7 @@ def _default(section: type, name: str) -> Any:
 _FLAGS: dict[str, tuple[type, str]] = {
     "model": (EngineConfig, "model"),
     "dtype": (EngineConfig, "dtype"),
+    "quantization": (EngineConfig, "quantization"),
     "seed": (EngineConfig, "seed"),
     "block_size": (CacheConfig, "block_size"),
     "kv_cache_memory_gb": (CacheConfig, "kv_cache_memory_gb"),
@@ -560,7 +561,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: {GRACEFUL_SHUTDOWN_S})")
     parser.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES,
                         help=f"larger request bodies get 413 (default: {MAX_BODY_BYTES})")
-    flag("dtype", "weights and activations dtype", choices=["float32", "bfloat16", "float16"])
+    flag("dtype", "activations (and unquantized weights) dtype; auto = float32, or bfloat16 under int4",
+         choices=["auto", "float32", "bfloat16", "float16"])
+    flag("quantization", "int4: hold the layers' weights as 4-bit codes (CPU; a Q4_0/Q4_1 GGUF as stored)",
+         choices=["none", "int4"])
     flag("seed", "seed for requests that give none", type=int)
     flag("max_num_batched_tokens", "token budget of one step", type=int)
     flag("max_num_seqs", "most requests in one step", type=int)

@@ -42,6 +42,55 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+INT4_GROUP = 32  # input features per scale/offset pair, as in GGUF's Q4_0/Q4_1 blocks
+
+
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 4-bit codes [N, K] (int32, 0..15) with a float32 scale and minimum per group of
+    INT4_GROUP inputs [N, K / INT4_GROUP]: w ~ min + code * scale.
+
+    A Q4_1 GGUF tensor, dequantized, comes back exactly: each of its groups spans min .. min + 15 * d with the
+    smallest value at code 0 and the largest at code 15, so this recovers Q4_1's own codes, scale and minimum."""
+    n, k = weight.shape
+    g = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    lo = g.amin(-1)
+    scale = (g.amax(-1) - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: code 0 is its value
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
+    return codes.view(n, k), scale, lo
+
+
+class Int4Linear:
+    """y = x W^T (+ b) with W held as 4-bit codes in groups of INT4_GROUP inputs (see int4_codes): 8x fewer bytes
+    than float32 to stream per step, which is what batch-1 decode on a CPU waits for. Uses torch's CPU int4
+    matmul, whose activations are bfloat16; the kernel computes (code - 8) * scale + zero, so zero = min + 8 scale."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        codes, scale, lo = int4_codes(weight)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.scales_zeros = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(dtype)
+        self.bias = bias
+
+    @staticmethod
+    def supports(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+        return (weight.device.type == "cpu" and dtype == torch.bfloat16 and weight.shape[1] % INT4_GROUP == 0
+                and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
+        return y if self.bias is None else y + self.bias
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, quantization: str,
+                dtype: torch.dtype) -> "Linear | Int4Linear":
+    if quantization == "int4":
+        if not Int4Linear.supports(weight, dtype):
+            raise ValueError(f"int4 quantization needs a CPU, dtype bfloat16 and input sizes that are multiples "
+                             f"of {INT4_GROUP}; got {weight.device.type}, {dtype} and {weight.shape[1]}")
+        return Int4Linear(weight, None if bias is None else bias.to(dtype), dtype)
+    return Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack)
+
+
 def rope_inv_freq(arch: ModelArch) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the position scale, following the rope_scaling field of a HF config."""
     d = arch.head_dim
@@ -84,15 +133,17 @@ def _permute_heads(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tens
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor], pack: bool = True):
+    def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor], pack: bool = True, quantization: str = "none",
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
         self.scale = arch.head_dim ** -0.5
-        self.qkv = Linear(w["qkv"], w.get("qkv_bias"), pack)
-        self.o = Linear(w["o"], None, pack)
-        self.gate_up = Linear(w["gate_up"], None, pack)
-        self.down = Linear(w["down"], None, pack)
+        dtype = dtype or w["qkv"].dtype
+        self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), pack, quantization, dtype)
+        self.o = make_linear(w["o"], None, pack, quantization, dtype)
+        self.gate_up = make_linear(w["gate_up"], None, pack, quantization, dtype)
+        self.down = make_linear(w["down"], None, pack, quantization, dtype)
         self.register_buffer("input_norm", w["input_norm"])
         self.register_buffer("post_norm", w["post_norm"])
 
@@ -118,10 +169,13 @@ class LlamaModel(nn.Module):
     """Inference-only Llama-family model; weights are buffers built by `from_weights`."""
 
     def __init__(self, arch: ModelArch, layers: list[dict[str, torch.Tensor]], embed: torch.Tensor, norm: torch.Tensor,
-                 lm_head: torch.Tensor | None, max_positions: int | None = None, pack: bool = True):
+                 lm_head: torch.Tensor | None, max_positions: int | None = None, pack: bool = True,
+                 quantization: str = "none"):
         super().__init__()
         self.arch = arch
-        self.layers = nn.ModuleList(LlamaLayer(arch, w, pack) for w in layers)
+        self.quantization = quantization
+        # the LM head (and the embedding it may share) stays in the run dtype: GGUFs keep it at 6-8 bits
+        self.layers = nn.ModuleList(LlamaLayer(arch, w, pack, quantization, embed.dtype) for w in layers)
         self.register_buffer("embed", embed)
         self.register_buffer("norm", norm)
         self.lm_head = Linear(embed if lm_head is None else lm_head, None, pack)  # tied: shares the embedding
@@ -139,11 +193,15 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_weights(cls, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32, max_positions: int | None = None,
-                     pack: bool = True) -> "LlamaModel":
+                     pack: bool = True, quantization: str = "none") -> "LlamaModel":
         """Build from Hugging Face-named tensors; a missing tensor is a ValueError naming it.
 
-        pack=False keeps plain F.linear weights (no oneDNN prepacking)."""
+        pack=False keeps plain F.linear weights (no oneDNN prepacking). quantization="int4" holds the layers'
+        linear weights as 4-bit codes (Int4Linear; CPU, bfloat16): give it the float32 weights, so that a
+        Q4_1 GGUF's codes are recovered before any rounding to the run dtype."""
         rope_inv_freq(arch)  # reject unsupported rope scaling before any work
+        if quantization not in ("none", "int4"):
+            raise ValueError(f"quantization must be 'none' or 'int4', got {quantization!r}")
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
@@ -152,6 +210,9 @@ class LlamaModel(nn.Module):
 
         def put(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype).contiguous()
+
+        def put_linear(t: torch.Tensor) -> torch.Tensor:  # make_linear casts: int4 quantizes from full precision
+            return t.to(device=device).contiguous()
 
         nh, nkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         if nh % nkv:
@@ -162,10 +223,10 @@ class LlamaModel(nn.Module):
             q = _permute_heads(get(p + "self_attn.q_proj.weight"), nh, d)
             k = _permute_heads(get(p + "self_attn.k_proj.weight"), nkv, d)
             w = {
-                "qkv": put(torch.cat([q, k, get(p + "self_attn.v_proj.weight")])),
-                "o": put(get(p + "self_attn.o_proj.weight")),
-                "gate_up": put(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                "down": put(get(p + "mlp.down_proj.weight")),
+                "qkv": put_linear(torch.cat([q, k, get(p + "self_attn.v_proj.weight")])),
+                "o": put_linear(get(p + "self_attn.o_proj.weight")),
+                "gate_up": put_linear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                "down": put_linear(get(p + "mlp.down_proj.weight")),
                 "input_norm": put(get(p + "input_layernorm.weight")),
                 "post_norm": put(get(p + "post_attention_layernorm.weight")),
             }
@@ -181,7 +242,7 @@ class LlamaModel(nn.Module):
             lm_head = None
         else:
             lm_head = put(weights["lm_head.weight"])
-        return cls(arch, layers, embed, put(get("model.norm.weight")), lm_head, max_positions, pack)
+        return cls(arch, layers, embed, put(get("model.norm.weight")), lm_head, max_positions, pack, quantization)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
