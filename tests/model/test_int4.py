@@ -47,14 +47,15 @@ def test_int4_linear_equals_its_dequantized_weight():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 4 * INT4_GROUP, generator=g)
     bias = torch.randn(96, generator=g)
-    x = torch.randn(5, 4 * INT4_GROUP, generator=g)
     codes, scale, lo = int4_codes(w)
     deq = (lo[..., None] + codes.view(96, 4, INT4_GROUP) * scale[..., None]).view(96, -1)
     assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6  # round to nearest: within half a step
     lin = Int4Linear(w, bias.to(torch.bfloat16), torch.bfloat16)
-    got = lin(x.to(torch.bfloat16)).float()
-    ref = x @ deq.T + bias
-    assert ((got - ref).norm() / ref.norm()) < 0.01  # bfloat16 activations and scales
+    for rows in (1, Int4Linear.DENSE_ABOVE, Int4Linear.DENSE_ABOVE + 1, 40):  # int4 kernel, then the dense copy
+        x = torch.randn(rows, 4 * INT4_GROUP, generator=g)
+        got = lin(x.to(torch.bfloat16)).float()
+        ref = x @ deq.T + bias
+        assert ((got - ref).norm() / ref.norm()) < 0.01, rows  # bfloat16 activations and scales
 
 
 def test_unsupported_int4_settings_are_plain_errors():
