@@ -82,3 +82,13 @@ def test_bundled_model_under_int4_stays_close_to_float32():
     agree = (int4.argmax(-1) == f32.argmax(-1)).float().mean()
     cos = torch.nn.functional.cosine_similarity(int4, f32, dim=-1)
     assert agree >= 0.9 and cos.min() > 0.99, (agree, cos.min())
+
+
+def test_engine_serves_the_bundled_model_under_int4():
+    from paceline import LLM, SamplingParams
+
+    llm = LLM(quantization="int4", kv_cache_memory_gb=0.05, swap_space_gb=0)
+    assert llm.engine.config.dtype == "bfloat16"
+    assert isinstance(llm.engine.runner.model.layers[0].qkv, Int4Linear)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text.strip()
