@@ -604,17 +604,11 @@ def run_server(args: argparse.Namespace) -> None:
         config = engine_config_from_args(args)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    metrics_box: list[EngineMetrics] = []
-
-    def on_step(engine: Engine, outputs: list, stepped: bool) -> None:
-        if metrics_box:  # the first idle call may come before the metrics exist; gauges start at 0 anyway
-            metrics_box[0].on_step(engine, outputs, stepped)
-
     # built on the engine thread: torch must run its parallel ops from one thread only (see AsyncEngine)
-    async_engine = AsyncEngine(lambda: Engine(config), on_step=on_step)
+    async_engine = AsyncEngine(lambda: Engine(config))
     engine = async_engine.engine
     metrics = EngineMetrics(engine.model_name)
-    metrics_box.append(metrics)
+    async_engine.on_step = metrics.on_step  # read per call; an idle call before this only skips zero gauges
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                               served_model_names=tuple(args.served_model_name or ()))
     app = build_app(async_engine, metrics, settings)
