@@ -43,6 +43,8 @@ class SchedulerConfig:
     priority_aging_s: float = 0.0  # 0: off; else a waiting request gains one priority level per this many seconds
     max_batch_wait_ms: float = 0.0  # static policy: how long to wait for a batch to fill
     max_waiting_requests: int = 0  # 0: unlimited; the server answers 503 beyond it
+    # 0: off; else sarathi cuts prompt chunks so the predicted step time stays under it (needs a step-time model)
+    max_step_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS:
@@ -55,6 +57,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_step_ms < 0:
+            raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
 
 
 @dataclass
@@ -65,6 +69,8 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when present, else cpu
     served_model_name: str | None = None
     seed: int = 0  # seed of the generator used by requests that give none
+    # step-time profile (`paceline profile`) for scheduler.max_step_ms; None: a quick profile at start-up
+    step_profile: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -47,7 +47,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p)
     p.add_argument("--model", default=None, help="GGUF every system serves (default: the bundled SmolLM2-135M)")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list of {', '.join(ALL_SYSTEMS)}")
-    p.add_argument("--sarathi-budgets", default="256,1024", help="token budgets of the paceline-sarathi runs")
+    p.add_argument("--sarathi-budgets", default="256,1024",
+                   help="token budgets of the paceline-sarathi runs; BUDGET:MS also sets --max-step-ms MS")
     p.add_argument("--budget", type=int, default=1024,
                    help="token budget of the other paceline schedulers, llama-server -b/-ub, transformers cb")
     p.add_argument("--rates", default="", help="comma list of fixed rates every system runs (besides capacity)")
@@ -213,7 +214,9 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
     out = []
     for name in _csv(args.systems):
         if name == "paceline-sarathi":
-            out += [paceline_system("sarathi", b, model, args.threads) for b in _csv(args.sarathi_budgets, int)]
+            for item in _csv(args.sarathi_budgets):
+                budget, _, ms = item.partition(":")
+                out.append(paceline_system("sarathi", int(budget), model, args.threads, max_step_ms=float(ms or 0)))
         elif name.startswith("paceline-"):
             out.append(paceline_system(name.split("-", 1)[1], args.budget, model, args.threads))
         elif name.startswith("llama-server-np"):

@@ -57,13 +57,17 @@ def _bin(name: str) -> str | None:
 
 
 def paceline_system(scheduler: str, budget: int, model: str, threads: int | None = None,
-                    extra: list[str] | None = None) -> System:
+                    extra: list[str] | None = None, max_step_ms: float = 0.0) -> System:
     exe = _bin("paceline")
     argv = [exe] if exe else [sys.executable, "-m", "paceline.entrypoints.cli"]
     argv += ["--log-level", "WARNING", "serve", "--model", model, "--host", "127.0.0.1", "--port", "{port}",
              "--scheduler", scheduler, "--max-num-batched-tokens", str(budget), *(extra or [])]
+    if max_step_ms:
+        argv += ["--max-step-ms", f"{max_step_ms:g}"]
     env = {"OMP_NUM_THREADS": str(threads)} if threads else {}  # torch's intra-op threads
     name = f"paceline-{scheduler}-{budget}" if scheduler == "sarathi" else f"paceline-{scheduler}"
+    if max_step_ms:
+        name += f"-{max_step_ms:g}ms"
     return System(name, argv, is_paceline=True, env=env)
 
 

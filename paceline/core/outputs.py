@@ -33,6 +33,7 @@ class SchedulerOutput:
     swapped_out_ids: list[str] = field(default_factory=list)
     swapped_in_ids: list[str] = field(default_factory=list)
     now: float = 0.0
+    predicted_step_s: float = 0.0  # the step-time model's raw prediction, under max_step_ms (else 0)
 
     @property
     def num_batched_tokens(self) -> int:

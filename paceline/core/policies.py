@@ -71,34 +71,34 @@ def _run_whole_prompts(sched: Scheduler, step: Step, prompts: list, first: list[
 
 def sarathi(sched: Scheduler, step: Step) -> None:
     """Stall-free batching: every running decode, then swapped requests coming back, then the next chunks of
-    prompts already being prefilled, then new prompts' chunks, until the token budget or max_num_seqs."""
+    prompts already being prefilled, then new prompts' chunks, until the token budget or max_num_seqs.
+    Under max_step_ms each chunk is also cut to what the predicted step time allows: at deep context a prompt
+    token costs several times a fresh one (its attention reads the whole prefix), which a token count ignores."""
     cfg = sched.config
     cap = cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens
+    fit = sched.chunk_within_step_time
     decodes, prefills = _split_running(sched)
     _run_decodes(sched, step, decodes)
-    sched.resume_swapped(step, lambda r: min(r.num_tokens - r.num_computed_tokens, step.budget, cap))
+    sched.resume_swapped(step, lambda r: fit(step, r, r.num_computed_tokens,
+                                             min(r.num_tokens - r.num_computed_tokens, step.budget, cap)))
     for r in prefills:
-        n = min(r.num_tokens - r.num_computed_tokens, step.budget, cap)
+        n = fit(step, r, r.num_computed_tokens, min(r.num_tokens - r.num_computed_tokens, step.budget, cap))
         if n <= 0:
             break
         if r.status is RUNNING:
             sched.run_running(step, r, n)
 
     limit = cfg.max_num_partial_prefills
-    if limit:
-        # prompts mid-prefill (running, not yet decoding) may not exceed the limit
-        in_prefill = [len(_split_running(sched)[1])]
+    # prompts mid-prefill (running, not yet decoding) may not exceed the limit
+    in_prefill = [len(_split_running(sched)[1])] if limit else [0]
 
-        def chunk(r, left: int) -> int:
-            if in_prefill[0] >= limit:
-                return 0
-            n = min(left, step.budget, cap)
-            if n > 0:
-                in_prefill[0] += 1
-            return n
-    else:
-        def chunk(r, left: int) -> int:
-            return min(left, step.budget, cap)
+    def chunk(r, left: int) -> int:
+        if limit and in_prefill[0] >= limit:
+            return 0
+        n = fit(step, r, r.num_tokens - left, min(left, step.budget, cap))
+        if n > 0:
+            in_prefill[0] += 1
+        return n
     sched.admit_waiting(step, chunk)
 
 

@@ -5,10 +5,11 @@ The time is always an argument: the simulator drives this class in virtual time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from paceline.config import CacheConfig, SchedulerConfig
+from paceline.core.batch_shape import BatchShape
 from paceline.core.kv_cache import KVCacheManager, cdiv
 from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from paceline.core.policies import POLICIES
@@ -53,6 +54,7 @@ class Step:
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     resumed: set[str] = field(default_factory=set)  # admitted or swapped in now: not preempted again this step
     preempted: set[str] = field(default_factory=set)  # preempted now: not admitted or swapped in again this step
+    shape: BatchShape | None = None  # what the step-time model sees of the step so far (max_step_ms only)
 
     @property
     def budget(self) -> int:
@@ -60,11 +62,21 @@ class Step:
         return max(0, self.max_tokens - self.used)
 
 
+def _add_to_shape(shape: BatchShape, s: ScheduledRequest) -> None:
+    request, end = s.request, s.start + s.num_tokens
+    if s.num_tokens == 1 and end == len(request.token_ids) > len(request.prompt_token_ids):
+        shape.add_decode(end)
+    else:
+        shape.add_chunk(s.start, s.num_tokens, sampled=end == len(request.token_ids))
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, step_time: Callable[[BatchShape], float] | None = None) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown scheduler {config.policy!r}; choose one of {', '.join(POLICIES)}")
+        if config.max_step_ms > 0 and step_time is None:
+            raise ValueError("max_step_ms needs a step-time model: pass step_time (seconds for a BatchShape)")
         self.config = config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -82,6 +94,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self.num_steps = 0
+        # max_step_ms: the model predicts, and measured / predicted over recent steps corrects it (the caller
+        # that times the steps keeps step_time_scale; a profile taken on an idle machine reads low when serving)
+        self.step_time = step_time
+        self.step_time_scale = 1.0
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -170,10 +186,16 @@ class Scheduler:
         self.kv.end_step()
         self.wake_time = None
         step = Step(now, self.config.max_num_batched_tokens, SchedulerOutput(now=now))
+        if self.config.max_step_ms > 0:
+            step.shape = BatchShape()
         self._policy(self, step)
-        if step.out.scheduled:
+        out = step.out
+        if out.scheduled:
             self.num_steps += 1
-        return step.out
+            if step.shape is not None:
+                step.shape.num_swapped_blocks = len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
+                out.predicted_step_s = self.step_time(step.shape)
+        return out
 
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
         """Advance what each scheduled request computed, append sampled tokens, apply stop checks, free the
@@ -209,9 +231,39 @@ class Scheduler:
         step.out.scheduled.append(s)
         step.scheduled[rid] = s
         step.used += num_tokens
+        if step.shape is not None:
+            _add_to_shape(step.shape, s)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = step.now
             request.num_cached_tokens = request.num_computed_tokens
+
+    def chunk_within_step_time(self, step: Step, request: Request, start: int, n: int) -> int:
+        """The most of an n-token chunk of `request` starting at `start` that keeps the step's predicted time
+        under max_step_ms (all n when no limit is set). The first chunk of a step gets at least one block's worth, so
+        prompts progress even when the decodes alone fill the time."""
+        shape = step.shape
+        if shape is None or n <= 0:
+            return n
+        limit = self.config.max_step_ms / 1000.0 / self.step_time_scale
+        total = len(request.token_ids)
+
+        def fits(k: int) -> bool:
+            trial = replace(shape)
+            trial.add_chunk(start, k, sampled=start + k == total)
+            return self.step_time(trial) <= limit
+
+        if fits(n):
+            return n
+        lo, hi = 0, n  # fits(lo) or lo == 0; not fits(hi). Step time grows with k, so bisect
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        if shape.num_prefill_tokens == 0:
+            lo = max(lo, min(n, self.block_size))
+        return lo
 
     def _unschedule(self, step: Step, request: Request) -> None:
         s = step.scheduled.pop(request.request_id, None)
@@ -222,6 +274,10 @@ class Scheduler:
                     del scheduled[i]
                     break
             step.used -= s.num_tokens
+            if step.shape is not None:  # rare (a preemption within the step): rebuild rather than subtract
+                step.shape = BatchShape()
+                for t in step.out.scheduled:
+                    _add_to_shape(step.shape, t)
 
     def reserve(self) -> int:
         """Blocks an admission must leave free: the watermark, unless nothing runs that could need them."""

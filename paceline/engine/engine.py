@@ -40,6 +40,9 @@ class RequestOutput:
     request: Request
 
 
+STEP_TIME_EMA = 0.05  # weight of the newest step in measured / predicted step time
+
+
 @dataclass
 class StepStats:
     num_decode_tokens: int
@@ -94,7 +97,8 @@ class Engine:
         self.runner = ModelRunner(model, self.arch, self.num_blocks, cache.block_size,
                                   num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
                                   seed=config.seed)
-        self.scheduler = Scheduler(config.scheduler, cache, self.num_blocks, self.num_host_blocks)
+        self.scheduler = Scheduler(config.scheduler, cache, self.num_blocks, self.num_host_blocks,
+                                   step_time=self._step_time_model())
         self._text: dict[str, _TextState] = {}
         self._aborted: list[Request] = []
         self.last_step: StepStats | None = None
@@ -105,6 +109,23 @@ class Engine:
                  self.block_size, self.num_blocks * self.block_size, self.num_blocks * block_bytes / 2**30,
                  config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                  config.scheduler.policy, config.scheduler.scheduling_policy)
+
+    def _step_time_model(self):
+        """What the scheduler predicts step times with under max_step_ms: the given profile, else a quick one
+        of this engine's own runner (the same kernels, dtype and threads that will serve)."""
+        if self.config.scheduler.max_step_ms <= 0:
+            return None
+        from paceline.sim.cost_model import ProfiledCostModel
+        from paceline.sim.profile import quick_step_time_model
+
+        if self.config.step_profile:
+            return ProfiledCostModel.load(self.config.step_profile).step_time
+        t0 = time.perf_counter()
+        model = quick_step_time_model(self.runner, self.arch.vocab_size, self.block_size, self.num_blocks,
+                                      self.max_model_len)
+        log.info("step-time profile for max_step_ms=%g taken in %.1f s (median error %.0f %%)",
+                 self.config.scheduler.max_step_ms, time.perf_counter() - t0, 100 * model.meta["median_rel_error"])
+        return model.step_time
 
     @property
     def eos_token_id(self) -> int | None:
@@ -173,6 +194,10 @@ class Engine:
         num_decode = sched_out.num_decode_tokens
         num_prefill = sched_out.num_batched_tokens - num_decode
         result = self.runner.execute(sched_out)
+        if sched_out.predicted_step_s > 0:
+            # steady drift (a busy machine, a profile from elsewhere) moves the scale; one slow step barely does
+            ratio = min(4.0, max(0.25, result.duration / sched_out.predicted_step_s))
+            self.scheduler.step_time_scale += STEP_TIME_EMA * (ratio - self.scheduler.step_time_scale)
         updated = self.scheduler.update(sched_out, result, time.monotonic())
         self.last_step = StepStats(num_decode, num_prefill, len(sched_out.scheduled), result.duration,
                                    len(sched_out.preempted_ids), len(sched_out.swapped_out_ids))

@@ -538,6 +538,8 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "priority_aging_s": (SchedulerConfig, "priority_aging_s"),
     "max_batch_wait_ms": (SchedulerConfig, "max_batch_wait_ms"),
     "max_waiting_requests": (SchedulerConfig, "max_waiting_requests"),
+    "max_step_ms": (SchedulerConfig, "max_step_ms"),
+    "step_profile": (EngineConfig, "step_profile"),
 }
 
 
@@ -582,6 +584,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("priority_aging_s", "a waiting request gains one priority level per this many seconds (0: off)", type=float)
     flag("max_batch_wait_ms", "static scheduler: how long to wait for a batch to fill", type=float)
     flag("max_waiting_requests", "waiting requests beyond which the server answers 503 (0: unlimited)", type=int)
+    flag("max_step_ms", "sarathi: cut prompt chunks so each step's predicted time stays under this; set it "
+         "below your TBT SLO (0: off)", type=float)
+    flag("step_profile", "profile (paceline profile) that --max-step-ms predicts with; default: a quick "
+         "profile at start-up")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

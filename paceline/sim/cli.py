@@ -46,6 +46,8 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode, choices=PREEMPTION_MODES)
     g.add_argument("--priority-aging-s", type=float, default=0.0)
     g.add_argument("--max-batch-wait-ms", type=float, default=0.0)
+    g.add_argument("--max-step-ms", type=float, default=0.0,
+                   help="sarathi: cut prompt chunks so the cost model's step time stays under it (0: off)")
     g = p.add_argument_group("output")
     g.add_argument("--ttft-slo", type=float, default=None, help="ms, for goodput")
     g.add_argument("--out", default=None, help="write the summary (and every request's timeline) as JSON here")
@@ -75,7 +77,8 @@ def deployment_from_args(args: argparse.Namespace):
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_model_len=max_len, long_prefill_token_threshold=args.long_prefill_token_threshold,
                             max_num_partial_prefills=args.max_num_partial_prefills, preemption_mode=args.preemption_mode,
-                            priority_aging_s=args.priority_aging_s, max_batch_wait_ms=args.max_batch_wait_ms)
+                            priority_aging_s=args.priority_aging_s, max_batch_wait_ms=args.max_batch_wait_ms,
+                            max_step_ms=args.max_step_ms)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         swap_space_gb=args.swap_space_gb, enable_prefix_caching=not args.no_prefix_caching)
     dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization)

@@ -8,76 +8,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
-from paceline.core.outputs import SchedulerOutput
+from paceline.core.batch_shape import BatchShape, batch_shape  # noqa: F401  (re-exported: the sim's callers)
 from paceline.model.arch import ModelArch
 from paceline.sim.hardware import GPU, GiB
 from paceline.sim.models import num_parameters
-
-
-@dataclass
-class BatchShape:
-    num_prefill_tokens: int = 0  # tokens of prompt chunks (and of recomputed outputs after a preemption)
-    num_decodes: int = 0
-    num_requests: int = 0
-    num_sampled: int = 0  # rows that reach the LM head
-    prefill_attn_pairs: float = 0.0  # sum over chunks of c*start + c*(c+1)/2: causal query-key pairs
-    prefill_kv_tokens: int = 0  # sum over chunks of start + c: KV rows a chunk reads
-    decode_context: int = 0  # sum over decodes of the context each attends to
-    num_swapped_blocks: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decodes
-
-    @classmethod
-    def build(cls, chunks: Iterable[tuple[int, int]] = (), decode_contexts: Iterable[int] = (), num_swapped_blocks: int = 0) -> "BatchShape":
-        """chunks: (start, num_tokens) of each prompt chunk, all assumed to end their prompt only if sampled later."""
-        s = cls(num_swapped_blocks=num_swapped_blocks)
-        for start, c in chunks:
-            s.add_chunk(start, c, sampled=False)
-        for ctx in decode_contexts:
-            s.add_decode(ctx)
-        return s
-
-    def add_chunk(self, start: int, c: int, sampled: bool) -> None:
-        self.num_prefill_tokens += c
-        self.num_requests += 1
-        self.num_sampled += sampled
-        self.prefill_attn_pairs += c * start + c * (c + 1) / 2
-        self.prefill_kv_tokens += start + c
-
-    def add_decode(self, context: int) -> None:
-        self.num_decodes += 1
-        self.num_requests += 1
-        self.num_sampled += 1
-        self.decode_context += context
-
-
-def batch_shape(output: SchedulerOutput) -> BatchShape:
-    s = BatchShape(num_swapped_blocks=len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out))
-    # inlined: this runs once per simulated step
-    decodes = decode_ctx = chunks = prefill = sampled = kv = 0
-    pairs = 0.0
-    for item in output.scheduled:
-        req, start, c = item.request, item.start, item.num_tokens
-        n = len(req.token_ids)
-        if start + c == n:
-            sampled += 1
-            if c == 1 and n > len(req.prompt_token_ids):
-                decodes += 1
-                decode_ctx += n
-                continue
-        chunks += 1
-        prefill += c
-        pairs += c * start + c * (c + 1) / 2
-        kv += start + c
-    s.num_decodes, s.decode_context, s.num_prefill_tokens = decodes, decode_ctx, prefill
-    s.num_requests, s.num_sampled, s.prefill_attn_pairs, s.prefill_kv_tokens = decodes + chunks, sampled, pairs, kv
-    return s
 
 
 # ---------------------------------------------------------------- profiled: fitted on this machine

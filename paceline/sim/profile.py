@@ -28,7 +28,7 @@ class GridPoint:
         return sum(s + c for s, c, _ in self.chunks) + sum(self.decode_contexts)
 
 
-def grid(quick: bool = False, max_kv_tokens: int = 12288) -> list[GridPoint]:
+def grid(quick: bool = False, max_kv_tokens: int = 12288, max_len: int | None = None) -> list[GridPoint]:
     """Decode-only, prompt-only and mixed batches spanning what a CPU server runs; chunks that end their
     prompt (sampled) and chunks that do not, so the fit can tell the LM-head cost from the per-request one."""
     if quick:
@@ -46,10 +46,12 @@ def grid(quick: bool = False, max_kv_tokens: int = 12288) -> list[GridPoint]:
         for c in chunk_sizes[-3:]:
             pts.append(GridPoint([(256, c, True)], [512] * b))
     pts.append(GridPoint([(0, 128, True), (512, 256, False), (0, 64, True)], [300] * 8))
-    return [p for p in pts if p.kv_tokens <= max_kv_tokens]
+    longest = max_len or 1 << 30  # no request may pass the model's context
+    return [p for p in pts if p.kv_tokens <= max_kv_tokens
+            and all(s + c <= longest for s, c, _ in p.chunks) and all(c <= longest for c in p.decode_contexts)]
 
 
-def build_output(point: GridPoint, vocab_size: int, first_block: int = 0) -> SchedulerOutput:
+def build_output(point: GridPoint, vocab_size: int, first_block: int = 0, block_size: int = BLOCK_SIZE) -> SchedulerOutput:
     sp = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     out = SchedulerOutput()
     block = first_block
@@ -57,14 +59,14 @@ def build_output(point: GridPoint, vocab_size: int, first_block: int = 0) -> Sch
         n_prompt = start + c if samples else start + c + 1
         r = Request(f"p{i}", [(7 * k + i) % vocab_size for k in range(n_prompt)], sp, 0.0)
         r.num_computed_tokens = start
-        nb = -(-(start + c) // BLOCK_SIZE)
+        nb = -(-(start + c) // block_size)
         out.scheduled.append(ScheduledRequest(r, start, c, list(range(block, block + nb))))
         block += nb
     for i, ctx in enumerate(point.decode_contexts):
         r = Request(f"d{i}", [(3 * k + i) % vocab_size for k in range(ctx - 1)], sp, 0.0)
         r.token_ids.append(1)
         r.num_computed_tokens = ctx - 1
-        nb = -(-ctx // BLOCK_SIZE)
+        nb = -(-ctx // block_size)
         out.scheduled.append(ScheduledRequest(r, ctx - 1, 1, list(range(block, block + nb))))
         block += nb
     return out
@@ -90,20 +92,8 @@ def run_profile(out_path: str, model: str | None = None, dtype: str = "float32",
     num_blocks = max_kv_tokens // BLOCK_SIZE + 64
     runner = ModelRunner(net, arch, num_blocks, BLOCK_SIZE, num_host_blocks=0, device=device, dtype=torch_dtype, seed=0)
 
-    shapes: list[BatchShape] = []
-    times: list[float] = []
     points = grid(quick, max_kv_tokens)
-    runner.execute(build_output(points[0], arch.vocab_size))  # warm-up: first-call allocations
-    for p in points:
-        sched = build_output(p, arch.vocab_size)
-        samples = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            runner.execute(sched)
-            samples.append(time.perf_counter() - t0)
-        shapes.append(batch_shape(sched))
-        # the minimum: on a shared machine every other reading is this cost plus someone else's work
-        times.append(min(samples[1:]))  # the first run of a shape warms its buffers
+    shapes, times = time_grid(runner, arch.vocab_size, points, repeats, BLOCK_SIZE)
 
     bytes_per_token = ModelRunner.bytes_per_block(arch, BLOCK_SIZE, torch_dtype) / BLOCK_SIZE
     meta = {"machine": platform.processor() or platform.machine(), "device": str(device), "threads": threads,
@@ -113,6 +103,38 @@ def run_profile(out_path: str, model: str | None = None, dtype: str = "float32",
     fitted.swap_s_per_block = _swap_time_per_block(bytes_per_token * BLOCK_SIZE)
     fitted.save(out_path)
     return fitted
+
+
+def time_grid(runner, vocab_size: int, points: list[GridPoint], repeats: int = 3,
+              block_size: int = BLOCK_SIZE) -> tuple[list[BatchShape], list[float]]:
+    """Run each grid point through runner.execute; its shape and the best of `repeats` timings."""
+    shapes: list[BatchShape] = []
+    times: list[float] = []
+    runner.execute(build_output(points[0], vocab_size, block_size=block_size))  # warm-up: first-call allocations
+    for p in points:
+        sched = build_output(p, vocab_size, block_size=block_size)
+        samples = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            runner.execute(sched)
+            samples.append(time.perf_counter() - t0)
+        shapes.append(batch_shape(sched))
+        # the minimum: on a shared machine every other reading is this cost plus someone else's work
+        times.append(min(samples[1:]))  # the first run of a shape warms its buffers
+    return shapes, times
+
+
+def quick_step_time_model(runner, vocab_size: int, block_size: int, num_blocks: int,
+                          max_len: int | None = None) -> ProfiledCostModel:
+    """A quick profile of a live runner (an engine's own, before it serves): what max_step_ms predicts with
+    when no profile file is given. Uses the runner's KV cache as scratch, so call it before any request."""
+    # a block per request of rounding slack: the grid's largest batch has 32 requests
+    points = grid(quick=True, max_kv_tokens=min(12288, (num_blocks - 40) * block_size), max_len=max_len)
+    if len(points) < 8:
+        raise ValueError(f"a KV cache of {num_blocks} blocks (context {max_len}) is too small for the start-up profile; "
+                         "give a profile file (paceline profile) instead")
+    shapes, times = time_grid(runner, vocab_size, points, repeats=2, block_size=block_size)
+    return ProfiledCostModel.fit(shapes, times, {"quick": True, "source": "engine start-up"})
 
 
 def _swap_time_per_block(block_bytes: float) -> float:

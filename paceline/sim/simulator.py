@@ -93,7 +93,10 @@ class Simulator:
         self.cache_config = cache_config
         self.num_blocks = num_blocks
         self.router = Router(router, num_replicas)
-        self.replicas = [_Replica(i, scheduler_factory(scheduler_config, cache_config, num_blocks, num_host_blocks))
+        # under max_step_ms the scheduler predicts with the very model that times the simulated steps
+        step_time = cost_model.step_time if scheduler_config.max_step_ms > 0 else None
+        self.replicas = [_Replica(i, scheduler_factory(scheduler_config, cache_config, num_blocks, num_host_blocks,
+                                                       step_time=step_time))
                          for i in range(num_replicas)]
         # a request longer than the context or the whole cache could never finish: rejected, as the engine does
         self.max_request_tokens = min(scheduler_config.max_model_len, num_blocks * cache_config.block_size)

@@ -24,10 +24,10 @@ def make_request(rid: str | int, prompt: int | list[int], max_tokens: int = 8, a
 
 def make_scheduler(policy: str = "sarathi", budget: int = 64, max_seqs: int = 128, num_blocks: int = 1000,
                    block_size: int = 16, host_blocks: int = 0, watermark: float = 0.0, caching: bool = True,
-                   **kw) -> Scheduler:
+                   step_time=None, **kw) -> Scheduler:
     cfg = SchedulerConfig(policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_seqs, **kw)
     cache = CacheConfig(block_size=block_size, watermark=watermark, enable_prefix_caching=caching)
-    return Scheduler(cfg, cache, num_blocks, host_blocks)
+    return Scheduler(cfg, cache, num_blocks, host_blocks, step_time=step_time)
 
 
 def fake_result(out: SchedulerOutput, token: int = 7) -> StepResult:

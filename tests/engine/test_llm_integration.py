@@ -115,3 +115,31 @@ def test_shared_params_without_max_tokens_fit_each_prompt(llm: LLM) -> None:
     engine.abort("shared-b")
     engine.step()
     assert engine.stats().num_used_blocks == 0
+
+
+def test_max_step_ms_cuts_chunks_by_predicted_time_and_output_is_unchanged(llm: LLM, reference, tmp_path) -> None:
+    from paceline.sim.cost_model import FEATURES, ProfiledCostModel
+
+    # a made-up profile, far from this machine's timings: the engine's measured / predicted scale must adapt
+    coef = dict.fromkeys(FEATURES, 0.0) | {"constant": 0.004, "prefill_tokens": 2e-4, "prefill_attn_pairs": 2e-7,
+                                           "decodes": 3e-4, "decode_context": 1e-7}
+    ProfiledCostModel(coef).save(tmp_path / "profile.json")
+    timed = LLM(kv_cache_memory_gb=0.25, max_num_batched_tokens=512, max_step_ms=60,
+                step_profile=str(tmp_path / "profile.json"))
+    long_prompt = " ".join(PROMPTS) * 12
+    alone = llm.generate(long_prompt, greedy(16))[0].outputs[0].token_ids
+
+    sched = timed.engine.scheduler
+    schedule, chunks = sched.schedule, []
+
+    def recording(now):
+        out = schedule(now)
+        chunks.extend(s.num_tokens for s in out.scheduled if s.request.num_prompt_tokens > 100 and not s.is_decode)
+        assert out.predicted_step_s > 0
+        return out
+    sched.schedule = recording
+    outs = timed.generate([long_prompt, *PROMPTS], [greedy(16)] + [greedy(24)] * len(PROMPTS))
+    assert outs[0].outputs[0].token_ids == alone
+    assert [o.outputs[0].token_ids for o in outs[1:]] == [reference[p] for p in PROMPTS]
+    assert sched.step_time_scale != 1.0
+    assert len(chunks) > 2 and max(chunks) < 512 < sum(chunks)  # the time, not the token budget, cut them
