@@ -30,6 +30,9 @@ def test_system_command_lines(monkeypatch, tmp_path):
     assert p.name == "paceline-sarathi-256" and p.is_paceline and p.env == {"OMP_NUM_THREADS": "2"}
     assert p.argv[p.argv.index("--scheduler") + 1] == "sarathi" and "{port}" in p.argv
     assert paceline_system("vllm", 1024, "m.gguf").name == "paceline-vllm"
+    timed = paceline_system("sarathi", 512, "m.gguf", max_step_ms=120)
+    assert timed.name == "paceline-sarathi-512-120ms" and timed.argv[timed.argv.index("--max-step-ms") + 1] == "120"
+    assert "--max-step-ms" not in p.argv
     monkeypatch.setenv("PACELINE_LLAMA_SERVER", str(tmp_path / "missing"))
     assert "no llama-server binary" in llama_server_system(8, 512, "m.gguf", 2048).skip
     exe = tmp_path / "llama-server"

@@ -72,6 +72,13 @@ def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
         assert total <= cfg.max_num_batched_tokens or len(out.scheduled) == 1
     else:  # one whole prompt may overflow the budget
         assert total - max(prompts, default=0) <= cfg.max_num_batched_tokens
+    if cfg.policy == "sarathi" and cfg.max_step_ms and out.scheduled:
+        limit = cfg.max_step_ms / 1000 / sched.step_time_scale
+        if out.predicted_step_s > limit * (1 + 1e-9):
+            # over the limit only by the decodes, or by the one-block floor of the step's first prompt chunk
+            chunks = [s for s in out.scheduled if not s.is_decode]
+            assert len(chunks) <= 1 and all(s.num_tokens <= sched.block_size for s in chunks), \
+                f"predicted {out.predicted_step_s:.4f} s over the {limit:.4f} s limit with chunks {chunks}"
     bs = sched.block_size
     for s in out.scheduled:
         r = s.request

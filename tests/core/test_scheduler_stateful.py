@@ -19,6 +19,11 @@ from paceline.sampling import SamplingParams
 PREFIXES = [list(range(5000, 5040)), list(range(6000, 6040))]
 
 
+def _toy_step_time(s) -> float:
+    """10 ms a step, 1 ms a prompt token, 2 ms a decode, 0.1 ms a query-key pair: chunks shrink with depth."""
+    return 0.010 + 0.001 * s.num_prefill_tokens + 0.002 * s.num_decodes + 1e-4 * s.prefill_attn_pairs
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["sarathi", "sarathi", "vllm", "orca", "static"]),
                 scheduling=st.sampled_from(["fcfs", "priority"]),
@@ -31,14 +36,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 threshold=st.sampled_from([0, 0, 5]),
                 partial=st.sampled_from([0, 0, 1, 2]),
                 aging=st.sampled_from([0.0, 0.0, 3.0]),
-                wait_ms=st.sampled_from([0.0, 1500.0]))
+                wait_ms=st.sampled_from([0.0, 1500.0]),
+                step_ms=st.sampled_from([0.0, 0.0, 30.0]))
     def setup(self, policy, scheduling, mode, block_size, num_blocks, budget, max_seqs, host_blocks, threshold,
-              partial, aging, wait_ms) -> None:
+              partial, aging, wait_ms, step_ms) -> None:
         self.sched = make_scheduler(policy, budget=budget, max_seqs=max_seqs, num_blocks=num_blocks,
                                     block_size=block_size, host_blocks=host_blocks, scheduling_policy=scheduling,
                                     preemption_mode=mode, long_prefill_token_threshold=threshold,
                                     max_num_partial_prefills=partial, priority_aging_s=aging,
-                                    max_batch_wait_ms=wait_ms)
+                                    max_batch_wait_ms=wait_ms, max_step_ms=step_ms,
+                                    step_time=_toy_step_time if step_ms else None)
         self.capacity = num_blocks * block_size
         self.now = 0.0
         self.count = 0
