@@ -18,14 +18,20 @@ def chunk_cost(start: int, k: int) -> float:
     return 0.001 * k + 1e-6 * (k * start + k * (k + 1) / 2)
 
 
-def test_chunks_shrink_with_depth_and_each_is_the_largest_that_fits() -> None:
-    sched = make_scheduler("sarathi", budget=512, step_time=linear_model, max_step_ms=150)
-    for i in range(4):
-        sched.add_request(make_request(f"d{i}", 8, max_tokens=400))
+def decoding(sched, n: int, prompt: int, max_tokens: int) -> float:
+    """n requests stepped until all are past their prompts; returns the clock."""
+    for i in range(n):
+        sched.add_request(make_request(f"d{i}", prompt, max_tokens=max_tokens))
     t = 1.0
     while sched.num_waiting or not all(r.is_decoding for r in sched.running):
         t += 1
         step(sched, t)
+    return t
+
+
+def test_chunks_shrink_with_depth_and_each_is_the_largest_that_fits() -> None:
+    sched = make_scheduler("sarathi", budget=512, step_time=linear_model, max_step_ms=150)
+    t = decoding(sched, 4, prompt=8, max_tokens=400)
     sched.add_request(make_request("long", 3000, max_tokens=2, arrival=t))
     chunks = []
     while sched.get_request("long").num_output_tokens == 0:
@@ -58,12 +64,7 @@ def _shape(v) -> BatchShape:
 
 def test_a_prompt_still_moves_when_the_decodes_alone_fill_the_time() -> None:
     sched = make_scheduler("sarathi", budget=512, step_time=linear_model, max_step_ms=20)
-    for i in range(8):  # 10 + 8 * 2 ms > 20 ms before any prompt token
-        sched.add_request(make_request(f"d{i}", 4, max_tokens=300))
-    t = 1.0
-    while sched.num_waiting or not all(r.is_decoding for r in sched.running):
-        t += 1
-        step(sched, t)
+    t = decoding(sched, 8, prompt=4, max_tokens=300)  # 10 + 8 * 2 ms > 20 ms before any prompt token
     sched.add_request(make_request("p", 100, max_tokens=2, arrival=t))
     sizes = []
     while sched.get_request("p").num_output_tokens == 0:
