@@ -59,6 +59,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_step_ms < 0:
             raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
+        if self.max_step_ms > 0 and self.policy != "sarathi":
+            # the other policies run whole prompts (or fixed batches): there is no chunk for the limit to cut
+            raise ValueError(f"max_step_ms applies to the sarathi scheduler only, not {self.policy!r}")
 
 
 @dataclass

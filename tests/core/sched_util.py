@@ -58,8 +58,9 @@ def step(sched: Scheduler, now: float, token: int = 7, result: StepResult | None
     return view
 
 
-def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
-    """A step's output, checked before update(): limits, block coverage, starts."""
+def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str] | None = None) -> None:
+    """A step's output, checked before update(): limits, block coverage, starts. `running_before`: the ids
+    running when the step began, if known; requests admitted in the step come after the chunks in flight."""
     cfg = sched.config
     assert len(out.scheduled) <= cfg.max_num_seqs
     ids = [s.request.request_id for s in out.scheduled]
@@ -94,7 +95,10 @@ def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
         for r in sched.running:
             if r.is_decoding and r.request_id not in out.swapped_in_ids:
                 assert r.request_id in scheduled, f"decode {r.request_id} skipped while a prompt chunk ran"
-        kinds = [s.is_decode for s in out.scheduled if s.request.request_id not in out.swapped_in_ids]
+        # a request admitted in this step, recomputed after a preemption with all but its last token in the prefix
+        # cache, looks like a decode but is a new prompt: it rightly queues behind the chunks already in flight
+        kinds = [s.is_decode for s in out.scheduled if s.request.request_id not in out.swapped_in_ids
+                 and (running_before is None or s.request.request_id in running_before)]
         assert kinds == sorted(kinds, reverse=True), "a decode scheduled after a prompt chunk"
 
 

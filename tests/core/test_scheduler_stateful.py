@@ -44,8 +44,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                     block_size=block_size, host_blocks=host_blocks, scheduling_policy=scheduling,
                                     preemption_mode=mode, long_prefill_token_threshold=threshold,
                                     max_num_partial_prefills=partial, priority_aging_s=aging,
-                                    max_batch_wait_ms=wait_ms, max_step_ms=step_ms,
-                                    step_time=_toy_step_time if step_ms else None)
+                                    max_batch_wait_ms=wait_ms, max_step_ms=step_ms if policy == "sarathi" else 0.0,
+                                    step_time=_toy_step_time if step_ms and policy == "sarathi" else None)
         self.capacity = num_blocks * block_size
         self.now = 0.0
         self.count = 0
@@ -98,7 +98,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched = self.sched
         running_before = {r.request_id for r in sched.running}
         out = sched.schedule(self.now)
-        check_output(sched, out)
+        check_output(sched, out, running_before)
         assert not (set(out.preempted_ids) | set(out.swapped_out_ids)) & set(out.swapped_in_ids)
         for s in out.scheduled:  # a request resumed this step is not preempted in it
             assert s.request.request_id not in out.preempted_ids

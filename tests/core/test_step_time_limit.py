@@ -94,3 +94,5 @@ def test_no_limit_without_max_step_ms_and_a_limit_needs_a_model() -> None:
         make_scheduler("sarathi", max_step_ms=100)
     with pytest.raises(ValueError, match="max_step_ms"):
         make_scheduler("sarathi", step_time=linear_model, max_step_ms=-1)
+    with pytest.raises(ValueError, match="sarathi scheduler only"):
+        make_scheduler("vllm", step_time=linear_model, max_step_ms=100)
