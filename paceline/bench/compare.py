@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import shlex
 import sys
 import time
@@ -33,6 +34,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-step-ms", type=float, default=None,
                    help="skip calibration: the median decode step at batch 16 that strict/relaxed scale")
     p.add_argument("--probe-requests", type=int, default=16, help="requests per capacity probe")
+    p.add_argument("--probe-seconds", type=float, default=0.0,
+                   help="also send at least RATE x this many requests per probe, so that every probe is a sustained "
+                        "load of this many seconds, not a burst the server absorbs and then drains (0: off)")
     p.add_argument("--max-probes", type=int, default=5, help="probes per system and SLO (shared probes are free)")
     p.add_argument("--start-rate", type=float, default=0.5, help="first rate the capacity search tries")
     p.add_argument("--probe-timeout", type=float, default=90.0, help="s after the last arrival before a probe fails")
@@ -80,6 +84,7 @@ class Bench:
         # lengths, priorities and prompts do not depend on the rate: generate at rate 1, rescale arrivals
         n = max(args.probe_requests, getattr(args, "num_requests", 0) or 0)
         self.base = generate(spec, rate=1.0, num_requests=n, seed=args.seed)
+        self.longer_bases: dict[int, list[RequestSpec]] = {}  # for probes longer than base, by length
         self.epochs: dict[str, int] = {}  # runs so far per system: each run gets fresh prompts (see build_prompts)
         self.runs: list[dict] = []
         self.decode_step_s: float | None = args.decode_step_ms / 1e3 if args.decode_step_ms else None
@@ -88,7 +93,14 @@ class Bench:
         self.prefill_rates: dict[str, float] = {}  # prompt tok/s of one request alone, per system
 
     def requests(self, rate: float, n: int) -> list[RequestSpec]:
-        return [dataclasses.replace(r, arrival_s=r.arrival_s / rate) for r in self.base[:n]]
+        base = self.base
+        if n > len(base):  # the same n gives every system the same requests
+            base = self.longer_bases.get(n) or self.longer_bases.setdefault(
+                n, generate(self.spec, rate=1.0, num_requests=n, seed=self.args.seed))
+        return [dataclasses.replace(r, arrival_s=r.arrival_s / rate) for r in base[:n]]
+
+    def probe_size(self, rate: float) -> int:
+        return max(self.args.probe_requests, math.ceil(rate * getattr(self.args, "probe_seconds", 0.0)))
 
     def prompts(self, requests: list[RequestSpec], fmt: str, epoch: int) -> list[list[int] | str]:
         return build_prompts(self.source, requests, self.args.seed, fmt == "text", epoch)
@@ -127,7 +139,7 @@ class Bench:
         cache: dict[float, dict] = {}
         out = []
         for name, slo_s in self.slos:
-            res = search_capacity(lambda rate: self.run_at(system, ep, rate, self.args.probe_requests, True)["summary"],
+            res = search_capacity(lambda rate: self.run_at(system, ep, rate, self.probe_size(rate), True)["summary"],
                                   slo_s, start_rate=self.args.start_rate, max_probes=self.args.max_probes,
                                   slo_name=name, cache=cache)
             out.append(res)

@@ -171,7 +171,10 @@ class KVCacheManager:
         return mapping
 
     def can_swap_in(self, request: Request, num_new_tokens: int, reserve: int = 0) -> bool:
-        need = self.blocks_for(request.num_computed_tokens + num_new_tokens)
+        # the host may hold more blocks than the computed tokens fill: a request preempted in the step that had
+        # grown its table swaps all of it out, and swap_in brings all of it back before growing it
+        need = max(len(self.host_tables[request.request_id]),
+                   self.blocks_for(request.num_computed_tokens + num_new_tokens))
         return need + reserve <= self.pool.num_free
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]]:

@@ -63,11 +63,15 @@ class Step:
 
 
 def _add_to_shape(shape: BatchShape, s: ScheduledRequest) -> None:
-    request, end = s.request, s.start + s.num_tokens
-    if s.num_tokens == 1 and end == len(request.token_ids) > len(request.prompt_token_ids):
+    _add_slice(shape, s.request, s.start, s.num_tokens)
+
+
+def _add_slice(shape: BatchShape, request: Request, start: int, num_tokens: int) -> None:
+    end = start + num_tokens
+    if num_tokens == 1 and end == len(request.token_ids) > len(request.prompt_token_ids):
         shape.add_decode(end)
     else:
-        shape.add_chunk(s.start, s.num_tokens, sampled=end == len(request.token_ids))
+        shape.add_chunk(start, num_tokens, sampled=end == len(request.token_ids))
 
 
 class Scheduler:
@@ -245,11 +249,15 @@ class Scheduler:
         if shape is None or n <= 0:
             return n
         limit = self.config.max_step_ms / 1000.0 / self.step_time_scale
-        total = len(request.token_ids)
+
+        out = step.out
+        # the block copies planned so far, and this request's own if it is coming back from host memory
+        swapped = (len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
+                   + len(self.kv.host_tables.get(request.request_id, ())))
 
         def fits(k: int) -> bool:
-            trial = replace(shape)
-            trial.add_chunk(start, k, sampled=start + k == total)
+            trial = replace(shape, num_swapped_blocks=swapped)
+            _add_slice(trial, request, start, k)  # as the step will count it: one token of a resumed output is a decode
             return self.step_time(trial) <= limit
 
         if fits(n):
