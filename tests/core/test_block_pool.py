@@ -167,3 +167,18 @@ def test_swap_out_and_in_move_every_block() -> None:
     assert kv.host.num_free == 1  # the host blocks come back only after the step's copies
     kv.end_step()
     assert kv.host.num_free == 4
+
+
+def test_swap_in_needs_room_for_every_host_block_even_past_the_computed_tokens() -> None:
+    # preempted in the step that had grown its table: 16 tokens computed, blocks held for 21 (found by hypothesis)
+    kv = KVCacheManager(num_blocks=8, block_size=4, num_host_blocks=8, enable_prefix_caching=False)
+    r = make_request("a", 21)
+    computed(kv, r, 16)
+    assert kv.allocate(r, 5) and len(kv.tables["a"]) == 6
+    kv.swap_out(r)
+    filler = make_request("f", 12)
+    computed(kv, filler)  # 3 of 8 blocks taken: 5 free, enough for 17 tokens but not for the 6 host blocks
+    assert not kv.can_swap_in(r, 1)
+    kv.free(filler)
+    assert kv.can_swap_in(r, 1)
+    assert len(kv.swap_in(r, 1)) == 6

@@ -146,3 +146,21 @@ SchedulerMachine.TestCase.settings = settings(max_examples=80, stateful_step_cou
                                               database=None, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
 TestScheduler = SchedulerMachine.TestCase
+
+
+def test_found_by_a_longer_run_a_resumed_decode_after_a_resumed_chunk() -> None:
+    """A longer randomized run found this: under max_step_ms a swapped-out request coming back with one output
+    token to compute was sized as a prompt token though the step counts it as a decode, so the step broke its limit."""
+    m = SchedulerMachine()
+    m.setup(policy="sarathi", scheduling="priority", mode="swap", block_size=4, num_blocks=14, budget=15, max_seqs=5,
+            host_blocks=5, threshold=5, partial=0, aging=0.0, wait_ms=0.0, step_ms=30.0)
+    for max_tokens, priority, prompt_len in [(7, 0, 4), (5, 0, 11), (1, 1, 21), (6, 0, 9)]:
+        m.arrive(max_tokens=max_tokens, prefix=None, priority=priority, prompt_len=prompt_len, salt=None, seed=0)
+    m.step(seed=0, steps=1)
+    m.step(seed=0, steps=2)
+    m.arrive(max_tokens=3, prefix=None, priority=1, prompt_len=1, salt=None, seed=0)
+    m.step(seed=0, steps=3)
+    m.arrive(max_tokens=1, prefix=None, priority=0, prompt_len=1, salt=None, seed=0)
+    m.end_one(how="abort", pick=1)
+    m.step(seed=0, steps=1)
+    m.teardown()
