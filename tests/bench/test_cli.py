@@ -94,3 +94,24 @@ def test_compare_report_from_runs(tmp_path):
     for png in ("tbt_cdf.png", "tokens_over_time.png", "latency_vs_rate.png"):
         assert (tmp_path / png).exists()
     assert json.loads((tmp_path / "results.json").read_text())["command"] == "benchmarks/compare.py --workload chat"
+
+
+def test_probe_seconds_makes_probes_sustained_and_every_system_gets_the_same_requests():
+    from paceline.bench.compare import Bench
+    from paceline.bench.prompts import PromptSource
+    from paceline.bench.workload import load_workload
+
+    class Words:
+        def encode(self, text, add_special_tokens=False):
+            return [len(w) for w in text.split()]
+
+    args = parse(["compare", "--workload", "chat", "--probe-requests", "16", "--probe-seconds", "90"])
+    bench = Bench(args, load_workload("chat"), PromptSource(Words(), "a bb ccc dddd"))
+    assert [bench.probe_size(r) for r in (0.1, 0.25, 0.5, 1.0)] == [16, 23, 45, 90]
+    first, again = bench.requests(0.5, 45), bench.requests(0.5, 45)
+    assert len(first) == 45 and first == again
+    assert 80 < first[-1].arrival_s < 100  # ~90 s of arrivals at 0.5 req/s, not a burst
+    assert bench.requests(1.0, 16) == bench.base[:16]  # short probes: the base workload, as before
+    off = Bench(parse(["compare", "--workload", "chat", "--probe-requests", "16"]), load_workload("chat"),
+                PromptSource(Words(), "a bb ccc dddd"))
+    assert off.probe_size(8.0) == 16
