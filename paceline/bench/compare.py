@@ -95,8 +95,9 @@ class Bench:
     def requests(self, rate: float, n: int) -> list[RequestSpec]:
         base = self.base
         if n > len(base):  # the same n gives every system the same requests
-            base = self.longer_bases.get(n) or self.longer_bases.setdefault(
-                n, generate(self.spec, rate=1.0, num_requests=n, seed=self.args.seed))
+            if n not in self.longer_bases:
+                self.longer_bases[n] = generate(self.spec, rate=1.0, num_requests=n, seed=self.args.seed)
+            base = self.longer_bases[n]
         return [dataclasses.replace(r, arrival_s=r.arrival_s / rate) for r in base[:n]]
 
     def probe_size(self, rate: float) -> int:

@@ -164,3 +164,20 @@ def test_found_by_a_longer_run_a_resumed_decode_after_a_resumed_chunk() -> None:
     m.end_one(how="abort", pick=1)
     m.step(seed=0, steps=1)
     m.teardown()
+
+
+def test_found_by_a_longer_run_a_readmitted_request_that_looks_like_a_decode() -> None:
+    """Recomputed after a preemption with all but its last token in the prefix cache, a re-admitted request has one
+    token to compute, like a decode; it is a new admission and may follow the chunks in flight."""
+    m = SchedulerMachine()
+    m.setup(policy="sarathi", scheduling="fcfs", mode="recompute", block_size=4, num_blocks=11, budget=14, max_seqs=3,
+            host_blocks=0, threshold=5, partial=0, aging=0.0, wait_ms=0.0, step_ms=0.0)
+    m.arrive(max_tokens=1, prefix=None, priority=0, prompt_len=1, salt=None, seed=0)
+    m.end_one(how="abort", pick=0)
+    m.step(seed=0, steps=1)
+    for max_tokens, prefix, prompt_len, seed in [(1, 0, 5, 0), (1, None, 1, 0), (1, 0, 1, 0), (2, 0, 1, 158)]:
+        m.arrive(max_tokens=max_tokens, prefix=prefix, priority=0, prompt_len=prompt_len, salt=None, seed=seed)
+    m.step(seed=0, steps=1)
+    m.step(seed=0, steps=1)
+    m.step(seed=0, steps=3)
+    m.teardown()
