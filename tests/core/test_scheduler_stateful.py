@@ -4,6 +4,7 @@ by swap. Every step's output and the block accounting are checked (sched_util); 
 aborted or stopped early has exactly its requested output, with every sampled token kept as sampled."""
 from __future__ import annotations
 
+import os
 import random
 
 from hypothesis import HealthCheck, settings
@@ -142,8 +143,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.stats().num_used_host_blocks == 0
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, derandomize=True,
-                                              database=None, deadline=None,
+# CI runs the same 80 examples every time; PACELINE_HYPOTHESIS_EXAMPLES=3000 runs that many fresh random ones
+# (about 5 minutes), which is how the two replays below were found
+_LONG_RUN = int(os.environ.get("PACELINE_HYPOTHESIS_EXAMPLES", "0"))
+SchedulerMachine.TestCase.settings = settings(max_examples=_LONG_RUN or 80, stateful_step_count=60 if _LONG_RUN else 50,
+                                              derandomize=not _LONG_RUN, database=None, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
 TestScheduler = SchedulerMachine.TestCase
 
