@@ -49,10 +49,19 @@ class BatchShape:
         self.num_sampled += 1
         self.decode_context += context
 
+    def add_slice(self, request, start: int, num_tokens: int) -> None:
+        """num_tokens of `request` from `start`, counted as batch_shape() counts them: one token that ends a
+        request already past its prompt is a decode (a resumed output too), anything else a chunk."""
+        end = start + num_tokens
+        if num_tokens == 1 and end == len(request.token_ids) > len(request.prompt_token_ids):
+            self.add_decode(end)
+        else:
+            self.add_chunk(start, num_tokens, sampled=end == len(request.token_ids))
+
 
 def batch_shape(output: SchedulerOutput) -> BatchShape:
     s = BatchShape(num_swapped_blocks=len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out))
-    # inlined: this runs once per simulated step
+    # BatchShape.add_slice per item, inlined: this runs once per simulated step
     decodes = decode_ctx = chunks = prefill = sampled = kv = 0
     pairs = 0.0
     for item in output.scheduled:

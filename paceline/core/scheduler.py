@@ -62,18 +62,6 @@ class Step:
         return max(0, self.max_tokens - self.used)
 
 
-def _add_to_shape(shape: BatchShape, s: ScheduledRequest) -> None:
-    _add_slice(shape, s.request, s.start, s.num_tokens)
-
-
-def _add_slice(shape: BatchShape, request: Request, start: int, num_tokens: int) -> None:
-    end = start + num_tokens
-    if num_tokens == 1 and end == len(request.token_ids) > len(request.prompt_token_ids):
-        shape.add_decode(end)
-    else:
-        shape.add_chunk(start, num_tokens, sampled=end == len(request.token_ids))
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  num_host_blocks: int = 0, step_time: Callable[[BatchShape], float] | None = None) -> None:
@@ -98,8 +86,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self.num_steps = 0
-        # max_step_ms: the model predicts, and measured / predicted over recent steps corrects it (the caller
-        # that times the steps keeps step_time_scale; a profile taken on an idle machine reads low when serving)
+        # max_step_ms: the model predicts, and step_time_scale corrects it; the caller that times the steps keeps
+        # it (the engine: a high quantile of measured / predicted; a profile taken on an idle machine reads low)
         self.step_time = step_time
         self.step_time_scale = 1.0
 
@@ -236,7 +224,7 @@ class Scheduler:
         step.scheduled[rid] = s
         step.used += num_tokens
         if step.shape is not None:
-            _add_to_shape(step.shape, s)
+            step.shape.add_slice(request, s.start, num_tokens)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = step.now
             request.num_cached_tokens = request.num_computed_tokens
@@ -257,7 +245,7 @@ class Scheduler:
 
         def fits(k: int) -> bool:
             trial = replace(shape, num_swapped_blocks=swapped)
-            _add_slice(trial, request, start, k)  # as the step will count it: one token of a resumed output is a decode
+            trial.add_slice(request, start, k)
             return self.step_time(trial) <= limit
 
         if fits(n):
@@ -285,7 +273,7 @@ class Scheduler:
             if step.shape is not None:  # rare (a preemption within the step): rebuild rather than subtract
                 step.shape = BatchShape()
                 for t in step.out.scheduled:
-                    _add_to_shape(step.shape, t)
+                    step.shape.add_slice(t.request, t.start, t.num_tokens)
 
     def reserve(self) -> int:
         """Blocks an admission must leave free: the watermark, unless nothing runs that could need them."""

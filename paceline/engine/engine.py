@@ -42,7 +42,7 @@ class RequestOutput:
 
 
 # under max_step_ms the engine tracks this quantile of measured / predicted step time, not its mean: on a shared
-# machine one batch shape's p99 step time is 18-46 % above its median, and the TBT SLO is judged on the tail
+# machine one batch shape's p99 step time is 18-47 % above its median, and the TBT SLO is judged on the tail
 STEP_TIME_QUANTILE = 0.98
 STEP_TIME_RATE = 0.05  # log-step of the quantile tracker: a step over the scale raises it 5 %, one under lowers it 0.1 %
 
