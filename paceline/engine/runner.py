@@ -7,7 +7,7 @@ import torch
 
 from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from paceline.model.arch import ModelArch
-from paceline.model.attention import SeqSlice, build_metadata
+from paceline.model.attention import GatherWorkspace, SeqSlice, build_metadata
 from paceline.model.llama import LlamaModel
 from paceline.model.sampler import SampleRow, Sampler
 
@@ -35,6 +35,7 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.host_cache = alloc(host_shape, pin_memory=pin) if num_host_blocks else None
         self.sampler = Sampler(seed, self.device)
+        self.workspace = GatherWorkspace(block_size * arch.num_kv_heads * arch.head_dim, dtype, self.device)
 
     @staticmethod
     def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -61,8 +62,9 @@ class ModelRunner:
         self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
         result = StepResult()
         if out.scheduled:
-            # multi-token chunks first, then single tokens: the layout attention expects
-            order = sorted(out.scheduled, key=lambda s: s.num_tokens == 1)
+            # multi-token chunks first, then single tokens (the layout attention expects), those by context length
+            # so that attention's decode groups (runs of similar lengths) pad little
+            order = sorted(out.scheduled, key=lambda s: (s.num_tokens == 1, s.start if s.num_tokens == 1 else 0))
             logits, sampled = self._forward(order)
             rows = [SampleRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
                               s.request.eos_token_id) for s in sampled]
@@ -100,7 +102,7 @@ class ModelRunner:
         """Lowest level: one forward over a flat batch laid out as `seqs`; float32 logits of the flat `rows`."""
         if positions and max(positions) >= self.model.max_positions:
             raise ValueError(f"position {max(positions)} exceeds the model's {self.model.max_positions} positions")
-        meta = build_metadata(seqs, self.block_size, self.device)
+        meta = build_metadata(seqs, self.block_size, self.device, self.workspace)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         with torch.inference_mode():

@@ -8,21 +8,25 @@ sequence (decodes, or a prompt chunk of one token). All index tensors are built 
 `build_metadata`; each layer then does a fixed handful of ops whatever the batch holds:
 
 - write: one `index_copy_` of this step's K and one of V into their slots;
-- decodes: one `index_select` gathers every decode's context, whole blocks from a padded `[B, nblocks]` index, then
-  one SDPA call. GQA costs no copy: the query heads sharing a KV head become that head's query rows
-  (`[B, kv_heads, group, head_dim]`), so SDPA sees plain multi-head attention with `group` queries.
+- decodes: one `index_select` gathers a group of decodes' contexts, whole blocks from a padded `[B, nblocks]` index,
+  then one SDPA call. GQA costs no copy: the query heads sharing a KV head become that head's query rows
+  (`[B, kv_heads, group, head_dim]`), so SDPA sees plain multi-head attention with `group` queries. Decodes whose
+  contexts differ a lot go in separate groups (`group_decodes`), so a short one is not padded to a long one.
 - prompt chunks: one chunk that starts at position 0 (the common prefill) attends to its own fresh K/V with
   `is_causal=True`, which lets the CPU flash kernel skip the masked half. Otherwise the chunks are padded to
   `[B, Qmax]` and their contexts gathered like decodes, with one boolean mask (causal, offset by each
   chunk's start), in one SDPA call.
 
 Why padded-gather + SDPA rather than one flat varlen pass: on CPU there is no varlen kernel, and a flat
-block-diagonal mask over all requests costs T x sum(context) work; padding wastes only Lmax - L per
-sequence, and decode contexts within a batch tend to be similar in length.
+block-diagonal mask over all requests costs T x sum(context) work; padding wastes only Lmax - L per sequence,
+and grouping decodes by length keeps that waste below what one more group of ops per layer costs.
+
+The gathers write into a GatherWorkspace the runner keeps: a fresh multi-MiB tensor per layer is fresh mmap'd
+memory on CPU, faulted in page by page at every gather (below).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +53,88 @@ class AttnMetadata:
     prefill_mask: torch.Tensor | None = None  # [Bp, 1, Qmax, Lmax] True where a query may look
     prefill_q_max: int = 0
     prefill_kv_max: int = 0
-    # single tokens
+    # where the prompt chunks' gathers write: (K, V) views of a GatherWorkspace, or None to allocate per layer
+    prefill_kv_out: tuple[torch.Tensor, torch.Tensor] | None = None
+    # single tokens, in consecutive groups
     num_decodes: int = 0
-    decode_kv_index: torch.Tensor | None = None  # [Bd * Lmax / block_size] blocks of each decode's context
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] (None when no padding is needed)
-    decode_kv_max: int = 0
+    decode_groups: list["DecodeGroup"] = field(default_factory=list)
+
+
+@dataclass
+class DecodeGroup:
+    """Consecutive single-token rows that attend in one SDPA call, their contexts padded to the longest."""
+    num_decodes: int
+    kv_index: torch.Tensor  # [B * Lmax / block_size] blocks of each decode's context
+    kv_max: int  # Lmax
+    mask: torch.Tensor | None  # [B, 1, 1, Lmax] (None when no padding is needed)
+    kv_out: tuple[torch.Tensor, torch.Tensor] | None = None  # where the gathers write
+
+
+# One more decode group costs every layer two gathers and an SDPA call more; a padded context position costs a
+# gather row and a masked key. Measured here (2 cores, SmolLM2-135M fp32): a group ~0.5-1 ms a step, a padded
+# position ~3.4 us, so a split pays when it removes more than ~300 padded positions. Groups are also kept to a
+# few MiB of gathered K/V, which SDPA then reads while still in cache: at most 8 MiB a group beat one group on
+# every uniform batch tried (16 decodes at 1,000 tokens 134 -> 120 ms, 32 at 500 159 -> 128 ms) and mixed
+# batches gain most (16 at 100..1,900 tokens 195 -> 96 ms): `benchmarks/decode_attention.py`.
+GROUP_COST_POSITIONS = 300
+GROUP_MAX_BYTES = 8 << 20
+
+
+def group_decodes(lengths: list[int], group_cost: int = GROUP_COST_POSITIONS, max_positions: int = 1 << 62) -> list[int]:
+    """Sizes of consecutive groups that minimise sum(group_cost + size * longest) over the groups (what decode
+    attention reads, padding included, plus a per-group charge), no group over max_positions padded positions
+    unless it is one decode. Optimal partitions for lengths sorted ascending."""
+    n = len(lengths)
+    if n * max(lengths) <= max_positions and n * max(lengths) - sum(lengths) <= group_cost:
+        return [n]
+    best = [0.0] * (n + 1)  # best[j]: cost of the first j decodes
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest, best[j] = 0, float("inf")
+        for i in range(j - 1, -1, -1):  # group i..j-1
+            longest = max(longest, lengths[i])
+            if (j - i) * longest > max_positions and j - i > 1:
+                break
+            c = best[i] + group_cost + (j - i) * longest
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    sizes = []
+    j = n
+    while j:
+        sizes.append(j - cut[j])
+        j = cut[j]
+    return sizes[::-1]
+
+
+class GatherWorkspace:
+    """Memory reused by every layer's K/V gathers, grown when a step needs more.
+
+    Why: glibc serves an allocation of a few MiB or more from fresh mmap'd pages and unmaps them on free, so a new
+    gather output per layer paid a page fault per 4 KiB, every layer of every step. 6 decodes at 1,900 tokens of
+    context took 314 ms a step with 127,560 minor faults; the same step into reused memory takes a fraction.
+    """
+
+    def __init__(self, row_elems: int, dtype: torch.dtype, device: torch.device | str):
+        self.row_elems = row_elems
+        self.buffer = torch.empty(0, dtype=dtype, device=device)
+
+    def bytes_per_position(self, block_size: int) -> int:
+        """Bytes one context position takes once gathered, K and V."""
+        return 2 * self.row_elems // block_size * self.buffer.element_size()
+
+    def views(self, *rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) buffers of rows[i] block rows each, not overlapping, valid until the next call."""
+        need = 2 * sum(rows) * self.row_elems
+        if self.buffer.numel() < need:
+            self.buffer = torch.empty(need, dtype=self.buffer.dtype, device=self.buffer.device)
+        out, at = [], 0
+        for r in rows:
+            n = r * self.row_elems
+            k = self.buffer[at:at + n].view(r, self.row_elems)
+            v = self.buffer[at + n:at + 2 * n].view(r, self.row_elems)
+            out.append((k, v))
+            at += 2 * n
+        return out
 
 
 def _blocks(block_tables: list[list[int]], lengths: list[int], block_size: int, device) -> tuple[torch.Tensor, int]:
@@ -67,7 +148,8 @@ def _blocks(block_tables: list[list[int]], lengths: list[int], block_size: int, 
     return torch.tensor(table, dtype=torch.long).reshape(-1).to(device, non_blocking=True), nblocks * block_size
 
 
-def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu") -> AttnMetadata:
+def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu",
+                   workspace: GatherWorkspace | None = None) -> AttnMetadata:
     """Index tensors for one step. `seqs` must list every multi-token chunk before any single-token one."""
     if not seqs:
         raise ValueError("a step needs at least one sequence")
@@ -114,11 +196,28 @@ def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device |
     if decodes:
         meta.num_decodes = len(decodes)
         lengths = [s.start + 1 for s in decodes]
-        meta.decode_kv_index, meta.decode_kv_max = _blocks([s.block_table for s in decodes], lengths, block_size, device)
-        if min(lengths) != meta.decode_kv_max:
-            mask = torch.arange(meta.decode_kv_max)[None, :] < torch.tensor(lengths)[:, None]
-            meta.decode_mask = mask[:, None, None, :].to(device, non_blocking=True)
+        first = 0
+        cap = 1 << 62 if workspace is None else GROUP_MAX_BYTES // workspace.bytes_per_position(bs)
+        for n in group_decodes([-(-length // bs) * bs for length in lengths], GROUP_COST_POSITIONS, cap):
+            group_lengths = lengths[first:first + n]
+            kv_index, lmax = _blocks([s.block_table for s in decodes[first:first + n]], group_lengths, bs, device)
+            mask = None
+            if min(group_lengths) != lmax:
+                mask = (torch.arange(lmax)[None, :] < torch.tensor(group_lengths)[:, None])[:, None, None, :]
+                mask = mask.to(device, non_blocking=True)
+            meta.decode_groups.append(DecodeGroup(n, kv_index, lmax, mask))
+            first += n
+    if workspace is not None:
+        p_rows = 0 if meta.prefill_kv_index is None else len(meta.prefill_kv_index)
+        outs = workspace.views(p_rows, *(len(g.kv_index) for g in meta.decode_groups))
+        meta.prefill_kv_out = outs[0] if p_rows else None
+        for g, out in zip(meta.decode_groups, outs[1:]):
+            g.kv_out = out
     return meta
+
+
+def _gather(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return blocks.index_select(0, index) if out is None else torch.index_select(blocks, 0, index, out=out)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -149,21 +248,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             bp, qmax, lmax = meta.num_prefills, meta.prefill_q_max, meta.prefill_kv_max
             qp = q[:tp] if meta.prefill_q_index is None else q.index_select(0, meta.prefill_q_index)
-            kc = k_blocks.index_select(0, meta.prefill_kv_index).view(bp, lmax, kvh, d).transpose(1, 2)
-            vc = v_blocks.index_select(0, meta.prefill_kv_index).view(bp, lmax, kvh, d).transpose(1, 2)
+            k_out, v_out = meta.prefill_kv_out or (None, None)
+            kc = _gather(k_blocks, meta.prefill_kv_index, k_out).view(bp, lmax, kvh, d).transpose(1, 2)
+            vc = _gather(v_blocks, meta.prefill_kv_index, v_out).view(bp, lmax, kvh, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(qp.view(bp, qmax, h, d).transpose(1, 2), kc, vc,
                                                attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
             o = o.transpose(1, 2).reshape(bp * qmax, h * d)
             outs.append(o if meta.prefill_out_index is None else o.index_select(0, meta.prefill_out_index))
-    if meta.num_decodes:
-        bd, lmax = meta.num_decodes, meta.decode_kv_max
-        group = h // kvh
-        kc = k_blocks.index_select(0, meta.decode_kv_index).view(bd, lmax, kvh, d).transpose(1, 2)
-        vc = v_blocks.index_select(0, meta.decode_kv_index).view(bd, lmax, kvh, d).transpose(1, 2)
+    row = tp
+    for g in meta.decode_groups:
+        bd, lmax = g.num_decodes, g.kv_max
+        k_out, v_out = g.kv_out or (None, None)
+        kc = _gather(k_blocks, g.kv_index, k_out).view(bd, lmax, kvh, d).transpose(1, 2)
+        vc = _gather(v_blocks, g.kv_index, v_out).view(bd, lmax, kvh, d).transpose(1, 2)
         # query heads h = kv_head * group + g, so [bd, H, D] is already [bd, kv_heads, group, D]
-        qd = q[tp:].reshape(bd, kvh, group, d)
-        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask, scale=scale)
+        qd = q[row:row + bd].reshape(bd, kvh, h // kvh, d)
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=g.mask, scale=scale)
         outs.append(o.reshape(bd, h * d))
+        row += bd
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

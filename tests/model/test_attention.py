@@ -4,13 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paceline.model.attention import SeqSlice, build_metadata, dense_attention_reference, paged_attention
+import paceline.model.attention as attention
+from paceline.model.attention import (GatherWorkspace, SeqSlice, build_metadata, dense_attention_reference, group_decodes,
+                                      paged_attention)
 
 H, KVH, D, BS, NB = 6, 2, 8, 4, 40
 SCALE = D ** -0.5
 
 
-def _run(seqs: list[SeqSlice], ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], qs: list[torch.Tensor]):
+def _run(seqs: list[SeqSlice], ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], qs: list[torch.Tensor],
+         workspace: GatherWorkspace | None = None):
     """Fill each request's earlier context into its blocks, then run this step's tokens through paged attention."""
     k_cache = torch.zeros(NB, BS, KVH, D)
     v_cache = torch.zeros(NB, BS, KVH, D)
@@ -21,7 +24,7 @@ def _run(seqs: list[SeqSlice], ctx_k: list[torch.Tensor], ctx_v: list[torch.Tens
     q = torch.cat(qs)
     k = torch.cat([k[s.start:s.start + s.num_tokens] for s, k in zip(seqs, ctx_k)])
     v = torch.cat([v[s.start:s.start + s.num_tokens] for s, v in zip(seqs, ctx_v)])
-    meta = build_metadata(seqs, BS)
+    meta = build_metadata(seqs, BS, workspace=workspace)
     return paged_attention(q, k, v, k_cache, v_cache, meta, SCALE), k_cache, v_cache
 
 
@@ -61,3 +64,77 @@ def test_metadata_rejects_bad_layouts():
         build_metadata([SeqSlice(0, 9, [0, 1])], BS)
     with pytest.raises(ValueError, match="at least one"):
         build_metadata([], BS)
+
+
+def _brute_force_cost(lengths: list[int], cost: int, cap: int) -> float:
+    """Cheapest split of `lengths` into consecutive groups, by trying every one."""
+    n, best = len(lengths), float("inf")
+    for mask in range(1 << (n - 1)):
+        total, first = 0.0, 0
+        for i in range(1, n + 1):
+            if i == n or mask >> (i - 1) & 1:
+                size, longest = i - first, max(lengths[first:i])
+                if size > 1 and size * longest > cap:
+                    break
+                total += cost + size * longest
+                first = i
+        else:
+            best = min(best, total)
+    return best
+
+
+def test_group_decodes_keeps_similar_lengths_together():
+    assert group_decodes([64] * 8) == [8]  # nothing padded: one group
+    assert group_decodes([16, 32, 32, 48]) == [4]  # a little padding is cheaper than a second group
+    assert group_decodes([16] * 6 + [1904]) == [6, 1]  # a long context no longer pads six short ones
+    assert group_decodes([64] * 8, max_positions=128) == [2, 2, 2, 2]
+    assert group_decodes([4096], max_positions=128) == [1]  # one decode over the cap still gets a group
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_group_decodes_is_optimal(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 9, (1,), generator=g))
+    lengths = sorted((torch.randint(1, 40, (n,), generator=g) * 16).tolist())
+    cost, cap = int(torch.randint(0, 400, (1,), generator=g)), int(torch.randint(600, 3000, (1,), generator=g))
+    sizes = group_decodes(lengths, cost, cap)
+    assert sum(sizes) == n and min(sizes) >= 1
+    got, first = 0.0, 0
+    for size in sizes:
+        got += cost + size * max(lengths[first:first + size])
+        assert size == 1 or size * max(lengths[first:first + size]) <= cap
+        first += size
+    assert got == _brute_force_cost(lengths, cost, cap)
+
+
+def test_decode_groups_and_workspace_match_dense(monkeypatch):
+    """Decodes split into several groups, every gather written into one workspace: same answer as the reference,
+    and the workspace is reused by the next step rather than reallocated."""
+    monkeypatch.setattr(attention, "GROUP_COST_POSITIONS", 1)  # split wherever padded lengths differ
+    shape = [(0, 5), (9, 3), (2, 1), (3, 1), (17, 1), (29, 1), (30, 1)]
+    g = torch.Generator().manual_seed(7)
+    free = torch.randperm(NB, generator=g).tolist()
+    seqs, ks, vs, qs = [], [], [], []
+    for start, n in shape:
+        seqs.append(SeqSlice(start, n, [free.pop() for _ in range(-(-(start + n) // BS))]))
+        ks.append(torch.randn(start + n, KVH, D, generator=g))
+        vs.append(torch.randn(start + n, KVH, D, generator=g))
+        qs.append(torch.randn(n, H, D, generator=g))
+    workspace = GatherWorkspace(BS * KVH * D, torch.float32, "cpu")
+    out, _, _ = _run(seqs, ks, vs, qs, workspace)
+    meta = build_metadata(seqs, BS, workspace=workspace)
+    assert [grp.num_decodes for grp in meta.decode_groups] == [2, 1, 2]  # contexts 3-4, 18, 30-31 (in blocks of 4)
+    assert all(grp.kv_out[0].untyped_storage().data_ptr() == workspace.buffer.untyped_storage().data_ptr()
+               for grp in meta.decode_groups)
+    row = 0
+    for s, k, v, q in zip(seqs, ks, vs, qs):
+        torch.testing.assert_close(out[row:row + s.num_tokens], dense_attention_reference(q, k, v, s.start, SCALE),
+                                   atol=1e-5, rtol=1e-5)
+        row += s.num_tokens
+    buffer = workspace.buffer
+    assert buffer.numel() > 0
+    build_metadata(seqs, BS, workspace=workspace)
+    assert workspace.buffer is buffer  # same size of step: nothing new allocated
+    build_metadata([SeqSlice(0, 1, list(range(NB)))] * 1 + [SeqSlice(NB * BS - 1, 1, list(range(NB)))], BS,
+                   workspace=workspace)
+    assert workspace.buffer.numel() > buffer.numel()  # a bigger step grows it
