@@ -6,6 +6,7 @@ measured once at the start of a run (`calibrate_decode_step`) and then held fixe
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -153,3 +154,15 @@ def search_capacity(probe: Callable[[float], dict], tbt_slo_s: float, *, start_r
         else:
             rate *= 2
     return CapacityResult(slo_name, tbt_slo_s, lo or 0.0, verdicts)
+
+
+def capacity_from_probes(summaries: dict[float, dict], tbt_slo_s: float, *, slo_name: str = "",
+                         max_delay_s: float = MAX_DELAY_S) -> CapacityResult:
+    """Every probe run for one system (rate -> summary) judged against one SLO: the highest passing rate below the
+    lowest failing one. The searches for several SLOs share probes, so the later search's probes can move the
+    earlier one's answer: a strict search that stopped at 0.5 req/s when the relaxed search then passed 0.9 with a
+    p99 under the strict SLO too. Assumes, as the search does, that latency grows with the rate."""
+    verdicts = [judge(rate, summaries[rate], tbt_slo_s, max_delay_s) for rate in sorted(summaries)]
+    first_failure = min((v.rate for v in verdicts if not v.passed), default=math.inf)
+    capacity = max((v.rate for v in verdicts if v.passed and v.rate < first_failure), default=0.0)
+    return CapacityResult(slo_name, tbt_slo_s, capacity, verdicts)

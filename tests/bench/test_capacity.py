@@ -1,6 +1,6 @@
 import pytest
 
-from paceline.bench.capacity import judge, parse_slo, search_capacity
+from paceline.bench.capacity import capacity_from_probes, judge, parse_slo, search_capacity
 
 
 def synthetic(knee: float, log: list):
@@ -35,6 +35,22 @@ def test_probe_budget_is_respected_and_probes_are_shared():
     assert again.capacity >= a.capacity
     b = search_capacity(probe, 1.0, start_rate=0.5, max_probes=6, cache=cache)
     assert b.capacity >= a.capacity  # a looser SLO never has less capacity
+
+
+def test_capacity_over_every_probe_uses_the_other_searches_probes():
+    """The chat-5 shape: the strict search stops at 0.5 (1.0 failed, on the 2 s rule), then the relaxed search's
+    probes at 0.75-0.94 also meet the strict SLO; judged over every probe the strict capacity is 0.94."""
+    def summary(p99: float, delay: float) -> dict:
+        return {"failed": 0, "tbt": {"p99": p99}, "scheduling_delay": {"p50": delay}}
+    probes = {0.25: summary(0.112, 0.1), 0.5: summary(0.137, 0.2), 1.0: summary(0.161, 5.0),
+              0.75: summary(0.138, 0.5), 0.875: summary(0.156, 1.2), 0.9375: summary(0.161, 1.5)}
+    strict = capacity_from_probes(probes, 0.190, slo_name="strict")
+    assert strict.capacity == 0.9375 and not strict.is_lower_bound
+    assert [v.rate for v in strict.verdicts] == sorted(probes)
+    assert capacity_from_probes(probes, 0.150).capacity == 0.75  # 0.875 fails on TBT: nothing above it counts
+    # a pass above a failure does not count: capacity is the highest pass below the lowest failure
+    assert capacity_from_probes({0.5: summary(0.3, 0.1), 1.0: summary(0.1, 0.1)}, 0.19).capacity == 0.0
+    assert capacity_from_probes({}, 0.19).capacity == 0.0
 
 
 def test_zero_capacity_when_even_the_slowest_rate_fails():
