@@ -109,9 +109,10 @@ def group_decodes(lengths: list[int], group_cost: int = GROUP_COST_POSITIONS, ma
 class GatherWorkspace:
     """Memory reused by every layer's K/V gathers, grown when a step needs more.
 
-    Why: glibc serves an allocation of a few MiB or more from fresh mmap'd pages and unmaps them on free, so a new
-    gather output per layer paid a page fault per 4 KiB, every layer of every step. 6 decodes at 1,900 tokens of
-    context took 314 ms a step with 127,560 minor faults; the same step into reused memory takes a fraction.
+    Why: glibc can serve an allocation of a few MiB from fresh mmap'd pages and give them back on free, so a new
+    gather output per layer paid a page fault per 4 KiB, in every layer of every step, depending on the allocator's
+    state. 6 decodes at 1,900 tokens of context: 296 ms a step with 127,560 minor faults, 76 ms with this
+    (`benchmarks/decode_attention.py`). On CUDA the caching allocator already reuses memory; this costs nothing there.
     """
 
     def __init__(self, row_elems: int, dtype: torch.dtype, device: torch.device | str):

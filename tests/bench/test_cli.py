@@ -115,3 +115,30 @@ def test_probe_seconds_makes_probes_sustained_and_every_system_gets_the_same_req
     off = Bench(parse(["compare", "--workload", "chat", "--probe-requests", "16"]), load_workload("chat"),
                 PromptSource(Words(), "a bb ccc dddd"))
     assert off.probe_size(8.0) == 16
+
+
+def test_capacity_judges_every_probe_and_keeps_each_search(monkeypatch):
+    """Strict searched first stops at 0.5 (1.0 fails the 2 s rule); the relaxed search then probes 0.75-0.94, which
+    meet the strict TBT SLO too, so the reported strict capacity is 0.94 and the search's own 0.5 is kept."""
+    from paceline.bench.compare import Bench
+    from paceline.bench.prompts import PromptSource
+    from paceline.bench.workload import load_workload
+
+    class Words:
+        def encode(self, text, add_special_tokens=False):
+            return [len(w) for w in text.split()]
+
+    args = parse(["compare", "--workload", "chat", "--max-probes", "3", "--start-rate", "0.25", "--delay-rule", "ttft"])
+    bench = Bench(args, load_workload("chat"), PromptSource(Words(), "a bb ccc dddd"))
+    bench.slos = [("strict", 0.19), ("relaxed", 0.95)]
+    probed = []
+
+    def run_at(system, ep, rate, num_requests, probe):
+        probed.append(rate)
+        return {"summary": {"failed": 0, "tbt": {"p99": 0.1 + 0.05 * rate}, "ttft": {"p50": 5.0 if rate >= 1 else 0.5}}}
+    monkeypatch.setattr(bench, "run_at", run_at)
+    strict, relaxed = bench.capacity("a", None)
+    assert probed == [0.25, 0.5, 1.0, 0.75, 0.875, 0.9375]
+    assert (strict.capacity, relaxed.capacity) == (0.9375, 0.9375)
+    assert [c["searched_capacity"] for c in bench.capacities] == [0.5, 0.9375]
+    assert "| a | 0.938 (its own search 0.500; 6 rates tried) | 0.938 (6 rates tried) |" in capacity_table(bench.capacities)
