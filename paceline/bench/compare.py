@@ -221,7 +221,7 @@ def capacity_table(caps: list[dict]) -> str:
             else:
                 probes = len({v['rate'] for v in c["verdicts"]})
                 searched = c.get("searched_capacity")
-                also = f"its own search {searched:.3f}; " if searched is not None and searched != c["capacity"] else ""
+                also = f"its own search {searched:.3f}; " if searched is not None and abs(searched - c["capacity"]) > 1e-9 else ""
                 row.append(f"{'≥ ' if c.get('lower_bound') else ''}{c['capacity']:.3f} ({also}{probes} rates tried)")
         sources = sorted({v["delay_source"] for v in verdicts})
         row += [", ".join(sources) or "–", f"{rate:.0f}" if rate else "–"]
