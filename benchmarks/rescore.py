@@ -7,6 +7,7 @@ own search only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,8 +28,7 @@ def rescore(results: dict) -> list[dict]:
         final = capacity_from_probes(probes.get(c["system"], {}), c["tbt_slo_s"], slo_name=c["slo"])
         out.append({**c, "capacity": final.capacity, "searched_capacity": c.get("searched_capacity", c["capacity"]),
                     "lower_bound": final.is_lower_bound,
-                    "verdicts": [{"rate": v.rate, "passed": v.passed, "delay_source": v.delay_source}
-                                 for v in final.verdicts]})
+                    "verdicts": [dataclasses.asdict(v) for v in final.verdicts]})
     return out
 
 

@@ -71,7 +71,7 @@ class DecodeGroup:
 
 
 # One more decode group costs every layer two gathers and an SDPA call more; a padded context position costs a
-# gather row and a masked key. Measured here (2 cores, SmolLM2-135M fp32): a group ~0.5-1 ms a step, a padded
+# gather row and a masked key. One-off timings here (2 cores, SmolLM2-135M fp32): a group ~0.5-1 ms a step, a padded
 # position ~3.4 us, so a split pays when it removes more than ~300 padded positions. Groups are also kept to a
 # few MiB of gathered K/V, which SDPA then reads while still in cache: at most 8 MiB a group beat one group on
 # every uniform batch tried (16 decodes at 1,000 tokens 134 -> 120 ms, 32 at 500 159 -> 128 ms) and mixed
