@@ -63,6 +63,7 @@ class StepStats:
     duration: float
     num_preempted: int = 0
     num_swapped_out: int = 0
+    predicted_s: float = 0.0  # the step-time model's prediction as max_step_ms judged it (scaled); 0 without a limit
 
 
 @dataclass
@@ -205,6 +206,7 @@ class Engine:
         # composition is read before update(): afterwards a decode's request already holds its new token
         num_decode = sched_out.num_decode_tokens
         num_prefill = sched_out.num_batched_tokens - num_decode
+        predicted = sched_out.predicted_step_s * self.scheduler.step_time_scale  # the scale moves after this step
         result = self.runner.execute(sched_out)
         if sched_out.predicted_step_s > 0 and num_prefill > 0:
             # only steps with a prompt chunk count: the limit sized those, and decode-only steps, predicted
@@ -213,7 +215,7 @@ class Engine:
             sched.step_time_scale = track_quantile(sched.step_time_scale, result.duration / sched_out.predicted_step_s)
         updated = self.scheduler.update(sched_out, result, time.monotonic())
         self.last_step = StepStats(num_decode, num_prefill, len(sched_out.scheduled), result.duration,
-                                   len(sched_out.preempted_ids), len(sched_out.swapped_out_ids))
+                                   len(sched_out.preempted_ids), len(sched_out.swapped_out_ids), predicted)
         for request in updated:
             if request.request_id in result.logprobs:
                 self._text[request.request_id].pending_logprobs.append(result.logprobs[request.request_id])

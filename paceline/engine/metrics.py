@@ -1,6 +1,7 @@
 """Prometheus metrics of one server, named as vLLM names them under the prefix `paceline:`, plus paceline's own
 (step composition, stalls, used KV blocks). Fed on the engine thread after every step from Engine.last_step,
-Engine.stats() and the requests' timelines (time.monotonic() seconds)."""
+Engine.stats() and the requests' timelines (time.monotonic() seconds). The same observations feed the
+dashboard's StepLog (step_log.py)."""
 from __future__ import annotations
 
 import statistics
@@ -9,6 +10,8 @@ from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from paceline.engine.step_log import EngineInfo, StepLog
 
 P = "paceline:"
 STALL_FACTOR = 5.0  # a TBT gap above this many median decode steps is a stall (architecture.md)
@@ -26,9 +29,10 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 stall_factor: float = STALL_FACTOR) -> None:
+                 stall_factor: float = STALL_FACTOR, step_log: bool = True) -> None:
         self.registry = r = registry or CollectorRegistry()
         self.stall_factor = stall_factor
+        self.step_log = StepLog(model_name) if step_log else None
         m = {"labelnames": ["model_name"], "registry": r}
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -78,6 +82,7 @@ class EngineMetrics:
         self._stall_threshold: float | None = None
         self._seen_tokens: dict[str, int] = {}  # request id -> output tokens whose timing is already counted
         self._last_stats: dict[str, float] = {}
+        self._num_stalls = 0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -88,9 +93,19 @@ class EngineMetrics:
         step = engine.last_step if stepped else None
         if step is not None:
             self.observe_step(step)
-        self.observe_stats(engine.stats())
+        stats = engine.stats()
+        self.observe_stats(stats)
+        stalls_before = self._num_stalls
         for out in outputs:
             self.observe_output(out)
+        log = self.step_log
+        if log is not None:
+            if log.info is None:
+                log.info = EngineInfo.of(engine)
+            now = time.monotonic()
+            if step is not None:
+                log.record(step, stats, self._num_stalls - stalls_before, now)
+            log.maybe_snapshot(engine, now, force=not stepped)
 
     def observe_step(self, step: Any) -> None:
         tokens = step.num_decode_tokens + step.num_prefill_tokens
@@ -127,16 +142,23 @@ class EngineMetrics:
         rid = out.request_id
         seen = self._seen_tokens.get(rid, 0)
         times = req.token_times
+        log = self.step_log
         if seen == 0 and times:
-            self.ttft.observe(max(0.0, times[0] - req.arrival_time))
+            ttft = max(0.0, times[0] - req.arrival_time)
+            self.ttft.observe(ttft)
             self.prompt_tokens.inc(out.num_prompt_tokens)
+            if log is not None:
+                log.observe_ttft(ttft, times[0])
         for i in range(max(seen, 1), len(times)):
             gap = times[i] - times[i - 1]
             self.itl.observe(gap)
             self.tpot.observe(gap)
+            if log is not None:
+                log.observe_tbt(gap, times[i])
             if self._stall_threshold is not None and gap > self._stall_threshold:
                 self.stalls.inc()
                 self.stall_seconds.inc(gap)
+                self._num_stalls += 1
         self.generation_tokens.inc(len(out.new_token_ids))
         if not out.finished:
             self._seen_tokens[rid] = len(times)

@@ -27,6 +27,7 @@ from paceline import __version__
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from paceline.engine.metrics import EngineMetrics
+from paceline.entrypoints.dashboard import add_dashboard_routes
 from paceline.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            Strict, TokenizeRequest, bad_request, validation_message)
 from paceline.sampling import SamplingParams
@@ -43,6 +44,7 @@ class ServerSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     served_model_names: tuple[str, ...] = ()  # names /v1 accepts besides the engine's own
     retry_after_s: int = 1
+    dashboard: bool = True  # GET /dashboard, the live page (--no-dashboard)
 
 
 # ---- middleware: plain ASGI, so they also cover bodies FastAPI never parses ----------------------------------------
@@ -187,6 +189,9 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await api.completions(request, await parse_body(request, CompletionRequest))
+
+    if settings.dashboard and metrics is not None and metrics.step_log is not None:  # drain() ends its feeds
+        add_dashboard_routes(app, [metrics.step_log], settings.api_key, is_open=lambda: async_engine._accepting)
 
     inner: Any = app
     if settings.api_key:
@@ -558,6 +563,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients may use in `model` (default: the model's own name)")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1 calls")
+    parser.add_argument("--no-dashboard", action="store_true", help="do not serve the live page GET /dashboard")
     parser.add_argument("--graceful-shutdown-s", type=float, default=GRACEFUL_SHUTDOWN_S,
                         help=f"on Ctrl-C / SIGTERM, how long in-flight requests may run before they are aborted "
                              f"(default: {GRACEFUL_SHUTDOWN_S})")
@@ -616,7 +622,8 @@ def run_server(args: argparse.Namespace) -> None:
     metrics = EngineMetrics(engine.model_name)
     async_engine.on_step = metrics.on_step  # read per call; an idle call before this only skips zero gauges
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                              served_model_names=tuple(args.served_model_name or ()))
+                              served_model_names=tuple(args.served_model_name or ()),
+                              dashboard=not getattr(args, "no_dashboard", False))
     app = build_app(async_engine, metrics, settings)
     sched = config.scheduler
     log.info("serving %s on http://%s:%d  KV cache %d tokens (%d blocks x %d); token budget %d per step, "
