@@ -83,6 +83,7 @@ class EngineMetrics:
         self._seen_tokens: dict[str, int] = {}  # request id -> output tokens whose timing is already counted
         self._last_stats: dict[str, float] = {}
         self._num_stalls = 0
+        self._step_gaps: list[float] = []  # this step's TBT gaps, handed to the step log in one call
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -101,8 +102,11 @@ class EngineMetrics:
         log = self.step_log
         if log is not None:
             if log.info is None:
-                log.info = EngineInfo.of(engine)
+                log.info = EngineInfo.of(engine, log.model)
             now = time.monotonic()
+            if self._step_gaps:
+                log.observe_tbt(self._step_gaps, now)
+                self._step_gaps.clear()
             if step is not None:
                 log.record(step, stats, self._num_stalls - stalls_before, now)
             log.maybe_snapshot(engine, now, force=not stepped)
@@ -143,6 +147,7 @@ class EngineMetrics:
         seen = self._seen_tokens.get(rid, 0)
         times = req.token_times
         log = self.step_log
+        gaps = self._step_gaps if log is not None else None
         if seen == 0 and times:
             ttft = max(0.0, times[0] - req.arrival_time)
             self.ttft.observe(ttft)
@@ -153,8 +158,8 @@ class EngineMetrics:
             gap = times[i] - times[i - 1]
             self.itl.observe(gap)
             self.tpot.observe(gap)
-            if log is not None:
-                log.observe_tbt(gap, times[i])
+            if gaps is not None:
+                gaps.append(gap)
             if self._stall_threshold is not None and gap > self._stall_threshold:
                 self.stalls.inc()
                 self.stall_seconds.inc(gap)

@@ -39,9 +39,9 @@ class EngineInfo:
     policy: str = ""
 
     @classmethod
-    def of(cls, engine: Any) -> EngineInfo:
+    def of(cls, engine: Any, model: str) -> EngineInfo:
         sched = getattr(getattr(engine, "config", None), "scheduler", None)
-        return cls(engine.model_name, getattr(sched, "max_step_ms", 0.0), getattr(sched, "max_num_batched_tokens", 0),
+        return cls(model, getattr(sched, "max_step_ms", 0.0), getattr(sched, "max_num_batched_tokens", 0),
                    getattr(sched, "max_num_seqs", 0), getattr(engine, "num_blocks", 0),
                    getattr(engine, "block_size", 0), getattr(sched, "policy", ""))
 
@@ -54,12 +54,15 @@ class LatencyBins:
         self.window_s = window_s
         self._bins: deque[tuple[int, list[int]]] = deque(maxlen=window_s + 1)
 
-    def add(self, value: float, t: float) -> None:
+    def add(self, values: list[float], t: float) -> None:
+        """Samples taken at time t (seconds, any clock the reader's `now` shares)."""
         second = int(t)
         bins = self._bins
         if not bins or bins[-1][0] != second:
             bins.append((second, [0] * (len(self.edges) + 1)))
-        bins[-1][1][bisect_right(self.edges, value)] += 1
+        counts, edges = bins[-1][1], self.edges
+        for v in values:
+            counts[bisect_right(edges, v)] += 1
 
     def histogram(self, now: float) -> list[int]:
         counts = [0] * (len(self.edges) + 1)
@@ -91,17 +94,19 @@ class StepLog:
         self.num_steps += 1
         num_cached = getattr(stats, "num_cached_blocks", 0)
         num_free = getattr(stats, "num_free_blocks", stats.num_blocks - stats.num_used_blocks)
+        # getattr with defaults: engines other than paceline's (tests' fakes) may report less
         self.steps.append((self.num_steps, t, step.duration, getattr(step, "predicted_s", 0.0),
-                           step.num_decode_tokens, step.num_prefill_tokens, step.num_requests,
+                           step.num_decode_tokens, step.num_prefill_tokens, getattr(step, "num_requests", 0),
                            stats.num_running, stats.num_waiting, getattr(stats, "num_swapped", 0),
                            stats.num_used_blocks, num_cached, num_free,
-                           step.num_preempted, step.num_swapped_out, num_stalls))
+                           getattr(step, "num_preempted", 0), getattr(step, "num_swapped_out", 0), num_stalls))
 
     def observe_ttft(self, value: float, t: float) -> None:
-        self.ttft.add(value, t)
+        self.ttft.add((value,), t)
 
-    def observe_tbt(self, value: float, t: float) -> None:
-        self.tbt.add(value, t)
+    def observe_tbt(self, values: list[float], t: float) -> None:
+        """One step's TBT gaps, in one call: a per-token call would cost the step loop a microsecond a token."""
+        self.tbt.add(values, t)
 
     def maybe_snapshot(self, engine: Any, now: float, force: bool = False) -> None:
         """The requests in flight, at most every SNAPSHOT_INTERVAL_S, only while a page listens. `force`: the

@@ -619,7 +619,7 @@ def run_server(args: argparse.Namespace) -> None:
     # built on the engine thread: torch must run its parallel ops from one thread only (see AsyncEngine)
     async_engine = AsyncEngine(lambda: Engine(config))
     engine = async_engine.engine
-    metrics = EngineMetrics(engine.model_name)
+    metrics = EngineMetrics(engine.model_name, step_log=not getattr(args, "no_dashboard", False))
     async_engine.on_step = metrics.on_step  # read per call; an idle call before this only skips zero gauges
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                               served_model_names=tuple(args.served_model_name or ()),

@@ -205,9 +205,9 @@ def test_step_log_ring_wraps_and_resumes_from_a_seq():
 
 def test_latency_bins_keep_only_the_last_minute():
     bins = LatencyBins((0.1, 1.0))
-    bins.add(0.05, 100.2)
-    bins.add(0.5, 100.7)
-    bins.add(5.0, 130.0)
+    bins.add([0.05], 100.2)
+    bins.add([0.5], 100.7)
+    bins.add([5.0], 130.0)
     assert bins.histogram(130.5) == [1, 1, 1]
     assert bins.histogram(160.5) == [0, 0, 1]  # second 100 is more than 60 s back
     assert bins.histogram(500.0) == [0, 0, 0]
