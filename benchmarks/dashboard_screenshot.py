@@ -1,8 +1,8 @@
 """docs/dashboard.png: a server with the bundled model under mixed traffic (short and long prompts, three
 priorities, a KV cache small enough to preempt), its /dashboard in headless Chromium, a screenshot.
 
-    python benchmarks/dashboard_screenshot.py --out docs/dashboard.png -- --max-step-ms 150 \
-        --scheduling-policy priority --num-kv-blocks 96
+    python benchmarks/dashboard_screenshot.py --out docs/dashboard.png --rate 2 -- --max-step-ms 150 \
+        --scheduling-policy priority --num-kv-blocks 200
 
 Needs playwright (pip) and a chromium binary (Debian: apt-get install chromium).
 """
@@ -37,6 +37,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    threads: list[threading.Thread] = []
     log = tempfile.NamedTemporaryFile("w+", prefix="paceline-dash-shot-", suffix=".log", delete=False)
     server = subprocess.Popen([sys.executable, "-m", "paceline.entrypoints.server", "--port", str(port),
                                *args.server_args], stdout=log, stderr=subprocess.STDOUT,
@@ -54,7 +55,6 @@ def main() -> None:
             time.sleep(0.5)
         rng = random.Random(0)
         stop = threading.Event()
-        threads: list[threading.Thread] = []
 
         def one(prompt: str, max_tokens: int, priority: int) -> None:
             try:
