@@ -127,10 +127,10 @@
   function niceMax(v) {
     if (!(v > 0)) return 1;
     const p = Math.pow(10, Math.floor(Math.log10(v))), f = v / p;
-    return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * p;
+    return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 2.5 ? 2.5 : f <= 5 ? 5 : 10) * p;
   }
 
-  function divisions(yMax) {  // round tick values: 2 -> 0.5 steps, 1 and 5 -> fifths
+  function divisions(yMax) {  // round tick values: 2 -> 0.5 steps, 1, 2.5 and 5 -> fifths
     const f = yMax / Math.pow(10, Math.floor(Math.log10(yMax)));
     return Math.abs(f - 2) < 1e-9 ? 4 : 5;
   }
@@ -206,7 +206,7 @@
     const windowS = opts.windowS || WINDOW_S;
     let top = opts.yMin || 1;
     for (let i = 0; i < x.length; i++) top = Math.max(top, series.reduce((a, s) => a + (s.values[i] || 0), 0));
-    const f = frame(ctx, w, h, opts.title, niceMax(top * 1.05), windowS, legendOf(series, opts));
+    const f = frame(ctx, w, h, opts.title, opts.yMax || niceMax(top * 1.05), windowS, legendOf(series, opts));
     const base = new Array(x.length).fill(0);
     for (const s of series) {
       if (!x.length) break;
@@ -344,7 +344,7 @@
       return drawStackedArea(ctx, w, h, col.x, [
         { label: "used", color: C.used, values: col.used },
         { label: "free", color: C.free, values: col.free }],
-        { title: `KV blocks: ${used} of ${total} used (${pct} %)`, windowS,
+        { title: `KV blocks: ${used} of ${total} used (${pct} %)`, windowS, yMax: total || undefined,
           lines: [{ label: "prefix-cached (used or free)", color: C.cached, values: col.cached, dash: true }] });
     });
     const lat = m.latency || {};
