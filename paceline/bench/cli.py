@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 
 
 def _ms(x: float | None) -> float | None:
@@ -50,15 +48,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return bench
 
 
-def output_dir(arg: str | None, workload: str) -> Path:
-    return Path(arg) if arg else Path("bench-results") / f"{Path(workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from paceline.bench import plots
     from paceline.bench.client import Endpoint, run
     from paceline.bench.prompts import PromptSource, build_prompts, load_tokenizer
-    from paceline.bench.report import environment, run_dict, run_markdown, write_json
+    from paceline.bench.report import environment, output_dir, run_dict, run_markdown, write_json
     from paceline.bench.workload import generate, load_workload
 
     spec = load_workload(args.workload, max_model_len=args.max_model_len)

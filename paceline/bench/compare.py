@@ -10,13 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-from paceline.bench import plots
-from paceline.bench.capacity import (CapacityResult, calibrate_decode_step, capacity_from_probes, measure_prefill_rate,
-                                     parse_slo, search_capacity, ttft_excess)
+from paceline.bench.calibrate import calibrate_decode_step, measure_prefill_rate
+from paceline.bench.capacity import CapacityResult, capacity_from_probes, parse_slo, search_capacity, ttft_excess
 from paceline.bench.client import Endpoint, run, warmup
 from paceline.bench.prompts import PromptSource, build_prompts, bundled_gguf, load_tokenizer
-from paceline.bench.report import environment, markdown_table, run_dict, runs_table, write_json
+from paceline.bench.report import environment, markdown_table, output_dir, run_dict, runs_table, write_json
 from paceline.bench.workload import RequestSpec, WorkloadSpec, generate, load_workload
+from paceline.config import STALL_FACTOR
 
 ALL_SYSTEMS = ("paceline-sarathi", "paceline-vllm", "paceline-orca", "paceline-static", "llama-server-np8",
                "llama-server-np32", "transformers-cb")
@@ -121,7 +121,7 @@ class Bench:
         result = run(ep, reqs, self.prompts(reqs, ep.prompt_format, epoch), progress=not self.args.no_progress,
                      deadline_s=deadline, label=f"{system} @ {rate:.2f}/s")
         strict = self.slos[0][1] if self.slos else None
-        stall = 5 * self.decode_step_s if self.decode_step_s else None
+        stall = STALL_FACTOR * self.decode_step_s if self.decode_step_s else None
         r = run_dict(system, self.spec.name, rate, result, tbt_slo=strict, stall_threshold_s=stall,
                      extra={"probe": probe})
         if system in self.prefill_rates and self.args.delay_rule == "ttft-excess":
@@ -198,6 +198,7 @@ class Bench:
             md.append(runs_table(fixed))
         text = "\n\n".join(md) + "\n"
         (out / "results.md").write_text(text)
+        from paceline.bench import plots  # matplotlib: the [bench] extra
         plots.all_plots(self.runs, out, self.slos[0][1] if self.slos else None, featured=self.featured_runs())
         return text
 
@@ -259,7 +260,6 @@ def the_command() -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from paceline.bench.cli import output_dir
     from paceline.bench.peers import Server
     model = args.model or bundled_gguf()
     spec = load_workload(args.workload)
@@ -291,7 +291,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from paceline.bench.cli import output_dir
     spec = load_workload(args.workload)
     bench = Bench(args, spec, PromptSource(load_tokenizer(args.tokenizer)))
     ep = Endpoint(args.url, prompt_format=args.prompt_format, send_priority=not args.no_priority)

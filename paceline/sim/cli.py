@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from paceline.bench.capacity import MAX_DELAY_S
 from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
 from paceline.sim.hardware import GPUS
 from paceline.sim.router import ROUTERS
@@ -49,7 +50,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-step-ms", type=float, default=0.0,
                    help="sarathi: cut prompt chunks so the cost model's step time stays under it (0: off)")
     g = p.add_argument_group("output")
-    g.add_argument("--ttft-slo", type=float, default=None, help="ms, for goodput")
+    g.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in ms, for goodput")
     g.add_argument("--out", default=None, help="write the summary (and every request's timeline) as JSON here")
     g.add_argument("--plots", default=None, help="write PNG plots into this folder")
 
@@ -86,7 +87,8 @@ def deployment_from_args(args: argparse.Namespace):
 
 
 def _simulate(args: argparse.Namespace) -> None:
-    from paceline.sim.metrics import markdown, summarize
+    from paceline.bench.report import distribution_table, run_markdown, write_json
+    from paceline.sim.metrics import sim_run_dict
     from paceline.sim.workloads import generate
 
     try:
@@ -96,16 +98,21 @@ def _simulate(args: argparse.Namespace) -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     result = sim.run(reqs)
-    s = summarize(result, ttft_slo_s=args.ttft_slo / 1e3 if args.ttft_slo else None)
+    run = sim_run_dict(result, system=args.scheduler, workload=workload.name, rate=args.rate,
+                       ttft_slo=args.ttft_slo / 1e3 if args.ttft_slo else None,
+                       tbt_slo=args.tbt_slo / 1e3 if args.tbt_slo else None)
+    s, m = run["summary"], run["simulation"]
     print(f"{workload.name} at {args.rate} req/s, {args.replicas} x {_device_name(args)}, {args.scheduler} "
           f"budget {args.max_num_batched_tokens}, {sim.num_blocks} KV blocks per replica")
-    print(markdown(s))
+    print(f"{s['completed']}/{s['num_requests']} requests finished ({s['failed']} rejected) in {s['duration_s']:.1f} "
+          f"simulated s ({m['wall_s']:.2f} s wall); {m['num_steps']} steps, median decode step "
+          f"{m['median_decode_step_s'] * 1e3:.1f} ms; {m['num_preemptions']} preemptions\n")
+    print(run_markdown(run) + "\n\n" + distribution_table(s))
     if args.out:
-        Path(args.out).write_text(json.dumps({"summary": asdict(s), "requests": [asdict(r) for r in result.requests],
-                                              "steps": [asdict(x) for x in result.steps]}) + "\n")
+        write_json(Path(args.out), {**run, "steps": [asdict(x) for x in result.steps]})
     if args.plots:
-        from paceline.sim.plots import write_plots
-        for p in write_plots(result, args.plots, args.scheduler):
+        from paceline.bench.plots import all_plots  # matplotlib: the [bench] extra
+        for p in all_plots([run], Path(args.plots), run["summary"]["tbt_slo_s"]):
             print(f"wrote {p}")
 
 
@@ -116,7 +123,9 @@ def _device_name(args: argparse.Namespace) -> str:
 
 
 def _capacity(args: argparse.Namespace) -> None:
-    from paceline.sim.capacity import search_capacity
+    """The benchmark's capacity search (paceline.bench.capacity) with simulated probes; the answer for each SLO is
+    judged over every probe, whichever search ran it, as `paceline bench compare` does."""
+    from paceline.bench.capacity import capacity_from_probes, search_capacity
     from paceline.sim.metrics import summarize
     from paceline.sim.workloads import generate
 
@@ -125,18 +134,21 @@ def _capacity(args: argparse.Namespace) -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
 
-    def run_at(rate: float):
+    def probe(rate: float) -> dict:
         return summarize(dep.simulator().run(generate(workload, rate, args.num_requests, args.seed)))
 
-    cache: dict = {}
+    cache: dict[float, dict] = {}
     print(f"capacity of {workload.name}, {args.replicas} x {_device_name(args)}, {args.scheduler} budget {args.max_num_batched_tokens}")
     print("\n| TBT SLO (ms) | capacity (req/s) | p99 TBT (ms) | median sched delay (s) | runs |\n|---|---|---|---|---|")
     for slo in args.tbt_slo:
-        r = search_capacity(run_at, slo / 1e3, start_rate=args.rate, max_scheduling_delay_s=args.max_scheduling_delay,
-                            rel_tol=args.rel_tol, cache=cache)
-        at = r.at_capacity
-        print(f"| {slo:g} | {r.capacity:.3f} | {at.tbt['p99'] * 1e3 if at else float('nan'):.1f} | "
-              f"{at.scheduling_delay['p50'] if at else float('nan'):.2f} | {len(r.tried)} |")
+        search_capacity(probe, slo / 1e3, start_rate=args.rate, max_probes=args.max_probes, rel_tol=args.rel_tol,
+                        min_rate=1e-3, max_delay_s=args.max_scheduling_delay, cache=cache)
+    for slo in args.tbt_slo:
+        r = capacity_from_probes(cache, slo / 1e3, max_delay_s=args.max_scheduling_delay)
+        at = cache.get(round(r.capacity, 6)) if r.capacity else None
+        p99 = at["tbt"]["p99"] * 1e3 if at else float("nan")
+        delay = at["scheduling_delay"]["p50"] if at else float("nan")
+        print(f"| {slo:g} | {r.capacity:.3f} | {p99:.1f} | {delay:.2f} | {len(cache)} |")
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -156,13 +168,16 @@ def _profile(args: argparse.Namespace) -> None:
 def add_parsers(subparsers) -> None:
     sim = subparsers.add_parser("simulate", help="simulate serving a workload in virtual time (`simulate capacity` to search the SLO capacity)")
     _common_args(sim)
+    sim.add_argument("--tbt-slo", type=float, default=None, help="TBT SLO in ms, for goodput")
     sim.set_defaults(func=_simulate)
     modes = sim.add_subparsers(dest="sim_mode")
     cap = modes.add_parser("capacity", help="highest request rate under a p99 TBT SLO")
     _common_args(cap)
     cap.add_argument("--tbt-slo", type=float, nargs="+", default=[100.0, 500.0], help="p99 TBT SLOs in ms")
-    cap.add_argument("--max-scheduling-delay", type=float, default=2.0, help="seconds, median")
-    cap.add_argument("--rel-tol", type=float, default=0.03)
+    cap.add_argument("--max-scheduling-delay", type=float, default=MAX_DELAY_S, help="seconds, median")
+    cap.add_argument("--max-probes", type=int, default=24, help="simulated runs per SLO (shared runs are free)")
+    # simulated probes cost little: the search narrows the bracket further than a measured one (0.1)
+    cap.add_argument("--rel-tol", type=float, default=0.03, help="stop when the bracket is within this fraction")
     cap.set_defaults(func=_capacity)
 
     prof = subparsers.add_parser("profile", help="time the real executor over batch shapes and fit the simulator's cost model")
