@@ -127,8 +127,8 @@ class Engine:
         of this engine's own runner (the same kernels, dtype and threads that will serve)."""
         if self.config.scheduler.max_step_ms <= 0:
             return None
-        from paceline.sim.cost_model import ProfiledCostModel
-        from paceline.sim.profile import quick_step_time_model
+        from paceline.core.step_time import ProfiledCostModel
+        from paceline.engine.profile import quick_step_time_model
 
         if self.config.step_profile:
             return ProfiledCostModel.load(self.config.step_profile).step_time

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from paceline.bench.capacity import MAX_DELAY_S
-from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
+from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig, scheduler_name
 from paceline.sim.hardware import GPUS
 from paceline.sim.router import ROUTERS
 
@@ -29,7 +29,8 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--efficiency", action="append", default=[], metavar="CLASS=F",
                    help="roofline: fraction of peak for gemm | attn_prefill | attn_decode | elementwise (repeatable)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-blocks", type=int, default=None, help="override the KV blocks per replica")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per replica, overriding the sizing")
+    g.add_argument("--num-blocks", dest="num_kv_blocks", type=int, default=None, help=argparse.SUPPRESS)  # old name
     g.add_argument("--kv-cache-memory-gb", type=float, default=CacheConfig.kv_cache_memory_gb, help="profiled: KV memory, as the server's flag")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--swap-space-gb", type=float, default=CacheConfig.swap_space_gb)
@@ -37,7 +38,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("fleet and scheduler")
     g.add_argument("--replicas", type=int, default=1)
     g.add_argument("--router", default="round-robin", choices=ROUTERS)
-    g.add_argument("--scheduler", default=SchedulerConfig.policy, choices=SCHEDULERS)
+    g.add_argument("--scheduler", default=SchedulerConfig.policy, choices=SCHEDULERS, type=scheduler_name)
     g.add_argument("--scheduling-policy", default=SchedulerConfig.scheduling_policy, choices=SCHEDULING_POLICIES)
     g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
@@ -48,7 +49,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-aging-s", type=float, default=0.0)
     g.add_argument("--max-batch-wait-ms", type=float, default=0.0)
     g.add_argument("--max-step-ms", type=float, default=0.0,
-                   help="sarathi: cut prompt chunks so the cost model's step time stays under it (0: off)")
+                   help="stall-free: cut prompt chunks so the cost model's step time stays under it (0: off)")
     g = p.add_argument_group("output")
     g.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in ms, for goodput")
     g.add_argument("--out", default=None, help="write the summary (and every request's timeline) as JSON here")
@@ -67,7 +68,7 @@ def deployment_from_args(args: argparse.Namespace):
             eff[k] = float(v)
         except ValueError:
             raise ValueError(f"--efficiency wants CLASS=FRACTION, got {item!r}") from None
-    kw = {"step_overhead_s": args.step_overhead_ms / 1e3}
+    kw = {"step_overhead_s": args.step_overhead_ms / 1e3, "block_size": args.block_size}
     if eff:
         from paceline.sim.cost_model import DEFAULT_EFFICIENCY
         kw["efficiency"] = {**DEFAULT_EFFICIENCY, **eff}
@@ -80,7 +81,7 @@ def deployment_from_args(args: argparse.Namespace):
                             max_num_partial_prefills=args.max_num_partial_prefills, preemption_mode=args.preemption_mode,
                             priority_aging_s=args.priority_aging_s, max_batch_wait_ms=args.max_batch_wait_ms,
                             max_step_ms=args.max_step_ms)
-    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         swap_space_gb=args.swap_space_gb, enable_prefix_caching=not args.no_prefix_caching)
     dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization)
     return dep, workload
