@@ -14,13 +14,12 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 def scheduler_name(name: str) -> str:
-    """A scheduler's current name; an old one is mapped with a warning, an unknown one raises ValueError."""
+    """A scheduler's current name: an old one is mapped, with a warning; any other comes back as it is (the
+    caller checks it: SchedulerConfig, or argparse's choices when this is a flag's type)."""
     if name in OLD_SCHEDULER_NAMES:
         new = OLD_SCHEDULER_NAMES[name]
         warnings.warn(f"scheduler {name!r} is now called {new!r}; the old name will go", FutureWarning, stacklevel=3)
         return new
-    if name not in SCHEDULERS:
-        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
     return name
 
 
@@ -64,6 +63,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         self.policy = scheduler_name(self.policy)
+        if self.policy not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {self.policy!r}; choose one of {', '.join(SCHEDULERS)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}; choose one of {', '.join(SCHEDULING_POLICIES)}")
         if self.preemption_mode not in PREEMPTION_MODES:
