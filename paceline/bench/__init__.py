@@ -5,8 +5,8 @@
     paceline bench compare --workload chat          (same as python benchmarks/compare.py --workload chat)
 
 Modules, one job each:
-    workload.py        arrivals, lengths, priority classes -> RequestSpec list (seeded; YAML in benchmarks/workloads)
-    prompts.py         real text (benchmarks/data/corpus.txt) cut to exact token counts with the model's tokenizer
+    workload.py        arrivals, lengths, priority classes -> RequestSpec list (seeded; YAML in data/workloads)
+    prompts.py         real text (data/corpus.txt) cut to exact token counts with the model's tokenizer
     client.py          open-loop streaming load generator; one timestamp per output token
     metrics.py         records, TTFT, TBT, TPOT, e2e, normalized latency, stalls, throughput, goodput (architecture.md);
                        the simulator emits these records and reports through this module, report.py and plots.py

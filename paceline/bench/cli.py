@@ -49,7 +49,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from paceline.bench import plots
     from paceline.bench.client import Endpoint, run
     from paceline.bench.prompts import PromptSource, build_prompts, load_tokenizer
     from paceline.bench.report import environment, output_dir, run_dict, run_markdown, write_json
@@ -76,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     (out / "results.md").write_text(md + "\n")
     print(md)
     if not args.no_plots:
+        from paceline.bench import plots  # matplotlib: the [bench] extra
         plots.all_plots([r], out, _ms(args.tbt_slo))
     print(f"\nwrote {out}/results.json, results.md" + ("" if args.no_plots else " and plots"))
     return 0 if r["summary"]["completed"] else 1

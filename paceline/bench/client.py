@@ -215,7 +215,10 @@ async def run_async(ep: Endpoint, requests: list[RequestSpec], prompts: list[lis
 
 
 def _progress_bar(label: str):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:  # the [bench] extra is not installed: run without a progress bar
+        return None
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("{task.fields[stats]}"), transient=True)
 
