@@ -47,7 +47,7 @@ def main() -> None:
             t0 = time.perf_counter()
             cache: dict = {}
 
-            def run_at(rate: float):
+            def run_at(rate: float, dep=dep, wl=wl):  # bound now: the loop moves on
                 return summarize(dep.simulator().run(generate(wl, rate, args.num_requests, args.seed)))
 
             for slo in SLOS_MS:

@@ -9,7 +9,7 @@ from paceline.bench.capacity import judge, search_capacity
 from paceline.bench.metrics import RequestRecord, RunResult
 from paceline.bench.report import run_dict
 from paceline.config import CacheConfig, SchedulerConfig
-from paceline.sim.metrics import sim_run_dict, summarize
+from paceline.sim.metrics import sim_run_dict
 from paceline.sim.simulator import SimResult, Simulator, StepRecord
 from paceline.sim.workloads import generate, load_workload, requests_for
 
