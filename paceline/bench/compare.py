@@ -16,9 +16,9 @@ from paceline.bench.client import Endpoint, run, warmup
 from paceline.bench.prompts import PromptSource, build_prompts, bundled_gguf, load_tokenizer
 from paceline.bench.report import environment, markdown_table, output_dir, run_dict, runs_table, write_json
 from paceline.bench.workload import RequestSpec, WorkloadSpec, generate, load_workload
-from paceline.config import STALL_FACTOR
+from paceline.config import SCHEDULERS, STALL_FACTOR, scheduler_name
 
-ALL_SYSTEMS = ("paceline-sarathi", "paceline-vllm", "paceline-orca", "paceline-static", "llama-server-np8",
+ALL_SYSTEMS = ("paceline-stall-free", "paceline-prefill-first", "paceline-orca", "paceline-static", "llama-server-np8",
                "llama-server-np32", "transformers-cb")
 
 
@@ -51,8 +51,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p)
     p.add_argument("--model", default=None, help="GGUF every system serves (default: the bundled SmolLM2-135M)")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list of {', '.join(ALL_SYSTEMS)}")
-    p.add_argument("--sarathi-budgets", default="256,1024",
-                   help="token budgets of the paceline-sarathi runs; BUDGET:MS also sets --max-step-ms MS")
+    p.add_argument("--stall-free-budgets", default="256,1024",
+                   help="token budgets of the paceline-stall-free runs; BUDGET:MS also sets --max-step-ms MS")
+    p.add_argument("--sarathi-budgets", dest="stall_free_budgets", help=argparse.SUPPRESS)  # the old name
     p.add_argument("--budget", type=int, default=1024,
                    help="token budget of the other paceline schedulers, llama-server -b/-ub, transformers cb")
     p.add_argument("--rates", default="", help="comma list of fixed rates every system runs (besides capacity)")
@@ -236,12 +237,20 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
     ctx_per_slot = (longest // 256 + 2) * 256
     out = []
     for name in _csv(args.systems):
-        if name == "paceline-sarathi":
-            for item in _csv(args.sarathi_budgets):
+        if name.startswith("paceline-"):
+            scheduler = scheduler_name(name.removeprefix("paceline-"))  # paceline-sarathi, -vllm: the old names
+            if scheduler not in SCHEDULERS:
+                raise ValueError(f"unknown system {name!r}; choose from {', '.join(ALL_SYSTEMS)}")
+            name = f"paceline-{scheduler}"
+        if name == "paceline-stall-free":
+            for item in _csv(args.stall_free_budgets):
                 budget, _, ms = item.partition(":")
-                out.append(paceline_system("sarathi", int(budget), model, args.threads, max_step_ms=float(ms or 0)))
+                system = paceline_system(scheduler, int(budget), model, args.threads, max_step_ms=float(ms or 0))
+                # one name per budget (and step-time limit), as peers.py names its sarathi runs
+                system.name = f"{name}-{budget}" + (f"-{float(ms):g}ms" if ms and float(ms) else "")
+                out.append(system)
         elif name.startswith("paceline-"):
-            out.append(paceline_system(name.split("-", 1)[1], args.budget, model, args.threads))
+            out.append(paceline_system(scheduler, args.budget, model, args.threads))
         elif name.startswith("llama-server-np"):
             out.append(llama_server_system(int(name.removeprefix("llama-server-np")), args.budget, model,
                                            ctx_per_slot, args.threads))

@@ -33,7 +33,10 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=CacheConfig.kv_cache_memory_gb, help="profiled: KV memory, as the server's flag")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--swap-space-gb", type=float, default=CacheConfig.swap_space_gb)
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes (default: on)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)  # the old spelling
     g = p.add_argument_group("fleet and scheduler")
     g.add_argument("--replicas", type=int, default=1)
     g.add_argument("--router", default="round-robin", choices=ROUTERS)
@@ -49,10 +52,19 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-wait-ms", type=float, default=0.0)
     g.add_argument("--max-step-ms", type=float, default=0.0,
                    help="stall-free: cut prompt chunks so the cost model's step time stays under it (0: off)")
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    """As `paceline bench serve` spells them."""
     g = p.add_argument_group("output")
     g.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in ms, for goodput")
-    g.add_argument("--out", default=None, help="write the summary (and every request's timeline) as JSON here")
-    g.add_argument("--plots", default=None, help="write PNG plots into this folder")
+    g.add_argument("--tbt-slo", type=float, default=None, help="TBT SLO in ms, for goodput")
+    g.add_argument("--output-dir", default=None,
+                   help="write results.json (the summary, every request's timeline, every step), results.md and PNGs")
+    g.add_argument("--no-plots", action="store_true")
+    # the older spellings: the JSON alone to a file, the PNGs alone to a folder
+    g.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--plots", default=None, help=argparse.SUPPRESS)
 
 
 def deployment_from_args(args: argparse.Namespace):
@@ -81,7 +93,7 @@ def deployment_from_args(args: argparse.Namespace):
                             priority_aging_s=args.priority_aging_s, max_batch_wait_ms=args.max_batch_wait_ms,
                             max_step_ms=args.max_step_ms)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                        swap_space_gb=args.swap_space_gb, enable_prefix_caching=not args.no_prefix_caching)
+                        swap_space_gb=args.swap_space_gb, enable_prefix_caching=args.enable_prefix_caching)
     dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization)
     return dep, workload
 
@@ -107,12 +119,20 @@ def _simulate(args: argparse.Namespace) -> None:
     print(f"{s['completed']}/{s['num_requests']} requests finished ({s['failed']} rejected) in {s['duration_s']:.1f} "
           f"simulated s ({m['wall_s']:.2f} s wall); {m['num_steps']} steps, median decode step "
           f"{m['median_decode_step_s'] * 1e3:.1f} ms; {m['num_preemptions']} preemptions\n")
-    print(run_markdown(run) + "\n\n" + distribution_table(s))
+    md = run_markdown(run) + "\n\n" + distribution_table(s)
+    print(md)
+    payload = {**run, "steps": [asdict(x) for x in result.steps]}
+    out = Path(args.output_dir) if args.output_dir else None
+    if out:
+        write_json(out / "results.json", payload)
+        (out / "results.md").write_text(md + "\n")
+        print(f"wrote {out}/results.json, results.md")
     if args.out:
-        write_json(Path(args.out), {**run, "steps": [asdict(x) for x in result.steps]})
-    if args.plots:
+        write_json(Path(args.out), payload)
+    plot_dir = Path(args.plots) if args.plots else out if out and not args.no_plots else None
+    if plot_dir:
         from paceline.bench.plots import all_plots  # matplotlib: the [bench] extra
-        for p in all_plots([run], Path(args.plots), run["summary"]["tbt_slo_s"]):
+        for p in all_plots([run], plot_dir, s["tbt_slo_s"]):
             print(f"wrote {p}")
 
 
@@ -122,15 +142,24 @@ def _device_name(args: argparse.Namespace) -> str:
     return f"profile {args.cost_model}"
 
 
+def simulated_decode_step(dep) -> float:
+    """The simulated twin of the benchmark's calibration (bench/calibrate.py: 16 requests of 16 prompt tokens
+    decoding 96 tokens, median gap): one step of 16 decodes at the middle of that run's context."""
+    from paceline.core.batch_shape import BatchShape
+    return dep.cost_model.step_time(BatchShape.build(decode_contexts=[16 + 48] * 16))
+
+
 def _capacity(args: argparse.Namespace) -> None:
     """The benchmark's capacity search (paceline.bench.capacity) with simulated probes; the answer for each SLO is
     judged over every probe, whichever search ran it, as `paceline bench compare` does."""
-    from paceline.bench.capacity import capacity_from_probes, search_capacity
+    from paceline.bench.capacity import capacity_from_probes, parse_slo, search_capacity
     from paceline.sim.metrics import summarize
     from paceline.sim.workloads import generate
 
     try:
         dep, workload = deployment_from_args(args)
+        names = [f"{ms:g}" for ms in args.tbt_slo] if args.tbt_slo else [x for x in args.slo.split(",") if x.strip()]
+        slos = [parse_slo(n.strip(), simulated_decode_step(dep)) for n in names]
     except ValueError as e:
         sys.exit(f"error: {e}")
 
@@ -138,17 +167,20 @@ def _capacity(args: argparse.Namespace) -> None:
         return summarize(dep.simulator().run(generate(workload, rate, args.num_requests, args.seed)))
 
     cache: dict[float, dict] = {}
+    start = args.start_rate or args.rate
     print(f"capacity of {workload.name}, {args.replicas} x {_device_name(args)}, {args.scheduler} budget {args.max_num_batched_tokens}")
     print("\n| TBT SLO (ms) | capacity (req/s) | p99 TBT (ms) | median sched delay (s) | runs |\n|---|---|---|---|---|")
-    for slo in args.tbt_slo:
-        search_capacity(probe, slo / 1e3, start_rate=args.rate, max_probes=args.max_probes, rel_tol=args.rel_tol,
+    for _, slo_s in slos:
+        search_capacity(probe, slo_s, start_rate=start, max_probes=args.max_probes, rel_tol=args.rel_tol,
                         min_rate=1e-3, max_delay_s=args.max_scheduling_delay, cache=cache)
-    for slo in args.tbt_slo:
-        r = capacity_from_probes(cache, slo / 1e3, max_delay_s=args.max_scheduling_delay)
+    for name, slo_s in slos:
+        r = capacity_from_probes(cache, slo_s, max_delay_s=args.max_scheduling_delay)
         at = cache.get(round(r.capacity, 6)) if r.capacity else None
         p99 = at["tbt"]["p99"] * 1e3 if at else float("nan")
         delay = at["scheduling_delay"]["p50"] if at else float("nan")
-        print(f"| {slo:g} | {r.capacity:.3f} | {p99:.1f} | {delay:.2f} | {len(cache)} |")
+        label = f"{slo_s * 1e3:g}" if name.endswith("ms") else f"{name} ({slo_s * 1e3:.1f})"
+        bound = "≥ " if r.is_lower_bound else ""  # every probe passed: the search ran out of probes first
+        print(f"| {label} | {bound}{r.capacity:.3f} | {p99:.1f} | {delay:.2f} | {len(cache)} |")
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -168,12 +200,16 @@ def _profile(args: argparse.Namespace) -> None:
 def add_parsers(subparsers) -> None:
     sim = subparsers.add_parser("simulate", help="simulate serving a workload in virtual time (`simulate capacity` to search the SLO capacity)")
     _common_args(sim)
-    sim.add_argument("--tbt-slo", type=float, default=None, help="TBT SLO in ms, for goodput")
+    _output_args(sim)
     sim.set_defaults(func=_simulate)
     modes = sim.add_subparsers(dest="sim_mode")
     cap = modes.add_parser("capacity", help="highest request rate under a p99 TBT SLO")
     _common_args(cap)
-    cap.add_argument("--tbt-slo", type=float, nargs="+", default=[100.0, 500.0], help="p99 TBT SLOs in ms")
+    cap.add_argument("--slo", default="100,500",
+                     help="comma list of p99 TBT SLOs: ms numbers, or strict / relaxed (5x / 25x the simulated decode "
+                          "step of 16 requests, as `paceline bench` calibrates it)")
+    cap.add_argument("--tbt-slo", type=float, nargs="+", default=None, help=argparse.SUPPRESS)  # old: ms numbers
+    cap.add_argument("--start-rate", type=float, default=None, help="first rate the search tries (default: --rate)")
     cap.add_argument("--max-scheduling-delay", type=float, default=MAX_DELAY_S, help="seconds, median")
     cap.add_argument("--max-probes", type=int, default=24, help="simulated runs per SLO (shared runs are free)")
     # simulated probes cost little: the search narrows the bracket further than a measured one (0.1)
