@@ -77,3 +77,18 @@ def test_one_request_bench_serve_from_the_wheel(installed, tmp_path):
                   "--no-progress", "--output-dir", str(tmp_path / "out"), cwd=tmp_path)
     assert "| 1/1 |" in out
     assert (tmp_path / "out" / "results.json").stat().st_size > 0 and (tmp_path / "out" / "tbt_cdf.png").exists()
+
+
+def test_paceline_serve_from_the_wheel(installed, tmp_path):
+    """The server starts from the wheel (the bundled model found through its package) and answers."""
+    import httpx
+
+    from paceline.bench.peers import Server, System
+    argv = [str(installed / "paceline"), "--log-level", "WARNING", "serve", "--port", "{port}",
+            "--kv-cache-memory-gb", "0.25"]
+    with Server(System("paceline-wheel", argv), tmp_path / "serve.log") as srv:
+        model = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(srv.url + "/v1/completions", json={"model": model, "prompt": "The sky is", "max_tokens": 2},
+                       timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
