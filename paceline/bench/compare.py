@@ -246,7 +246,7 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
             for item in _csv(args.stall_free_budgets):
                 budget, _, ms = item.partition(":")
                 system = paceline_system(scheduler, int(budget), model, args.threads, max_step_ms=float(ms or 0))
-                # one name per budget (and step-time limit), as peers.py names its sarathi runs
+                # one name per budget (and step-time limit), as peers.py names its stall-free runs
                 system.name = f"{name}-{budget}" + (f"-{float(ms):g}ms" if ms and float(ms) else "")
                 out.append(system)
         elif name.startswith("paceline-"):
