@@ -1,10 +1,10 @@
-"""Build benchmarks/data/corpus.txt: English prose paragraphs from the docstrings of CPython's standard library.
+"""Build paceline/bench/data/corpus.txt (the benchmark's prompt text, package data): English prose paragraphs from the docstrings of CPython's standard library.
 
 Why docstrings: they are real English written by people (so tokenization behaves like real prompts), they ship
 with every Python install, and they are covered by the PSF License Agreement, which permits copying and
-redistribution with the license notice kept (see LICENSE-PSF.txt next to this file). Only paragraphs that read
+redistribution with the license notice kept (see paceline/bench/data/LICENSE-PSF.txt, next to the corpus). Only paragraphs that read
 as prose are kept: no doctest lines, no indented code, few symbols. The output is deterministic for a given
-Python version: `python benchmarks/data/make_corpus.py [target_kb]`.
+Python version: `python benchmarks/make_corpus.py [target_kb]`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "paceline" / "bench" / "data"
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "ensurepip", "pydoc_data", "tkinter"}
 
 
