@@ -10,6 +10,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,55 +76,65 @@ def free_port() -> int:
 
 @dataclass
 class Groups:
-    """`cpu` carries messages (gloo); `device` carries activations (NCCL on CUDA, else the same gloo group)."""
+    """`cpu` carries messages (gloo); `device` carries activations (NCCL on CUDA, else the same gloo group).
+
+    Backend objects built on this executor's own TCPStore, not torch.distributed's global default group: a process
+    may then hold several executors (one after another in tests, or two engines side by side) and nothing global
+    is left behind when one closes."""
     rank: int
     size: int
-    cpu: dist.ProcessGroup
-    device: dist.ProcessGroup
+    store: dist.Store
+    cpu: Any  # a c10d backend (ProcessGroupGloo / ProcessGroupNCCL)
+    device: Any
 
 
 def init_groups(rank: int, size: int, port: int, device: torch.device, timeout_s: float) -> Groups:
-    if dist.is_initialized():
-        raise ValueError("this process already belongs to a torch.distributed group; one parallel executor per process")
+    timeout = timedelta(seconds=timeout_s)
     # loopback only: gloo would otherwise pick the interface the hostname resolves to
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s))
-    world = dist.group.WORLD
-    cpu = dist.new_group(backend="gloo") if backend == "nccl" else world
-    return Groups(rank, size, cpu, world)
-
-
-def close_groups() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
+    cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
+    dev = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size) if device.type == "cuda" else cpu
+    return Groups(rank, size, store, cpu, dev)
 
 
 def broadcast_message(groups: Groups, command: int, payload: list[int]) -> None:
     """Rank 0 tells every rank what to do next."""
-    dist.broadcast(torch.tensor([command, len(payload)], dtype=torch.int64), 0, group=groups.cpu)
+    groups.cpu.broadcast(torch.tensor([command, len(payload)], dtype=torch.int64), 0).wait()
     if payload:
-        dist.broadcast(torch.tensor(payload, dtype=torch.int64), 0, group=groups.cpu)
+        groups.cpu.broadcast(torch.tensor(payload, dtype=torch.int64), 0).wait()
 
 
 def receive_broadcast(groups: Groups) -> tuple[int, list[int]]:
     header = torch.empty(2, dtype=torch.int64)
-    dist.broadcast(header, 0, group=groups.cpu)
+    groups.cpu.broadcast(header, 0).wait()
     command, n = header.tolist()
     payload = torch.empty(n, dtype=torch.int64)
     if n:
-        dist.broadcast(payload, 0, group=groups.cpu)
+        groups.cpu.broadcast(payload, 0).wait()
     return command, payload.tolist()
+
+
+# Every point-to-point message uses one tag: gloo matches a peer's sends and receives of one tag in order, and each
+# side posts them in the same order (header, payload, then the activations).
+TAG = 0
+
+
+def isend(group: Any, t: torch.Tensor, dst: int) -> tuple:
+    """(handle, buffer): the buffer must live until the handle completes."""
+    return group.send([t], dst, TAG), t
+
+
+def recv(group: Any, t: torch.Tensor, src: int) -> torch.Tensor:
+    group.recv([t], src, TAG).wait()
+    return t
 
 
 def send_message(groups: Groups, dst: int, command: int, payload: list[int]) -> list:
     """Point to point (pipeline stages), asynchronously: (handle, buffer) pairs the caller keeps until sent."""
-    header = torch.tensor([command, len(payload)], dtype=torch.int64)
-    sends = [(dist.isend(header, dst, group=groups.cpu), header)]
+    sends = [isend(groups.cpu, torch.tensor([command, len(payload)], dtype=torch.int64), dst)]
     if payload:
-        body = torch.tensor(payload, dtype=torch.int64)
-        sends.append((dist.isend(body, dst, group=groups.cpu), body))
+        sends.append(isend(groups.cpu, torch.tensor(payload, dtype=torch.int64), dst))
     return sends
 
 
@@ -137,12 +148,11 @@ def settle(sends: list, wait: bool = False) -> list:
 
 
 def receive_message(groups: Groups, src: int) -> tuple[int, list[int]]:
-    header = torch.empty(2, dtype=torch.int64)
-    dist.recv(header, src, group=groups.cpu)
+    header = recv(groups.cpu, torch.empty(2, dtype=torch.int64), src)
     command, n = header.tolist()
     payload = torch.empty(n, dtype=torch.int64)
     if n:
-        dist.recv(payload, src, group=groups.cpu)
+        recv(groups.cpu, payload, src)
     return command, payload.tolist()
 
 
@@ -176,7 +186,7 @@ class AllReduceLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
         t0 = time.perf_counter()
-        dist.all_reduce(y, group=self.groups.device)
+        self.groups.device.allreduce([y]).wait()
         self.timers.comm_s += time.perf_counter() - t0
         return y
 

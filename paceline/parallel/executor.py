@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from paceline.engine.runner import ModelRunner
@@ -21,7 +20,7 @@ from paceline.model.llama import LlamaModel
 from paceline.model.loader import DTYPES
 from paceline.model.sampler import SampleRow
 from paceline.parallel.comm import (FORWARD, STATS, STOP, SWAP, Forward, Groups, Swap, Timers, broadcast_message,
-                                    close_groups, encode_forward, encode_swap, free_port, init_groups, send_message,
+                                    encode_forward, encode_swap, free_port, init_groups, isend, recv, send_message,
                                     settle, wrap_row_parallel)
 from paceline.parallel.rank import ParallelSpec, build_rank_model, stage_forward, stage_metadata, validate
 from paceline.parallel.shard import pp_stages, tp_shards
@@ -77,7 +76,7 @@ class _Workers:
         for p in self.procs:
             p.join(30)
         self.kill()  # any that did not stop in time
-        close_groups()
+        self.groups = None  # dropping the backends closes their sockets
 
 
 def _flat_batch(order: list[ScheduledRequest], block_offset: int = 0) -> tuple[Forward, list[ScheduledRequest]]:
@@ -139,9 +138,7 @@ class _ParallelRunner(ModelRunner):
         self._send(STATS, [])
         out = [Timers(self.timers.forward_s, self.timers.comm_s, self.timers.steps)]
         for r in range(1, self.spec.world_size):
-            t = torch.empty(3, dtype=torch.float64)
-            dist.recv(t, r, group=self.groups.cpu)
-            out.append(Timers.from_tensor(t))
+            out.append(Timers.from_tensor(recv(self.groups.cpu, torch.empty(3, dtype=torch.float64), r)))
         self.timers.reset()
         return out
 
@@ -234,14 +231,14 @@ class PipelineParallelRunner(_ParallelRunner):
         self.timers.forward_s += time.perf_counter() - t0
         self.timers.steps += 1
         self._send(FORWARD, encode_forward(f))
-        self.in_flight_sends.append((dist.isend(hidden, 1, group=self.groups.device), hidden))
+        self.in_flight_sends.append(isend(self.groups.device, hidden, 1))
 
     def _receive_logits(self, num_rows: int) -> torch.Tensor:
         if not num_rows:
             return torch.empty(0, self.arch.vocab_size, dtype=torch.float32, device=self.device)
         rows = torch.empty(num_rows, self.full_arch.hidden_size, dtype=self.model.dtype, device=self.device)
         t0 = time.perf_counter()
-        dist.recv(rows, self.last_rank, group=self.groups.device)
+        recv(self.groups.device, rows, self.last_rank)
         t1 = time.perf_counter()
         with torch.inference_mode():
             logits = self.model.compute_logits(rows)

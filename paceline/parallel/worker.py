@@ -11,13 +11,12 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
 from paceline.engine.runner import ModelRunner
 from paceline.model.loader import load_checkpoint
-from paceline.parallel.comm import (FORWARD, STATS, STOP, SWAP, Groups, Timers, close_groups, decode_forward,
-                                    decode_swap, init_groups, receive_broadcast, receive_message, send_message, settle,
-                                    wrap_row_parallel)
+from paceline.parallel.comm import (FORWARD, STATS, STOP, SWAP, Groups, Timers, decode_forward, decode_swap,
+                                    init_groups, isend, receive_broadcast, receive_message, recv, send_message,
+                                    settle, wrap_row_parallel)
 from paceline.parallel.rank import ParallelSpec, build_rank_model, stage_forward, stage_metadata
 
 
@@ -48,8 +47,6 @@ def worker_main(spec: ParallelSpec, rank: int, port: int, ready) -> None:
         # the driver's next collective fails when this process's sockets close; say why here
         traceback.print_exc(file=sys.stderr)
         sys.exit(1)
-    finally:
-        close_groups()
 
 
 def tp_loop(runner: ModelRunner, groups: Groups) -> None:
@@ -69,7 +66,7 @@ def tp_loop(runner: ModelRunner, groups: Groups) -> None:
             timers.forward_s += time.perf_counter() - t0
             timers.steps += 1
         elif command == STATS:
-            dist.send(timers.as_tensor(), 0, group=groups.cpu)
+            isend(groups.cpu, timers.as_tensor(), 0)[0].wait()
             timers.reset()
 
 
@@ -93,7 +90,7 @@ def pp_loop(runner: ModelRunner, groups: Groups, hidden_size: int) -> None:
             f = decode_forward(payload)
             hidden = torch.empty(len(f.ids), hidden_size, dtype=runner.model.dtype, device=runner.device)
             t0 = time.perf_counter()
-            dist.recv(hidden, rank - 1, group=groups.device)
+            recv(groups.device, hidden, rank - 1)
             t1 = time.perf_counter()
             out = stage_forward(runner.model, runner.kv_cache, stage_metadata(runner, f), f, hidden, last)
             t2 = time.perf_counter()
@@ -101,11 +98,11 @@ def pp_loop(runner: ModelRunner, groups: Groups, hidden_size: int) -> None:
             timers.forward_s += t2 - t1
             timers.steps += 1
             if not last:
-                in_flight.append((dist.isend(out, rank + 1, group=groups.device), out))
+                in_flight.append(isend(groups.device, out, rank + 1))
             elif f.rows:
                 rows = out[torch.tensor(f.rows, device=out.device)].contiguous()
-                in_flight.append((dist.isend(rows, 0, group=groups.device), rows))
+                in_flight.append(isend(groups.device, rows, 0))
             in_flight = settle(in_flight)
         elif command == STATS:
-            dist.send(timers.as_tensor(), 0, group=groups.cpu)
+            isend(groups.cpu, timers.as_tensor(), 0)[0].wait()
             timers.reset()
