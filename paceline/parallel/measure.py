@@ -2,6 +2,7 @@
 
     python -m paceline.parallel.measure tp   # step time and time in collectives, TP=2 vs one process
     python -m paceline.parallel.measure pp   # bubble fraction at PP=2: chunked vs whole prompts, 1 vs 2 steps in flight
+    python -m paceline.parallel.measure ray  # prefix-cache hit rate over 2 Ray Serve replicas, by routing policy
 
 Every rank runs one thread (the driver too). On a machine with fewer cores than ranks nothing can get faster; the
 figures say what the communication and the idle stages cost, and only ratios from one run mean anything.
@@ -104,15 +105,62 @@ def measure_pp(args) -> dict:
     return out
 
 
+def shared_prefix_workload(groups: int, per_group: int, seed: int = 0) -> list[str]:
+    """`groups` long system prompts, `per_group` questions under each, in a shuffled order."""
+    import random
+
+    topics = ["cooking", "chess", "tax law", "gardening", "astronomy", "poetry", "sailing", "databases", "music",
+              "geology", "knitting", "cycling"]
+    prompts = [f"You are an assistant who knows {topics[g % len(topics)]} (desk {g}) well and answers briefly. " * 8
+               + f"Question {j}: name one fact." for g in range(groups) for j in range(per_group)]
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def measure_ray(args) -> dict:
+    """Prefix-cache hit rate over 2 replicas on Ray Serve, by routing policy, on a shared-prefix workload sent one
+    request at a time (so the figures do not depend on timing)."""
+    import urllib.request
+
+    import ray
+    from openai import OpenAI
+    from ray import serve
+
+    from paceline.parallel import ray_serve
+    from paceline.parallel.comm import free_port
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    engine = {"block_size": BLOCK_SIZE, "num_blocks": args.replica_blocks, "served_model_name": "m"}
+    prompts = shared_prefix_workload(args.groups, args.per_group)
+    out: dict = {"requests": len(prompts), "groups": args.groups, "blocks_per_replica": args.replica_blocks}
+    for policy in ("round_robin", "least_outstanding", "prefix"):
+        serve.run(ray_serve.build(2, engine, policy), name="paceline", route_prefix="/")
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        for p in prompts:
+            client.completions.create(model="m", prompt=p, max_tokens=1, temperature=0)
+        stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/paceline/replicas").read())
+        hits, queries = sum(s["prefix_cache_hits"] for s in stats), sum(s["prefix_cache_queries"] for s in stats)
+        out[policy] = {"hit_rate": round(hits / queries, 4), "hit_tokens": hits, "prompt_tokens": queries}
+        serve.delete("paceline")
+    serve.shutdown()
+    ray.shutdown()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["tp", "pp"])
+    p.add_argument("what", choices=["tp", "pp", "ray"])
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--budget", type=int, default=64, help="token budget of a step (the chunk size under sarathi)")
+    p.add_argument("--groups", type=int, default=12, help="ray: shared prefixes")
+    p.add_argument("--per-group", type=int, default=4, help="ray: requests per shared prefix")
+    p.add_argument("--replica-blocks", type=int, default=256, help="ray: KV blocks per replica")
     args = p.parse_args(argv)
-    result = measure_tp(args) if args.what == "tp" else measure_pp(args)
+    result = {"tp": measure_tp, "pp": measure_pp, "ray": measure_ray}[args.what](args)
     print(json.dumps({"what": args.what, "args": vars(args), **result}, indent=2))
 
 
