@@ -167,7 +167,7 @@ class Timers:
         return torch.tensor([self.forward_s, self.comm_s, float(self.steps)], dtype=torch.float64)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "Timers":
+    def from_tensor(cls, t: torch.Tensor) -> Timers:
         forward_s, comm_s, steps = t.tolist()
         return cls(forward_s, comm_s, int(steps))
 

@@ -7,6 +7,7 @@ Engine wiring (config fields, flags) is listed in docs/scaling.md; `build_runner
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import time
 from dataclasses import dataclass
@@ -148,10 +149,8 @@ class _ParallelRunner(ModelRunner):
             return
         self.closed = True
         atexit.unregister(self.close)
-        try:
+        with contextlib.suppress(Exception):  # a worker already gone: join() kills the rest
             self._send(STOP, [])
-        except Exception:  # noqa: BLE001 - a worker already gone: kill the rest below
-            pass
         self.workers.join()
 
     def __enter__(self):
@@ -284,10 +283,8 @@ class PipelineParallelRunner(_ParallelRunner):
 
     def close(self) -> None:
         if not self.closed:
-            try:
+            with contextlib.suppress(Exception):  # a dead worker: close() still stops the rest
                 settle(self.in_flight_sends, wait=True)
-            except Exception:  # noqa: BLE001 - a dead worker: close() still stops the rest
-                pass
             self.in_flight_sends = []
         super().close()
 

@@ -15,8 +15,8 @@ import torch
 from paceline.engine.runner import ModelRunner
 from paceline.model.loader import load_checkpoint
 from paceline.parallel.comm import (FORWARD, STATS, STOP, SWAP, Groups, Timers, decode_forward, decode_swap,
-                                    init_groups, isend, receive_broadcast, receive_message, recv, send_message,
-                                    settle, wrap_row_parallel)
+                                    init_groups, isend, receive_broadcast, receive_message, recv, send_message, settle,
+                                    wrap_row_parallel)
 from paceline.parallel.rank import ParallelSpec, build_rank_model, stage_forward, stage_metadata
 
 
@@ -43,7 +43,7 @@ def worker_main(spec: ParallelSpec, rank: int, port: int, ready) -> None:
                 tp_loop(runner, groups)
             else:
                 pp_loop(runner, groups, hidden_size)
-    except Exception:
+    except Exception:  # noqa: BLE001
         # the driver's next collective fails when this process's sockets close; say why here
         traceback.print_exc(file=sys.stderr)
         sys.exit(1)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
-from _tiny_checkpoints import tiny_checkpoint  # noqa: E402
+from _tiny_checkpoints import tiny_checkpoint
 
-from paceline.model.loader import write_hf_folder  # noqa: E402
+from paceline.model.loader import write_hf_folder
 
 
 @pytest.fixture(autouse=True)

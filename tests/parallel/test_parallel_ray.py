@@ -12,10 +12,10 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'paceline[ray]'")
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'paceline[ray]'")
 
-from openai import OpenAI  # noqa: E402
+from openai import OpenAI
 
-from paceline.parallel import ray_serve  # noqa: E402
-from paceline.parallel.comm import free_port  # noqa: E402
+from paceline.parallel import ray_serve
+from paceline.parallel.comm import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = {"kv_cache_memory_gb": 0.05, "block_size": 16, "served_model_name": "m"}

@@ -5,6 +5,7 @@ import pytest
 
 from paceline.parallel.routing import Router
 
+
 def system(topic: str) -> str:
     return f"You are a careful assistant who answers questions about {topic}. " * 3
 

@@ -9,12 +9,12 @@ import torch
 
 from paceline.engine.runner import ModelRunner
 from paceline.model.arch import ModelArch
+from paceline.model.attention import SeqSlice
 from paceline.model.llama import LlamaModel
 from paceline.model.loader import expected_weight_names
 from paceline.parallel.comm import Forward
 from paceline.parallel.rank import stage_forward, stage_metadata
 from paceline.parallel.shard import even_split, pp_arch, pp_stages, pp_weights, tp_arch, tp_shards, tp_weights
-from paceline.model.attention import SeqSlice
 
 BLOCKS, BS = 24, 4
 

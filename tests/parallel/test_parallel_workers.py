@@ -47,7 +47,7 @@ def token_ids(outputs) -> list[list[int]]:
 BLOCK_SIZE = 4
 TINY_PROMPTS = [[(11 * i + 3 * j) % 250 + 3 for j in range(6 + 7 * i)] for i in range(6)]
 # 6 requests of 6..41 prompt + 16 output tokens in blocks of 4: 24 blocks force preemption; 8-token steps chunk
-TINY_ARGS = dict(block_size=BLOCK_SIZE, num_blocks=24, max_num_batched_tokens=8, swap_space_gb=0.001)
+TINY_ARGS = {"block_size": BLOCK_SIZE, "num_blocks": 24, "max_num_batched_tokens": 8, "swap_space_gb": 0.001}
 
 
 @pytest.fixture(scope="module")
