@@ -304,7 +304,8 @@ def build_runner(arch: ModelArch, weights: dict[str, torch.Tensor], *, model: st
                  num_host_blocks: int = 0, seed: int = 0, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, threads_per_rank: int | None = None) -> ModelRunner:
     """The runner an Engine should use: a plain ModelRunner at 1 x 1, else a parallel one. `weights` build rank 0's
-    part (and the plain model); `model` is what each worker passes to load_checkpoint."""
+    part (and the plain model); `model` is what each worker passes to load_checkpoint. On CPU every rank, this
+    process included, runs threads_per_rank threads (default: the host's cores shared evenly)."""
     device = torch.device(device)
     if tensor_parallel_size == 1 and pipeline_parallel_size == 1:
         lm = LlamaModel.from_weights(arch, weights, device=device, dtype=DTYPES[dtype], quantization=quantization)
@@ -312,5 +313,8 @@ def build_runner(arch: ModelArch, weights: dict[str, torch.Tensor], *, model: st
                            dtype=DTYPES[dtype], seed=seed)
     spec = ParallelSpec(model, dtype, quantization, device.type, tensor_parallel_size, pipeline_parallel_size,
                         num_blocks, block_size, num_host_blocks, seed, threads_per_rank)
+    if device.type == "cpu":
+        # rank 0 is a rank like the others: N ranks on one host share its cores, so this thread count changes
+        torch.set_num_threads(spec.worker_threads())
     cls = TensorParallelRunner if tensor_parallel_size > 1 else PipelineParallelRunner
     return cls(spec, arch, weights)
