@@ -3,6 +3,7 @@
     python -m paceline.parallel.measure tp   # step time and time in collectives, TP=2 vs one process
     python -m paceline.parallel.measure pp   # bubble fraction at PP=2: chunked vs whole prompts, 1 vs 2 steps in flight
     python -m paceline.parallel.measure ray  # prefix-cache hit rate over 2 Ray Serve replicas, by routing policy
+    python -m paceline.parallel.measure allreduce  # microseconds per gloo all-reduce between 2 processes
 
 Every rank runs one thread (the driver too). On a machine with fewer cores than ranks nothing can get faster; the
 figures say what the communication and the idle stages cost, and only ratios from one run mean anything.
@@ -105,6 +106,41 @@ def measure_pp(args) -> dict:
     return out
 
 
+def _allreduce_rank(rank: int, port: int, shapes: list[tuple[int, int]], repeats: int, results) -> None:
+    from paceline.parallel.comm import init_groups
+
+    torch.set_num_threads(1)
+    groups = init_groups(rank, 2, port, torch.device("cpu"), 60.0)
+    out = {}
+    for shape in shapes:
+        t = torch.ones(shape)
+        for _ in range(10):  # warm-up
+            groups.cpu.allreduce([t]).wait()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            groups.cpu.allreduce([t]).wait()
+        out[f"{shape[0]}x{shape[1]}"] = 1e6 * (time.perf_counter() - t0) / repeats
+    if rank == 0:
+        results.put(out)
+
+
+def measure_allreduce(args) -> dict:
+    """Microseconds per gloo all-reduce between 2 processes on the loopback, at the shapes a step of the bundled
+    model all-reduces (tokens x hidden 576), with nothing else running in the two ranks."""
+    from paceline.parallel.comm import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    shapes = [(1, 576), (8, 576), (64, 576), (512, 576)]
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, shapes, args.repeats, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    out = results.get(timeout=300)
+    for p in procs:
+        p.join()
+    return {"us_per_allreduce": {k: round(v, 1) for k, v in out.items()}, "repeats": args.repeats}
+
+
 def shared_prefix_workload(groups: int, per_group: int, seed: int = 0) -> list[str]:
     """`groups` long system prompts, `per_group` questions under each, in a shuffled order."""
     import random
@@ -151,7 +187,7 @@ def measure_ray(args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["tp", "pp", "ray"])
+    p.add_argument("what", choices=["tp", "pp", "ray", "allreduce"])
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -159,8 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--groups", type=int, default=12, help="ray: shared prefixes")
     p.add_argument("--per-group", type=int, default=4, help="ray: requests per shared prefix")
     p.add_argument("--replica-blocks", type=int, default=256, help="ray: KV blocks per replica")
+    p.add_argument("--repeats", type=int, default=1000, help="allreduce: timed all-reduces per shape")
     args = p.parse_args(argv)
-    result = {"tp": measure_tp, "pp": measure_pp, "ray": measure_ray}[args.what](args)
+    result = {"tp": measure_tp, "pp": measure_pp, "ray": measure_ray, "allreduce": measure_allreduce}[args.what](args)
     print(json.dumps({"what": args.what, "args": vars(args), **result}, indent=2))
 
 
