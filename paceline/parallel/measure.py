@@ -96,7 +96,8 @@ def measure_pp(args) -> dict:
         for slots in (1, 2):
             for name, sched in schedulers.items():
                 t0 = time.perf_counter()
-                run = run_pipelined(runner, prompts, params, sched, cache, num_slots=slots)
+                run = run_pipelined(runner, prompts, params, sched, cache, num_slots=slots,
+                                    arrive_every_tokens=args.arrive_every_tokens)
                 reference = reference or run.outputs
                 out[f"{slots} in flight, {name}"] = {
                     "bubble_fraction": round(run.bubble_fraction, 4), "wall_s": round(run.wall_s, 2),
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--groups", type=int, default=12, help="ray: shared prefixes")
     p.add_argument("--per-group", type=int, default=4, help="ray: requests per shared prefix")
     p.add_argument("--replica-blocks", type=int, default=256, help="ray: KV blocks per replica")
+    p.add_argument("--arrive-every-tokens", type=int, default=0,
+                   help="pp: a new request each time this many more tokens have been run (0: all at once)")
     p.add_argument("--repeats", type=int, default=1000, help="allreduce: timed all-reduces per shape")
     args = p.parse_args(argv)
     result = {"tp": measure_tp, "pp": measure_pp, "ray": measure_ray, "allreduce": measure_allreduce}[args.what](args)

@@ -42,25 +42,32 @@ class PipelineRun:
 
 def run_pipelined(runner: PipelineParallelRunner, prompts: dict[str, list[int]], params: SamplingParams,
                   scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_slots: int,
-                  eos_token_id: int | None = None) -> PipelineRun:
+                  eos_token_id: int | None = None, arrive_every_tokens: int = 0) -> PipelineRun:
     """Run every prompt to completion with `num_slots` steps in flight. The runner's blocks are split evenly
     between the slots (each slot's scheduler sees blocks 0..n-1; the runner shifts them to the slot's range);
-    requests go to slots in turn. No host blocks: preemption recomputes."""
+    requests go to slots in turn. No host blocks: preemption recomputes. arrive_every_tokens=k > 0 releases request
+    i once i * k tokens have been submitted (prompts arriving while others decode; a clock in work done, the same
+    for every policy), else all arrive at once."""
     if num_slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     per_slot = runner.num_blocks // num_slots
     slots = [Scheduler(scheduler_config, cache_config, per_slot) for _ in range(num_slots)]
-    requests = []
-    for i, (rid, prompt) in enumerate(prompts.items()):
-        request = Request(rid, list(prompt), params, time.monotonic(), eos_token_id=eos_token_id)
-        slots[i % num_slots].add_request(request)
-        requests.append(request)
+    requests = [Request(rid, list(prompt), params, 0.0, eos_token_id=eos_token_id) for rid, prompt in prompts.items()]
+    arrived = 0
+
+    def arrive(num_submitted: int) -> None:  # tokens submitted so far
+        nonlocal arrived
+        while arrived < len(requests) and arrived * arrive_every_tokens <= num_submitted:
+            requests[arrived].arrival_time = time.monotonic()
+            slots[arrived % num_slots].add_request(requests[arrived])
+            arrived += 1
     runner.collect_stats()  # start the timers from here
     in_flight: deque = deque()
     busy = [False] * num_slots
     step_tokens: list[int] = []
     t0 = time.perf_counter()
     while True:
+        arrive(sum(step_tokens))
         for i, sched in enumerate(slots):
             if busy[i] or not sched.has_unfinished():
                 continue
@@ -71,6 +78,9 @@ def run_pipelined(runner: PipelineParallelRunner, prompts: dict[str, list[int]],
             busy[i] = True
             step_tokens.append(out.num_batched_tokens)
         if not in_flight:
+            if arrived < len(requests):  # idle until the next arrival: let it come now
+                arrive(arrived * arrive_every_tokens)
+                continue
             break
         i, out, step = in_flight.popleft()
         slots[i].update(out, runner.collect(step), time.monotonic())

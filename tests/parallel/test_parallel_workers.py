@@ -84,10 +84,10 @@ def test_tiny_model_equals_one_process_with_chunks_and_preemption(tiny_folder, t
 
 def test_two_steps_in_flight_equal_one_process(tiny_reference, tiny_runners) -> None:
     prompts = {f"r{i}": p for i, p in enumerate(TINY_PROMPTS)}
-    for policy, budget in (("sarathi", 8), ("vllm", 512)):
+    for policy, budget, arrivals in (("sarathi", 8, 0), ("vllm", 512, 0), ("sarathi", 8, 20)):
         run = run_pipelined(tiny_runners["pp2"], prompts, greedy(16),
                             SchedulerConfig(policy=policy, max_num_batched_tokens=budget),
-                            CacheConfig(block_size=BLOCK_SIZE), num_slots=2)
+                            CacheConfig(block_size=BLOCK_SIZE), num_slots=2, arrive_every_tokens=arrivals)
         assert [run.outputs[f"r{i}"] for i in range(len(TINY_PROMPTS))] == tiny_reference
         assert 0.0 <= run.bubble_fraction < 1.0
 
