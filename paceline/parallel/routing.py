@@ -2,7 +2,8 @@
 
 Prefix routing sends a prompt to the replica that most recently saw the longest common start of it (at least
 `min_match_chars` characters), so that replica's prefix cache already holds the shared blocks; with no such match
-it goes to the least busy replica, which then becomes the home of that prefix. A matching replica that has
+it goes to the least busy replica (ties: the one given the fewest requests so far), which then becomes the home of
+that prefix. A matching replica that has
 `max_imbalance` more requests in flight than the least busy one is passed over: load beats affinity then. Matching
 is on text (the ingress has not tokenized yet), over the last `history` prompts each replica took.
 """
@@ -36,6 +37,7 @@ class Router:
     outstanding: list[int] = field(default_factory=list)
     down: dict[int, float] = field(default_factory=dict)  # replica -> when it failed; tried last meanwhile
     seen: list[deque] = field(default_factory=list)  # per replica: the prompts it took lately
+    routed: list[int] = field(default_factory=list)  # per replica: requests it was the first choice for
     _next: int = 0
 
     def __post_init__(self) -> None:
@@ -45,6 +47,7 @@ class Router:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         self.outstanding = [0] * self.num_replicas
         self.seen = [deque(maxlen=self.history) for _ in range(self.num_replicas)]
+        self.routed = [0] * self.num_replicas
 
     def order(self, body: dict) -> list[int]:
         """Replicas to try for this request, best first: live ones by the policy, then the ones marked down.
@@ -54,7 +57,9 @@ class Router:
             if now - since > self.retry_after_s:
                 del self.down[r]
         live = [r for r in range(self.num_replicas) if r not in self.down]
-        by_load = sorted(live, key=lambda r: (self.outstanding[r], r))
+        # ties (say, requests sent one at a time) go to the replica that was given the fewest so far: by index alone
+        # every request of a sequential client would land on replica 0
+        by_load = sorted(live, key=lambda r: (self.outstanding[r], self.routed[r], r))
         if self.policy == "round_robin":
             start = self._next % self.num_replicas
             self._next += 1
@@ -71,7 +76,10 @@ class Router:
                 ranked = [best] + [r for r in by_load if r != best]
             if ranked:
                 self.seen[ranked[0]].append(text)
-        return ranked + sorted(self.down)
+        ranked = ranked + sorted(self.down)
+        if ranked:
+            self.routed[ranked[0]] += 1
+        return ranked
 
     def mark_down(self, replica: int) -> None:
         self.down[replica] = time.monotonic()

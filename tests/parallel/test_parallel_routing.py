@@ -32,6 +32,15 @@ def test_prefix_policy_keeps_a_shared_prefix_on_one_replica() -> None:
         {"role": "user", "content": "b"}]})[0]
 
 
+def test_requests_sent_one_at_a_time_are_spread() -> None:
+    lo = Router(2, "least_outstanding")
+    assert [lo.order({})[0] for _ in range(4)] == [0, 1, 0, 1]
+    router = Router(2, "prefix")
+    homes = {topic: router.order({"prompt": system(topic) + "?"})[0] for topic in ("chess", "tax law", "poetry")}
+    assert sorted(homes.values()) == [0, 0, 1]  # new prefixes alternate even with nothing in flight
+    assert all(router.order({"prompt": system(t) + "again?"})[0] == home for t, home in homes.items())
+
+
 def test_load_beats_affinity_and_dead_replicas_go_last() -> None:
     router = Router(2, "prefix", max_imbalance=2)
     body = {"prompt": system("poetry") + "?"}
