@@ -14,7 +14,10 @@ Scenarios follow the issue's probes: one decode, 32 decodes (contexts 100..200),
 budget: the sum of its 3 steps is the TTFT's compute) and whole. The KV cache is filled with random values in
 place of real contexts (values do not change the cost).
 
+(From a checkout, run with PYTHONPATH=. so this tree's paceline is imported, not an installed one.)
+
     python benchmarks/profile_step.py                       # fp32, bf16, int4 (a few minutes)
+    python benchmarks/profile_step.py --modes int4 --compare "wide_above=none,wide_above=auto" --only decode
     python benchmarks/profile_step.py --modes bf16 --repeats 3
 """
 from __future__ import annotations
