@@ -52,14 +52,21 @@ class Sampler:
             raise ValueError(f"got {logits.shape[0]} logit rows for {len(rows)} requests")
         raw = logits
         sps = [r.params for r in rows]
-        fast = all(sp.greedy and _no_penalties(sp) and _no_min_tokens_mask(r) for sp, r in zip(sps, rows))
+        fast = all(sp.greedy and _no_penalties(sp) and _no_min_tokens_mask(r) and not sp.logit_bias
+                   and sp.structured is None for sp, r in zip(sps, rows))
         if fast:
             tokens = raw.argmax(dim=-1)
         else:
-            logits = self._apply_penalties(logits.clone(), rows)
+            logits = self._apply_penalties(_apply_logit_bias(logits.clone(), rows), rows)
+            constrained = [i for i, sp in enumerate(sps) if sp.structured is not None]
+            if constrained:
+                self._apply_grammar(logits, rows, constrained)
             tokens = self._choose(logits, rows)
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw, tokens, rows)
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> None:
+        raise ValueError("structured outputs are not supported by this sampler")
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         n, vocab = logits.shape
@@ -132,6 +139,17 @@ class Sampler:
             k = rows[i].params.logprobs
             result[i] = TokenLogprobs(logprob=chosen[j], top=list(zip(top_i[j][:k], top_v[j][:k])))
         return result
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """OpenAI's logit_bias: added to the logits before anything else (so -100 all but bans a token)."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        bias = r.params.logit_bias
+        if bias:
+            ids = [t for t in bias if t < vocab]  # the server checks ids against the vocabulary; here, stay in range
+            logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 def _no_penalties(sp: SamplingParams) -> bool:
