@@ -398,14 +398,16 @@ class OpenAIServing:
         streams = await self.submit(base_id, prompts, params, body.priority, "prompt")
         meta = {"id": base_id, "created": int(time.time()), "model": body.model or self.model_name}
         prompt_of = [p for p in range(len(prompts)) for _ in range(params.n)]
+        # echo: the prompt's text leads each choice (token prompts are decoded as the model would print them)
+        echo = [(p if isinstance(p, str) else self.engine.tokenizer.decode(p)) if body.echo else "" for p in prompts]
         if body.stream:
             return StreamingResponse(self._completion_stream(streams, prompt_of, meta, body.include_usage,
-                                                             body.logprobs), media_type="text/event-stream")
+                                                             body.logprobs, echo), media_type="text/event-stream")
         choices = await self._collect(request, streams, prompt_of)
         if choices is None:
             return Response(status_code=499)
         return JSONResponse({**meta, "object": "text_completion", "choices": [
-            {"index": c.index, "text": c.text,
+            {"index": c.index, "text": echo[c.prompt_index] + c.text,
              "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0) if body.logprobs is not None else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
             "usage": usage(choices)})
@@ -464,12 +466,17 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     async def _completion_stream(self, streams: list[RequestStream], prompt_of: list[int], meta: dict,
-                                 include_usage: bool, logprobs: int | None) -> AsyncIterator[str]:
+                                 include_usage: bool, logprobs: int | None,
+                                 echo: list[str]) -> AsyncIterator[str]:
         chunk = {**meta, "object": "text_completion"}
         extra = {"usage": None} if include_usage else {}
         choices = [Choice(i, prompt_of[i]) for i in range(len(streams))]
         offsets = [0] * len(streams)
         try:
+            for c in choices:
+                if echo[c.prompt_index]:
+                    yield sse({**chunk, "choices": [{"index": c.index, "text": echo[c.prompt_index], "logprobs": None,
+                                                     "finish_reason": None}], **extra})
             async for i, out in merge(streams):
                 choices[i].update(out)
                 if not (out.new_text or out.finished or (logprobs is not None and out.new_logprobs)):

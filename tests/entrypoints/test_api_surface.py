@@ -87,3 +87,16 @@ def test_openapi_declares_bodies_ranges_and_errors(client):
     assert chat["properties"]["top_p"]["exclusiveMinimum"] == 0 and chat["properties"]["top_p"]["maximum"] == 1
     assert chat["properties"]["top_logprobs"]["anyOf"][0]["maximum"] == 20
     assert "tools" in chat["properties"] and "response_format" in chat["properties"]
+
+
+def test_echo_leads_with_the_prompt(client):
+    r = client.post("/v1/completions", json={"prompt": ["hi", "yo"], "max_tokens": 2, "echo": True}).json()
+    assert [c["text"] for c in r["choices"]] == ["hiab", "yoab"]
+    r = client.post("/v1/completions", json={"prompt": [120, 121], "max_tokens": 2, "echo": True}).json()
+    assert r["choices"][0]["text"] == "xyab"
+    with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": True,
+                                                         "stream": True}) as s:
+        texts = [__import__("json").loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
+                 if line.startswith("data: {")]
+    assert "".join(texts) == "hiab" and texts[0] == "hi"
+    error(client.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1}), 400, "echo")
