@@ -245,6 +245,10 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
     return BodyLimit(inner, settings.max_body_bytes, settings.limits.max_json_depth)  # type: ignore[return-value]
 
 
+def _structured_param(body: Any) -> str:
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"
+
+
 def _vocab_size(engine: Any) -> int | None:
     arch = getattr(engine, "arch", None)
     return getattr(arch, "vocab_size", None)
@@ -300,6 +304,7 @@ class OpenAIServing:
         names = [*settings.served_model_names, self.engine.model_name]
         self.model_names = list(dict.fromkeys(names))
         self.created = int(time.time())
+        self._grammars: Any = None  # GrammarCompiler, built on the first structured request
 
     @property
     def model_name(self) -> str:
@@ -319,10 +324,18 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
 
-    def prepare(self, params: SamplingParams) -> SamplingParams:
-        """Server-side parts of a request's parameters: its output grammar, compiled (and cached)."""
-        if params.structured is not None:
-            raise bad_request("structured outputs are not supported yet", param="response_format")
+    async def prepare(self, params: SamplingParams, param: str) -> SamplingParams:
+        """Server-side parts of a request's parameters: its output grammar, compiled (and cached by constraint)."""
+        if params.structured is None:
+            return params
+        try:
+            if self._grammars is None:
+                from paceline.model.structured import GrammarCompiler
+                self._grammars = await asyncio.to_thread(GrammarCompiler, self.engine.tokenizer,
+                                                         _vocab_size(self.engine))
+            params.structured.compiled = await asyncio.to_thread(self._grammars.compile, params.structured)
+        except ValueError as e:
+            raise bad_request(str(e), param=param) from None
         return params
 
     # -- submitting --------------------------------------------------------------------------------------------
@@ -367,7 +380,7 @@ class OpenAIServing:
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self.check_model(body.model)
         body.check_limits(self.settings.limits, 1, body.resolved_max_tokens(), self.engine.max_model_len)
-        params = self.prepare(body.sampling_params(_vocab_size(self.engine)))
+        params = await self.prepare(body.sampling_params(_vocab_size(self.engine)), _structured_param(body))
         text = self.chat_prompt(body.messages)
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -390,7 +403,7 @@ class OpenAIServing:
         self.check_model(body.model)
         prompts = body.prompts()
         body.check_limits(self.settings.limits, len(prompts), body.max_tokens, self.engine.max_model_len)
-        params = self.prepare(body.sampling_params(_vocab_size(self.engine)))
+        params = await self.prepare(body.sampling_params(_vocab_size(self.engine)), _structured_param(body))
         for p in prompts:
             if (isinstance(p, str) and not p.strip()) or (isinstance(p, list) and not p):
                 raise bad_request("prompt must not be empty", param="prompt")

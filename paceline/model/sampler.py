@@ -14,6 +14,7 @@ returns by default.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,8 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # grammar matcher of each constrained request, keyed by its StructuredOutputs (dropped with the request)
+        self._grammars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits [N, vocab] float32, one row per request -> sampled token ids, and logprobs where asked."""
@@ -66,7 +69,28 @@ class Sampler:
         return token_list, self._logprobs(raw, tokens, rows)
 
     def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> None:
-        raise ValueError("structured outputs are not supported by this sampler")
+        """Structured outputs: -inf every token the request's grammar does not allow next (one parallel mask fill
+        for the batch). Matchers are kept per StructuredOutputs object and fed the output tokens lazily."""
+        from paceline.model.structured import GrammarState, fill_masks
+
+        states = []
+        for i in constrained:
+            so = rows[i].params.structured
+            if so.compiled is None:
+                raise ValueError("structured outputs need a compiled grammar (GrammarCompiler.compile)")
+            state = self._grammars.get(so) or GrammarState(so.compiled)
+            state = state.advance(rows[i].output_token_ids)
+            self._grammars[so] = state
+            states.append(state)
+        allowed = fill_masks(states, logits.shape[1]).to(logits.device)
+        sub = logits[constrained].masked_fill(~allowed, _NEG_INF)
+        # nothing allowed (the grammar is done but min_tokens bans EOS): let EOS through rather than draw garbage
+        dead = torch.isinf(sub).all(dim=-1).nonzero().flatten().tolist()
+        for j in dead:
+            eos = rows[constrained[j]].eos_token_id
+            if eos is not None:
+                sub[j, eos] = 0.0
+        logits[constrained] = sub
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         n, vocab = logits.shape
