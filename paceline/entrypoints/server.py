@@ -26,6 +26,7 @@ from paceline import __version__
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from paceline.engine.metrics import EngineMetrics
+from paceline.entrypoints import tools
 from paceline.entrypoints.protocol import (ERROR_RESPONSES, APIError, ChatCompletionRequest, ChatCompletionResponse,
                                            CompletionRequest, CompletionResponse, DetokenizeRequest,
                                            DetokenizeResponse, Limits, TokenizeRequest, TokenizeResponse, bad_request,
@@ -315,12 +316,13 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.model_names)}",
                            param="model", code="model_not_found")
 
-    def chat_prompt(self, messages: list, add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, messages: list, add_generation_prompt: bool = True, **template_vars: Any) -> str:
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        plain = [m if isinstance(m, dict) else {"role": m.role, "content": m.text()} for m in messages]
         try:
-            return self.engine.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+            return self.engine.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                                             **template_vars)
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
 
@@ -380,24 +382,33 @@ class OpenAIServing:
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self.check_model(body.model)
         body.check_limits(self.settings.limits, 1, body.resolved_max_tokens(), self.engine.max_model_len)
-        params = await self.prepare(body.sampling_params(_vocab_size(self.engine)), _structured_param(body))
-        text = self.chat_prompt(body.messages)
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        tools.check(body, template, self.model_name)
+        forced = tools.forced_structure(body)
+        params = await self.prepare(body.sampling_params(_vocab_size(self.engine), forced),
+                                    "tool_choice" if forced else _structured_param(body))
+        messages, template_vars = tools.messages_for_template(body, tools.template_kind(template))
+        text = self.chat_prompt(messages, body.add_generation_prompt, **template_vars,
+                                **(body.chat_template_kwargs or {}))
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(base_id, [prompt_ids], params, body.priority, "messages")
         meta = {"id": base_id, "created": int(time.time()), "model": body.model or self.model_name}
         top = body.top_logprobs or 0
         if body.stream:
-            return StreamingResponse(self._chat_stream(streams, meta, body.include_usage, top),
+            return StreamingResponse(self._chat_stream(streams, meta, body.include_usage, top, body),
                                      media_type="text/event-stream")
         choices = await self._collect(request, streams, [0] * len(streams))
         if choices is None:
             return Response(status_code=499)  # the client left; nobody reads this
-        return JSONResponse({**meta, "object": "chat.completion", "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
-            "usage": usage(choices)})
+        out = []
+        for c in choices:
+            content, calls = tools.parse(body, c.text)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            out.append({"index": c.index, "message": message,
+                        "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None,
+                        "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({**meta, "object": "chat.completion", "choices": out, "usage": usage(choices)})
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         self.check_model(body.model)
@@ -454,23 +465,38 @@ class OpenAIServing:
         return choices
 
     async def _chat_stream(self, streams: list[RequestStream], meta: dict, include_usage: bool,
-                           top: int) -> AsyncIterator[str]:
+                           top: int, body: ChatCompletionRequest) -> AsyncIterator[str]:
         chunk = {**meta, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
         choices = [Choice(i, 0) for i in range(len(streams))]
+        calling = tools.uses_tools(body)
+        forced = calling and body.tool_choice not in (None, "auto")  # the whole output is the calls' JSON
+        splitters = [tools.StreamSplitter() for _ in streams]
         try:
             for c in choices:
                 yield sse({**chunk, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], **extra})
             async for i, out in merge(streams):
                 choices[i].update(out)
-                if not (out.new_text or out.finished or out.new_logprobs):
-                    continue  # text held back (a possible stop string) and nothing else to say
-                delta = {"content": out.new_text} if out.new_text else {}
+                text = out.new_text
+                if calling:
+                    text = "" if forced else splitters[i].feed(text)
+                if not (text or out.finished or out.new_logprobs):
+                    continue  # text held back (a possible stop string or tool call) and nothing else to say
+                delta: dict[str, Any] = {"content": text} if text else {}
+                finish = choices[i].finish_reason if out.finished else None
+                if calling and out.finished:
+                    content, calls = tools.parse(body, choices[i].text)
+                    if calls:  # OpenAI's shape: each call a delta with its index; arguments whole, in one piece
+                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                        finish = "tool_calls"
+                    else:  # no call after all: what was held back is content
+                        rest = choices[i].text[splitters[i].emitted:] if not forced else choices[i].text
+                        if rest:
+                            delta["content"] = delta.get("content", "") + rest
                 logprobs = self._chat_logprobs(out.new_token_ids, out.new_logprobs, top) if out.new_logprobs else None
                 yield sse({**chunk, "choices": [{
-                    "index": i, "delta": delta, "logprobs": logprobs,
-                    "finish_reason": choices[i].finish_reason if out.finished else None,
+                    "index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                     **({"stop_reason": out.stop_reason} if out.finished else {})}], **extra})
             if include_usage:
                 yield sse({**chunk, "choices": [], "usage": usage(choices)})
