@@ -46,7 +46,7 @@ def check(body: ChatCompletionRequest, chat_template: str | None, model: str) ->
     has_tool_turns = any(m.role == "tool" or m.tool_calls for m in body.messages)
     if body.tool_choice is not None and body.tool_choice != "none" and not body.tools:
         raise bad_request("tool_choice needs tools", param="tool_choice")
-    if (body.tools or has_tool_turns) and template_kind(chat_template) is None:
+    if (uses_tools(body) or has_tool_turns) and template_kind(chat_template) is None:
         raise bad_request(f"the model {model} does not support tool calls (its chat template renders no tools)",
                           param="tools")
     if body.tools:
