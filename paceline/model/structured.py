@@ -45,7 +45,11 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int | None = None) -> None:
         vocab = vocab_size or tokenizer.vocab_size
         # special tokens stay out of every mask (llguidance reads them from tokenizer.json); EOS ends a match
-        self.lltokenizer = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab, eos_token=tokenizer.eos_token_id)
+        try:
+            self.lltokenizer = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab,
+                                               eos_token=tokenizer.eos_token_id)
+        except Exception as e:  # a tokenizer llguidance cannot read: structured outputs are refused, not crashed
+            raise ValueError(f"structured outputs are not available for this model's tokenizer: {e}") from None
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
