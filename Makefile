@@ -8,7 +8,7 @@ TEST_STAMP := $(VENV)/.stamp-test
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test install bench clean
+.PHONY: serve test install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -1,7 +1,7 @@
 """Side-by-side benchmark: paceline's schedulers, llama.cpp's llama-server and `transformers serve`.
 
     python benchmarks/compare.py --workload chat
-    python benchmarks/compare.py --workload long-prompt --systems paceline-sarathi,paceline-vllm --no-capacity --rates 0.2,0.4
+    python benchmarks/compare.py --workload long-prompt --systems paceline-stall-free,paceline-prefill-first --no-capacity --rates 0.2,0.4
 
 Same as `paceline bench compare ...`; see `--help` for the knobs (probe sizes, budgets, SLOs).
 

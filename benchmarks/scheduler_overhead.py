@@ -3,7 +3,7 @@
 Fake executor: every chunk that reaches the end of its request gets a random token. Building the StepResult and
 topping the waiting queue back up to 10,000 are outside the timed region. Target: under 1 ms per step.
 
-    .venv/bin/python benchmarks/scheduler_overhead.py [--steps 2000] [--policy sarathi] [--scheduling-policy fcfs]
+    .venv/bin/python benchmarks/scheduler_overhead.py [--steps 2000] [--scheduler stall-free] [--scheduling-policy fcfs]
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ def main() -> None:
     ap.add_argument("--running", type=int, default=256)
     ap.add_argument("--waiting", type=int, default=10_000)
     ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--policy", default="sarathi")
+    ap.add_argument("--scheduler", "--policy", dest="policy", default="stall-free")
     ap.add_argument("--scheduling-policy", default="fcfs")
     ap.add_argument("--preemption-mode", default="recompute")
-    ap.add_argument("--num-blocks", type=int, default=0, help="0: room for every running request")
+    ap.add_argument("--num-kv-blocks", "--num-blocks", dest="num_blocks", type=int, default=0, help="0: room for every running request")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 

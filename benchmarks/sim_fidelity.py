@@ -25,7 +25,7 @@ from paceline.bench.workload import generate as bench_generate
 from paceline.config import CacheConfig, SchedulerConfig
 from paceline.sim.cost_model import ProfiledCostModel
 from paceline.sim.deploy import Deployment
-from paceline.sim.metrics import bench_summary
+from paceline.sim.metrics import summarize as sim_summarize
 from paceline.sim.workloads import SimRequest, load_workload
 
 DEFAULT_RATES = {"chat": (0.3, 0.8), "long-prompt": (0.05, 0.15)}
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--rates", nargs="+", type=float, default=None, help="default: two per workload, see DEFAULT_RATES")
     ap.add_argument("--num-requests", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scheduler", default="sarathi")
+    ap.add_argument("--scheduler", default="stall-free")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=CacheConfig.kv_cache_memory_gb)
     ap.add_argument("--threads", type=int, default=2)
@@ -97,7 +97,7 @@ def main() -> None:
                                                        max_model_len=spec.max_model_len),
                                  CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb))
                 sim_res = dep.simulator().run([SimRequest(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, r.priority) for r in reqs])
-                sim_sum = bench_summary(sim_res)
+                sim_sum = sim_summarize(sim_res)
                 sim_step = sorted(s.duration for s in sim_res.steps)[len(sim_res.steps) // 2] if sim_res.steps else None
                 pairs = [("median step time", real_step, sim_step, 10)]
                 for m in ("ttft", "tbt"):

@@ -17,9 +17,9 @@ from paceline.sim.metrics import summarize
 from paceline.sim.workloads import generate, load_workload
 
 CASES = [  # (workload, rate, replicas, policy, budget): a loaded single GPU and a small fleet
-    ("sharegpt", 1.5, 1, "sarathi", 512),
-    ("chat", 40.0, 4, "sarathi", 512),
-    ("arxiv", 0.6, 1, "sarathi", 2048),
+    ("sharegpt", 1.5, 1, "stall-free", 512),
+    ("chat", 40.0, 4, "stall-free", 512),
+    ("arxiv", 0.6, 1, "stall-free", 2048),
 ]
 
 
@@ -46,8 +46,8 @@ def main() -> None:
             prof.disable()
         wall = time.perf_counter() - t0
         s = summarize(result)
-        print(f"| {wl} | {rate} | {replicas} | {policy}/{budget} | {s.num_finished} | {len(result.steps)} | "
-              f"{s.duration_s:.0f} | {wall:.1f} | {len(result.steps) / wall:.0f} |", flush=True)
+        print(f"| {wl} | {rate} | {replicas} | {policy}/{budget} | {s['completed']} | {len(result.steps)} | "
+              f"{s['duration_s']:.0f} | {wall:.1f} | {len(result.steps) / wall:.0f} |", flush=True)
         if prof:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
 

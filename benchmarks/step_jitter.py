@@ -44,7 +44,7 @@ def main() -> None:
     engine = Engine(EngineConfig())
     for start, c in SHAPES:
         out = build_output(GridPoint([(start, c, True)], []), engine.arch.vocab_size, block_size=engine.block_size)
-        print(_line(f"chunk of {c} at token {start}", _timings_ms(lambda: engine.runner.execute(out), args.repeats)))
+        print(_line(f"chunk of {c} at token {start}", _timings_ms(lambda out=out: engine.runner.execute(out), args.repeats)))
     a, w = torch.randn(60, 576), torch.randn(576, 3072)
     y = torch.empty(60, 3072)
     print(_line("100 matmuls 60x576x3072", _timings_ms(lambda: [torch.mm(a, w, out=y) for _ in range(100)],

@@ -1,4 +1,4 @@
-"""Replay a workload's arrivals through an in-process Engine (no HTTP, no client) with sarathi and
+"""Replay a workload's arrivals through an in-process Engine (no HTTP, no client) with the stall-free scheduler and
 `--max-step-ms`, and report every step's measured vs predicted time: what the step-time limit does when
 nothing but the engine runs.
 
@@ -45,7 +45,7 @@ def main() -> None:
         engine_module.track_quantile = functools.partial(engine_module.track_quantile, quantile=args.quantile)
 
     config = EngineConfig()
-    config.scheduler.policy, config.scheduler.max_num_batched_tokens = "sarathi", args.budget
+    config.scheduler.policy, config.scheduler.max_num_batched_tokens = "stall-free", args.budget
     config.scheduler.max_step_ms = args.max_step_ms
     engine = Engine(config)
     specs = generate(load_workload(args.workload), rate=args.rate, num_requests=max(1, round(args.rate * args.seconds)),

@@ -1,11 +1,26 @@
 """Settings for cache, scheduler and engine. Every default lives here, once."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
-SCHEDULERS = ("sarathi", "vllm", "orca", "static")
+# batch-building policies (core/policies.py), named for what they do
+SCHEDULERS = ("stall-free", "prefill-first", "orca", "static")
+# the names they had before, still accepted (with a warning) so that old commands and scripts keep working
+OLD_SCHEDULER_NAMES = {"sarathi": "stall-free", "vllm": "prefill-first"}
+STALL_FACTOR = 5.0  # a TBT gap longer than this many median decode steps is a stall (benchmark, simulator, /metrics)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
+def scheduler_name(name: str) -> str:
+    """A scheduler's current name: an old one is mapped, with a warning; any other comes back as it is (the
+    caller checks it: SchedulerConfig, or argparse's choices when this is a flag's type)."""
+    if name in OLD_SCHEDULER_NAMES:
+        new = OLD_SCHEDULER_NAMES[name]
+        warnings.warn(f"scheduler {name!r} is now called {new!r}; the old name will go", FutureWarning, stacklevel=3)
+        return new
+    return name
 
 
 @dataclass
@@ -32,7 +47,7 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    policy: str = "sarathi"  # one of SCHEDULERS
+    policy: str = "stall-free"  # one of SCHEDULERS
     scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
     max_num_batched_tokens: int = 512  # the token budget of one step
     max_num_seqs: int = 128  # the most requests in one step
@@ -47,6 +62,7 @@ class SchedulerConfig:
     max_step_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        self.policy = scheduler_name(self.policy)
         if self.policy not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {self.policy!r}; choose one of {', '.join(SCHEDULERS)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -59,9 +75,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_step_ms < 0:
             raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
-        if self.max_step_ms > 0 and self.policy != "sarathi":
+        if self.max_step_ms > 0 and self.policy != "stall-free":
             # the other policies run whole prompts (or fixed batches): there is no chunk for the limit to cut
-            raise ValueError(f"max_step_ms applies to the sarathi scheduler only, not {self.policy!r}")
+            raise ValueError(f"max_step_ms applies to the stall-free scheduler only, not {self.policy!r}")
 
 
 @dataclass

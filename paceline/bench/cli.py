@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 
 
 def _ms(x: float | None) -> float | None:
@@ -50,15 +48,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return bench
 
 
-def output_dir(arg: str | None, workload: str) -> Path:
-    return Path(arg) if arg else Path("bench-results") / f"{Path(workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    from paceline.bench import plots
     from paceline.bench.client import Endpoint, run
     from paceline.bench.prompts import PromptSource, build_prompts, load_tokenizer
-    from paceline.bench.report import environment, run_dict, run_markdown, write_json
+    from paceline.bench.report import environment, output_dir, run_dict, run_markdown, write_json
     from paceline.bench.workload import generate, load_workload
 
     spec = load_workload(args.workload, max_model_len=args.max_model_len)
@@ -82,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     (out / "results.md").write_text(md + "\n")
     print(md)
     if not args.no_plots:
+        from paceline.bench import plots  # matplotlib: the [bench] extra
         plots.all_plots([r], out, _ms(args.tbt_slo))
     print(f"\nwrote {out}/results.json, results.md" + ("" if args.no_plots else " and plots"))
     return 0 if r["summary"]["completed"] else 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from paceline.bench.metrics import RequestRecord
+from paceline.bench.metrics import RequestRecord, RunResult
 from paceline.bench.server_metrics import Scraper, scheduling_delay
 from paceline.bench.workload import RequestSpec
 
@@ -46,15 +46,6 @@ class Endpoint:
         self.url = self.url.rstrip("/")
         if self.url.endswith("/v1"):
             self.url = self.url[:-3]
-
-
-@dataclass
-class RunResult:
-    records: list[RequestRecord]
-    duration_s: float  # first send to last response end
-    started_at: float  # wall clock (time.time()) at the start
-    metric_snapshots: list[tuple[float, dict[str, float]]] = field(default_factory=list)
-    scheduling_delay: dict | None = None  # from the server's histogram, when it exposes one
 
 
 def request_body(ep: Endpoint, model: str, spec: RequestSpec, prompt: list[int] | str) -> dict:
@@ -224,7 +215,10 @@ async def run_async(ep: Endpoint, requests: list[RequestSpec], prompts: list[lis
 
 
 def _progress_bar(label: str):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:  # the [bench] extra is not installed: run without a progress bar
+        return None
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("{task.fields[stats]}"), transient=True)
 

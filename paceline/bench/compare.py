@@ -10,15 +10,15 @@ import sys
 import time
 from pathlib import Path
 
-from paceline.bench import plots
-from paceline.bench.capacity import (CapacityResult, calibrate_decode_step, capacity_from_probes, measure_prefill_rate,
-                                     parse_slo, search_capacity, ttft_excess)
+from paceline.bench.calibrate import calibrate_decode_step, measure_prefill_rate
+from paceline.bench.capacity import CapacityResult, capacity_from_probes, parse_slo, search_capacity, ttft_excess
 from paceline.bench.client import Endpoint, run, warmup
 from paceline.bench.prompts import PromptSource, build_prompts, bundled_gguf, load_tokenizer
-from paceline.bench.report import environment, markdown_table, run_dict, runs_table, write_json
+from paceline.bench.report import environment, markdown_table, output_dir, run_dict, runs_table, write_json
 from paceline.bench.workload import RequestSpec, WorkloadSpec, generate, load_workload
+from paceline.config import SCHEDULERS, STALL_FACTOR, scheduler_name
 
-ALL_SYSTEMS = ("paceline-sarathi", "paceline-vllm", "paceline-orca", "paceline-static", "llama-server-np8",
+ALL_SYSTEMS = ("paceline-stall-free", "paceline-prefill-first", "paceline-orca", "paceline-static", "llama-server-np8",
                "llama-server-np32", "transformers-cb")
 
 
@@ -51,8 +51,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p)
     p.add_argument("--model", default=None, help="GGUF every system serves (default: the bundled SmolLM2-135M)")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list of {', '.join(ALL_SYSTEMS)}")
-    p.add_argument("--sarathi-budgets", default="256,1024",
-                   help="token budgets of the paceline-sarathi runs; BUDGET:MS also sets --max-step-ms MS")
+    p.add_argument("--stall-free-budgets", default="256,1024",
+                   help="token budgets of the paceline-stall-free runs; BUDGET:MS also sets --max-step-ms MS")
+    p.add_argument("--sarathi-budgets", dest="stall_free_budgets", help=argparse.SUPPRESS)  # the old name
     p.add_argument("--budget", type=int, default=1024,
                    help="token budget of the other paceline schedulers, llama-server -b/-ub, transformers cb")
     p.add_argument("--rates", default="", help="comma list of fixed rates every system runs (besides capacity)")
@@ -121,7 +122,7 @@ class Bench:
         result = run(ep, reqs, self.prompts(reqs, ep.prompt_format, epoch), progress=not self.args.no_progress,
                      deadline_s=deadline, label=f"{system} @ {rate:.2f}/s")
         strict = self.slos[0][1] if self.slos else None
-        stall = 5 * self.decode_step_s if self.decode_step_s else None
+        stall = STALL_FACTOR * self.decode_step_s if self.decode_step_s else None
         r = run_dict(system, self.spec.name, rate, result, tbt_slo=strict, stall_threshold_s=stall,
                      extra={"probe": probe})
         if system in self.prefill_rates and self.args.delay_rule == "ttft-excess":
@@ -198,6 +199,7 @@ class Bench:
             md.append(runs_table(fixed))
         text = "\n\n".join(md) + "\n"
         (out / "results.md").write_text(text)
+        from paceline.bench import plots  # matplotlib: the [bench] extra
         plots.all_plots(self.runs, out, self.slos[0][1] if self.slos else None, featured=self.featured_runs())
         return text
 
@@ -235,12 +237,20 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
     ctx_per_slot = (longest // 256 + 2) * 256
     out = []
     for name in _csv(args.systems):
-        if name == "paceline-sarathi":
-            for item in _csv(args.sarathi_budgets):
+        if name.startswith("paceline-"):
+            scheduler = scheduler_name(name.removeprefix("paceline-"))  # paceline-sarathi, -vllm: the old names
+            if scheduler not in SCHEDULERS:
+                raise ValueError(f"unknown system {name!r}; choose from {', '.join(ALL_SYSTEMS)}")
+            name = f"paceline-{scheduler}"
+        if name == "paceline-stall-free":
+            for item in _csv(args.stall_free_budgets):
                 budget, _, ms = item.partition(":")
-                out.append(paceline_system("sarathi", int(budget), model, args.threads, max_step_ms=float(ms or 0)))
+                system = paceline_system(scheduler, int(budget), model, args.threads, max_step_ms=float(ms or 0))
+                # one name per budget (and step-time limit), as peers.py names its stall-free runs
+                system.name = f"{name}-{budget}" + (f"-{float(ms):g}ms" if ms and float(ms) else "")
+                out.append(system)
         elif name.startswith("paceline-"):
-            out.append(paceline_system(name.split("-", 1)[1], args.budget, model, args.threads))
+            out.append(paceline_system(scheduler, args.budget, model, args.threads))
         elif name.startswith("llama-server-np"):
             out.append(llama_server_system(int(name.removeprefix("llama-server-np")), args.budget, model,
                                            ctx_per_slot, args.threads))
@@ -259,7 +269,6 @@ def the_command() -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from paceline.bench.cli import output_dir
     from paceline.bench.peers import Server
     model = args.model or bundled_gguf()
     spec = load_workload(args.workload)
@@ -291,7 +300,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from paceline.bench.cli import output_dir
     spec = load_workload(args.workload)
     bench = Bench(args, spec, PromptSource(load_tokenizer(args.tokenizer)))
     ep = Endpoint(args.url, prompt_format=args.prompt_format, send_priority=not args.no_priority)

@@ -1,4 +1,5 @@
-"""Latency and throughput from per-request token timelines, as defined in shared/architecture.md.
+"""Latency and throughput from per-request token timelines, as the architecture map defines them: the one
+measurement library of the benchmark client and the simulator (which emits these same records).
 
 Every time here is in seconds since the start of the run, on the client's clock. A request's arrival is the
 moment the client sent it. Chunks that carry several tokens contribute one timestamp per token (the gaps
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-STALL_FACTOR = 5.0  # a gap longer than this many median decode steps is a stall
+from paceline.config import STALL_FACTOR
 
 
 @dataclass
@@ -26,6 +27,11 @@ class RequestRecord:
     usage_prompt_tokens: int | None = None  # as the server reported them
     usage_completion_tokens: int | None = None
     error: str | None = None
+    # what only the server knows; the simulator fills these in, a benchmark client leaves them as they are
+    # (it reads the scheduling delay from the server's /metrics instead, see RunResult.scheduling_delay)
+    first_scheduled_s: float | None = None
+    num_preemptions: int = 0
+    replica: int = 0
 
     @property
     def ok(self) -> bool:
@@ -57,6 +63,16 @@ class RequestRecord:
     def num_output_tokens(self) -> int:
         """Tokens the stream delivered; the server's count when it reported one (chunks may merge tokens)."""
         return self.usage_completion_tokens if self.usage_completion_tokens is not None else len(self.token_times)
+
+
+@dataclass
+class RunResult:
+    """One run of a workload: every request's record, and what the server said about itself."""
+    records: list[RequestRecord]
+    duration_s: float  # first send to last response end
+    started_at: float  # wall clock (time.time()) at the start
+    metric_snapshots: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (t, /metrics sample)
+    scheduling_delay: dict | None = None  # from the server's histogram, when it exposes one
 
 
 def stats(values: list[float] | np.ndarray) -> dict[str, float] | None:

@@ -1,14 +1,18 @@
-"""PNG plots from run dicts (report.run_dict): TBT CDF, tokens over time, latency vs rate, step composition."""
+"""PNG plots from run dicts (report.run_dict, of a measured or a simulated run): TBT CDF, tokens over time,
+latency vs rate, step composition. matplotlib comes with the [bench] extra; the server does without it."""
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
+try:
+    import matplotlib
+except ImportError:  # pragma: no cover - depends on the install
+    raise ImportError("plots need matplotlib: pip install 'paceline[bench]' (or pass --no-plots)") from None
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 
 
 def _label(run: dict, with_rate: bool) -> str:

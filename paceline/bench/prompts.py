@@ -1,6 +1,6 @@
 """Prompts made of real text, cut to an exact token count with the served model's tokenizer.
 
-The corpus (benchmarks/data/corpus.txt) is tokenized once; each request takes a slice of `n` token ids at a
+The corpus (paceline/bench/data/corpus.txt, package data; built by benchmarks/make_corpus.py) is tokenized once; each request takes a slice of `n` token ids at a
 seeded random offset. The slice is sent as token ids (exact: the server runs exactly n prompt tokens) or decoded
 to text (for servers that only take strings; they re-tokenize it to about n tokens).
 """
@@ -14,7 +14,7 @@ import numpy as np
 
 from paceline.bench.workload import RequestSpec
 
-CORPUS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "corpus.txt"
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
 
 class TextTokenizer(Protocol):

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
+import time
 from dataclasses import asdict
 from pathlib import Path
 
-from paceline.bench.client import RunResult
-from paceline.bench.metrics import summarize
+from paceline.bench.metrics import RunResult, summarize
 from paceline.bench.server_metrics import step_composition
 
 
@@ -30,6 +30,11 @@ def run_dict(system: str, workload: str, rate: float | None, result: RunResult, 
         "requests": [asdict(r) for r in result.records],
         **(extra or {}),
     }
+
+
+def output_dir(arg: str | None, workload: str) -> Path:
+    """--output-dir, or bench-results/<workload>-<time>."""
+    return Path(arg) if arg else Path("bench-results") / f"{Path(workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def environment() -> dict:
@@ -111,6 +116,15 @@ def priority_table(run: dict) -> str | None:
              _ms(_get(s["tbt"], "p99")), _num(_get(s["e2e"], "p50")), _ms(_get(s["normalized_latency"], "p50")),
              _num(s.get("goodput"))] for p, s in per.items()]
     return markdown_table(header, rows)
+
+
+def distribution_table(summary: dict) -> str:
+    """Every latency of one run: mean, p50, p90, p99, max in ms."""
+    rows = [("TTFT", "ttft"), ("TBT", "tbt"), ("TPOT", "tpot"), ("end-to-end", "e2e"),
+            ("scheduling delay", "scheduling_delay"), ("normalized latency (per token)", "normalized_latency")]
+    body = [[name] + [_ms(_get(summary.get(key), q)) for q in ("mean", "p50", "p90", "p99", "max")]
+            for name, key in rows if summary.get(key)]
+    return markdown_table(["metric (ms)", "mean", "p50", "p90", "p99", "max"], body)
 
 
 def run_markdown(run: dict) -> str:

@@ -1,6 +1,6 @@
 """Workloads: when requests arrive, how long their prompts and outputs are, and at which priority.
 
-A workload is a `WorkloadSpec` (usually read from benchmarks/workloads/<name>.yaml) turned into a list of
+A workload is a `WorkloadSpec` (usually read from paceline/bench/data/workloads/<name>.yaml) turned into a list of
 `RequestSpec` by `generate`. Generation is deterministic for a seed, and the arrival process, the lengths
 and the priority classes draw from separate random streams, so the same seed at a different rate gives the
 same requests with their arrival times rescaled: runs at different rates differ only in load.
@@ -29,7 +29,9 @@ import yaml
 
 ARRIVAL_KINDS = ("poisson", "gamma", "fixed", "all-at-once", "trace")
 LENGTH_KINDS = ("fixed", "uniform", "zipf", "lognormal", "trace")
-WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "workloads"
+# package data, so an installed wheel has them: chat, long-prompt, bursty-priority for a CPU server, and sharegpt,
+# arxiv at datacenter scale for the simulator (numbers and sources in each file)
+WORKLOADS_DIR = Path(__file__).resolve().parent / "data" / "workloads"
 
 
 @dataclass
@@ -304,7 +306,7 @@ def spec_from_dict(d: dict, base_dir: Path | None = None) -> WorkloadSpec:
 
 
 def load_workload(name_or_path: str, **overrides) -> WorkloadSpec:
-    """A named workload from benchmarks/workloads/ (`chat`), a YAML path, or a trace CSV path."""
+    """A named workload (`chat`, see WORKLOADS_DIR), a YAML path, or a trace CSV path."""
     path = Path(name_or_path)
     if path.suffix == ".csv":
         spec = WorkloadSpec(name=path.stem, arrival=Arrival("trace"), prompt_tokens=LengthDist("trace"),

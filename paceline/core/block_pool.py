@@ -102,11 +102,6 @@ class BlockPool:
             self.cached[block_hash] = block
             self.block_hashes[block] = block_hash
 
-    def reset_prefix_cache(self) -> None:
-        for h, block in self.cached.items():
-            self.block_hashes[block] = None
-        self.cached.clear()
-
 
 class HostPool:
     """Host-memory blocks that swapped-out KV is copied to. No caching, no order: a free list."""

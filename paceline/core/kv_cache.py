@@ -36,18 +36,8 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.pool.num_used
-
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
-
-    def num_blocks_held(self, request_id: str) -> int:
-        return len(self.tables.get(request_id, ()))
-
-    def block_table(self, request_id: str) -> list[int]:
-        return self.tables.get(request_id, [])
 
     # ---- hashing ----
     def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:

@@ -65,8 +65,6 @@ class Step:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  num_host_blocks: int = 0, step_time: Callable[[BatchShape], float] | None = None) -> None:
-        if config.policy not in POLICIES:
-            raise ValueError(f"unknown scheduler {config.policy!r}; choose one of {', '.join(POLICIES)}")
         if config.max_step_ms > 0 and step_time is None:
             raise ValueError("max_step_ms needs a step-time model: pass step_time (seconds for a BatchShape)")
         self.config = config
@@ -80,9 +78,7 @@ class Scheduler:
         self.swapped = RequestQueue(self.rank)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self._policy = POLICIES[config.policy]
-        self.policy_state: dict = {}  # what a policy keeps between steps
-        self.wake_time: float | None = None  # when an idle step would schedule something with no new arrival
+        self.policy = POLICIES[config.policy]()  # SchedulerConfig has checked the name
         self.num_preemptions = 0
         self.num_swaps = 0
         self.num_steps = 0
@@ -104,6 +100,11 @@ class Scheduler:
             raise ValueError(f"request {rid!r} needs {need} tokens of KV cache but the whole cache holds {capacity}")
         self.requests[rid] = request
         self.waiting.push(request)
+
+    @property
+    def wake_time(self) -> float | None:
+        """When an idle step would schedule something with no new arrival (the policy says; None: only an arrival)."""
+        return self.policy.wake_time
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -176,11 +177,11 @@ class Scheduler:
     # ---- one step ----
     def schedule(self, now: float) -> SchedulerOutput:
         self.kv.end_step()
-        self.wake_time = None
+        self.policy.wake_time = None
         step = Step(now, self.config.max_num_batched_tokens, SchedulerOutput(now=now))
         if self.config.max_step_ms > 0:
             step.shape = BatchShape()
-        self._policy(self, step)
+        self.policy(self, step)
         out = step.out
         if out.scheduled:
             self.num_steps += 1

@@ -13,7 +13,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from paceline.sampling import SamplingParams

@@ -10,18 +10,16 @@ from dataclasses import dataclass, field
 import torch
 
 from paceline.config import EngineConfig
-from paceline.core.outputs import SchedulerOutput, TokenLogprobs
+from paceline.core.outputs import TokenLogprobs
 from paceline.core.scheduler import Scheduler
 from paceline.engine.runner import ModelRunner
 from paceline.model.llama import LlamaModel
-from paceline.model.loader import load_checkpoint
+from paceline.model.loader import DTYPES, load_checkpoint
 from paceline.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from paceline.request import Request
 from paceline.sampling import SamplingParams
 
 log = logging.getLogger("paceline")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -127,8 +125,8 @@ class Engine:
         of this engine's own runner (the same kernels, dtype and threads that will serve)."""
         if self.config.scheduler.max_step_ms <= 0:
             return None
-        from paceline.sim.cost_model import ProfiledCostModel
-        from paceline.sim.profile import quick_step_time_model
+        from paceline.core.step_time import ProfiledCostModel
+        from paceline.engine.profile import quick_step_time_model
 
         if self.config.step_profile:
             return ProfiledCostModel.load(self.config.step_profile).step_time

@@ -10,8 +10,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from paceline.config import STALL_FACTOR
+
 P = "paceline:"
-STALL_FACTOR = 5.0  # a TBT gap above this many median decode steps is a stall (architecture.md)
 MEDIAN_WINDOW = 256  # decode steps the running median looks back over
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,

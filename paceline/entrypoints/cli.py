@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from paceline.config import SCHEDULERS, SCHEDULING_POLICIES, CacheConfig, EngineConfig
+from paceline.config import SCHEDULERS, CacheConfig, EngineConfig, SchedulerConfig, scheduler_name
 
 SAMPLE_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -48,7 +48,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", default=EngineConfig.quantization, choices=["none", "int4"])
-    p.add_argument("--scheduler", default="sarathi", choices=SCHEDULERS)
+    p.add_argument("--scheduler", default=SchedulerConfig.policy, choices=SCHEDULERS, type=scheduler_name)
     p.add_argument("--kv-cache-memory-gb", type=float, default=CacheConfig.kv_cache_memory_gb)
     p.set_defaults(func=_generate)
 

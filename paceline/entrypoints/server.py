@@ -618,7 +618,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "block_size": (CacheConfig, "block_size"),
     "kv_cache_memory_gb": (CacheConfig, "kv_cache_memory_gb"),
     "num_kv_blocks": (CacheConfig, "num_blocks"),
-    "swap_space": (CacheConfig, "swap_space_gb"),
+    "swap_space_gb": (CacheConfig, "swap_space_gb"),
     "enable_prefix_caching": (CacheConfig, "enable_prefix_caching"),
     "max_num_batched_tokens": (SchedulerConfig, "max_num_batched_tokens"),
     "max_num_seqs": (SchedulerConfig, "max_num_seqs"),
@@ -637,13 +637,16 @@ _FLAGS: dict[str, tuple[type, str]] = {
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES
+    from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, scheduler_name
 
-    def flag(name: str, help: str, **kw: Any) -> None:
+    def flag(name: str, help: str, old: str | None = None, **kw: Any) -> None:
+        """--name; `old`: the flag's former spelling, still accepted but not shown."""
         section, field = _FLAGS[name]
         default = _default(section, field)
         parser.add_argument("--" + name.replace("_", "-"), default=None,
                             help=help if default is None else f"{help} (default: {default})", **kw)
+        if old:
+            parser.add_argument(old, dest=name, default=None, help=argparse.SUPPRESS, **kw)
 
     flag("model", "GGUF file or Hugging Face folder (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
@@ -667,9 +670,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("block_size", "tokens per KV-cache block", type=int)
     flag("kv_cache_memory_gb", "memory for the KV cache, GiB", type=float)
     flag("num_kv_blocks", "KV-cache blocks, overriding --kv-cache-memory-gb", type=int)
-    flag("swap_space", "host memory for swapped-out KV blocks, GiB", type=float)
+    flag("swap_space_gb", "host memory for swapped-out KV blocks, GiB", old="--swap-space", type=float)
     flag("enable_prefix_caching", "reuse the KV of shared prompt prefixes", action=argparse.BooleanOptionalAction)
-    flag("scheduler", "batch-building policy", choices=SCHEDULERS)
+    flag("scheduler", "batch-building policy", choices=SCHEDULERS, type=scheduler_name)
     flag("scheduling_policy", "order of the waiting queue", choices=SCHEDULING_POLICIES)
     flag("preemption_mode", "how running requests give up their KV", choices=PREEMPTION_MODES)
     flag("long_prefill_token_threshold", "most tokens one prompt may take per step (0: off)", type=int)
@@ -677,7 +680,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("priority_aging_s", "a waiting request gains one priority level per this many seconds (0: off)", type=float)
     flag("max_batch_wait_ms", "static scheduler: how long to wait for a batch to fill", type=float)
     flag("max_waiting_requests", "waiting requests beyond which the server answers 503 (0: unlimited)", type=int)
-    flag("max_step_ms", "sarathi: cut prompt chunks so each step's predicted time stays under this; set it "
+    flag("max_step_ms", "stall-free: cut prompt chunks so each step's predicted time stays under this; set it "
          "below your TBT SLO (0: off)", type=float)
     flag("step_profile", "profile (paceline profile) that --max-step-ms predicts with; default: a quick "
          "profile at start-up")

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
+from paceline.bench.capacity import MAX_DELAY_S
+from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig, scheduler_name
 from paceline.sim.hardware import GPUS
 from paceline.sim.router import ROUTERS
 
@@ -28,15 +28,19 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--efficiency", action="append", default=[], metavar="CLASS=F",
                    help="roofline: fraction of peak for gemm | attn_prefill | attn_decode | elementwise (repeatable)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-blocks", type=int, default=None, help="override the KV blocks per replica")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks per replica, overriding the sizing")
+    g.add_argument("--num-blocks", dest="num_kv_blocks", type=int, default=None, help=argparse.SUPPRESS)  # old name
     g.add_argument("--kv-cache-memory-gb", type=float, default=CacheConfig.kv_cache_memory_gb, help="profiled: KV memory, as the server's flag")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--swap-space-gb", type=float, default=CacheConfig.swap_space_gb)
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes (default: on)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)  # the old spelling
     g = p.add_argument_group("fleet and scheduler")
     g.add_argument("--replicas", type=int, default=1)
     g.add_argument("--router", default="round-robin", choices=ROUTERS)
-    g.add_argument("--scheduler", default=SchedulerConfig.policy, choices=SCHEDULERS)
+    g.add_argument("--scheduler", default=SchedulerConfig.policy, choices=SCHEDULERS, type=scheduler_name)
     g.add_argument("--scheduling-policy", default=SchedulerConfig.scheduling_policy, choices=SCHEDULING_POLICIES)
     g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
@@ -47,11 +51,20 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-aging-s", type=float, default=0.0)
     g.add_argument("--max-batch-wait-ms", type=float, default=0.0)
     g.add_argument("--max-step-ms", type=float, default=0.0,
-                   help="sarathi: cut prompt chunks so the cost model's step time stays under it (0: off)")
+                   help="stall-free: cut prompt chunks so the cost model's step time stays under it (0: off)")
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    """As `paceline bench serve` spells them."""
     g = p.add_argument_group("output")
-    g.add_argument("--ttft-slo", type=float, default=None, help="ms, for goodput")
-    g.add_argument("--out", default=None, help="write the summary (and every request's timeline) as JSON here")
-    g.add_argument("--plots", default=None, help="write PNG plots into this folder")
+    g.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in ms, for goodput")
+    g.add_argument("--tbt-slo", type=float, default=None, help="TBT SLO in ms, for goodput")
+    g.add_argument("--output-dir", default=None,
+                   help="write results.json (the summary, every request's timeline, every step), results.md and PNGs")
+    g.add_argument("--no-plots", action="store_true")
+    # the older spellings: the JSON alone to a file, the PNGs alone to a folder
+    g.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--plots", default=None, help=argparse.SUPPRESS)
 
 
 def deployment_from_args(args: argparse.Namespace):
@@ -66,7 +79,7 @@ def deployment_from_args(args: argparse.Namespace):
             eff[k] = float(v)
         except ValueError:
             raise ValueError(f"--efficiency wants CLASS=FRACTION, got {item!r}") from None
-    kw = {"step_overhead_s": args.step_overhead_ms / 1e3}
+    kw = {"step_overhead_s": args.step_overhead_ms / 1e3, "block_size": args.block_size}
     if eff:
         from paceline.sim.cost_model import DEFAULT_EFFICIENCY
         kw["efficiency"] = {**DEFAULT_EFFICIENCY, **eff}
@@ -79,14 +92,15 @@ def deployment_from_args(args: argparse.Namespace):
                             max_num_partial_prefills=args.max_num_partial_prefills, preemption_mode=args.preemption_mode,
                             priority_aging_s=args.priority_aging_s, max_batch_wait_ms=args.max_batch_wait_ms,
                             max_step_ms=args.max_step_ms)
-    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                        swap_space_gb=args.swap_space_gb, enable_prefix_caching=not args.no_prefix_caching)
+    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                        swap_space_gb=args.swap_space_gb, enable_prefix_caching=args.enable_prefix_caching)
     dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization)
     return dep, workload
 
 
 def _simulate(args: argparse.Namespace) -> None:
-    from paceline.sim.metrics import markdown, summarize
+    from paceline.bench.report import distribution_table, run_markdown, write_json
+    from paceline.sim.metrics import sim_run_dict
     from paceline.sim.workloads import generate
 
     try:
@@ -96,16 +110,29 @@ def _simulate(args: argparse.Namespace) -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     result = sim.run(reqs)
-    s = summarize(result, ttft_slo_s=args.ttft_slo / 1e3 if args.ttft_slo else None)
+    run = sim_run_dict(result, system=args.scheduler, workload=workload.name, rate=args.rate,
+                       ttft_slo=args.ttft_slo / 1e3 if args.ttft_slo else None,
+                       tbt_slo=args.tbt_slo / 1e3 if args.tbt_slo else None)
+    s, m = run["summary"], run["simulation"]
     print(f"{workload.name} at {args.rate} req/s, {args.replicas} x {_device_name(args)}, {args.scheduler} "
           f"budget {args.max_num_batched_tokens}, {sim.num_blocks} KV blocks per replica")
-    print(markdown(s))
+    print(f"{s['completed']}/{s['num_requests']} requests finished ({s['failed']} rejected) in {s['duration_s']:.1f} "
+          f"simulated s ({m['wall_s']:.2f} s wall); {m['num_steps']} steps, median decode step "
+          f"{m['median_decode_step_s'] * 1e3:.1f} ms; {m['num_preemptions']} preemptions\n")
+    md = run_markdown(run) + "\n\n" + distribution_table(s)
+    print(md)
+    payload = {**run, "steps": [asdict(x) for x in result.steps]}
+    out = Path(args.output_dir) if args.output_dir else None
+    if out:
+        write_json(out / "results.json", payload)
+        (out / "results.md").write_text(md + "\n")
+        print(f"wrote {out}/results.json, results.md")
     if args.out:
-        Path(args.out).write_text(json.dumps({"summary": asdict(s), "requests": [asdict(r) for r in result.requests],
-                                              "steps": [asdict(x) for x in result.steps]}) + "\n")
-    if args.plots:
-        from paceline.sim.plots import write_plots
-        for p in write_plots(result, args.plots, args.scheduler):
+        write_json(Path(args.out), payload)
+    plot_dir = Path(args.plots) if args.plots else out if out and not args.no_plots else None
+    if plot_dir:
+        from paceline.bench.plots import all_plots  # matplotlib: the [bench] extra
+        for p in all_plots([run], plot_dir, s["tbt_slo_s"]):
             print(f"wrote {p}")
 
 
@@ -115,28 +142,45 @@ def _device_name(args: argparse.Namespace) -> str:
     return f"profile {args.cost_model}"
 
 
+def simulated_decode_step(dep) -> float:
+    """The simulated twin of the benchmark's calibration (bench/calibrate.py: 16 requests of 16 prompt tokens
+    decoding 96 tokens, median gap): one step of 16 decodes at the middle of that run's context."""
+    from paceline.core.batch_shape import BatchShape
+    return dep.cost_model.step_time(BatchShape.build(decode_contexts=[16 + 48] * 16))
+
+
 def _capacity(args: argparse.Namespace) -> None:
-    from paceline.sim.capacity import search_capacity
+    """The benchmark's capacity search (paceline.bench.capacity) with simulated probes; the answer for each SLO is
+    judged over every probe, whichever search ran it, as `paceline bench compare` does."""
+    from paceline.bench.capacity import capacity_from_probes, parse_slo, search_capacity
     from paceline.sim.metrics import summarize
     from paceline.sim.workloads import generate
 
     try:
         dep, workload = deployment_from_args(args)
+        names = [f"{ms:g}" for ms in args.tbt_slo] if args.tbt_slo else [x for x in args.slo.split(",") if x.strip()]
+        slos = [parse_slo(n.strip(), simulated_decode_step(dep)) for n in names]
     except ValueError as e:
         sys.exit(f"error: {e}")
 
-    def run_at(rate: float):
+    def probe(rate: float) -> dict:
         return summarize(dep.simulator().run(generate(workload, rate, args.num_requests, args.seed)))
 
-    cache: dict = {}
+    cache: dict[float, dict] = {}
+    start = args.start_rate or args.rate
     print(f"capacity of {workload.name}, {args.replicas} x {_device_name(args)}, {args.scheduler} budget {args.max_num_batched_tokens}")
     print("\n| TBT SLO (ms) | capacity (req/s) | p99 TBT (ms) | median sched delay (s) | runs |\n|---|---|---|---|---|")
-    for slo in args.tbt_slo:
-        r = search_capacity(run_at, slo / 1e3, start_rate=args.rate, max_scheduling_delay_s=args.max_scheduling_delay,
-                            rel_tol=args.rel_tol, cache=cache)
-        at = r.at_capacity
-        print(f"| {slo:g} | {r.capacity:.3f} | {at.tbt['p99'] * 1e3 if at else float('nan'):.1f} | "
-              f"{at.scheduling_delay['p50'] if at else float('nan'):.2f} | {len(r.tried)} |")
+    for _, slo_s in slos:
+        search_capacity(probe, slo_s, start_rate=start, max_probes=args.max_probes, rel_tol=args.rel_tol,
+                        min_rate=1e-3, max_delay_s=args.max_scheduling_delay, cache=cache)
+    for name, slo_s in slos:
+        r = capacity_from_probes(cache, slo_s, max_delay_s=args.max_scheduling_delay)
+        at = cache.get(round(r.capacity, 6)) if r.capacity else None
+        p99 = at["tbt"]["p99"] * 1e3 if at else float("nan")
+        delay = at["scheduling_delay"]["p50"] if at else float("nan")
+        label = f"{slo_s * 1e3:g}" if name.endswith("ms") else f"{name} ({slo_s * 1e3:.1f})"
+        bound = "≥ " if r.is_lower_bound else ""  # every probe passed: the search ran out of probes first
+        print(f"| {label} | {bound}{r.capacity:.3f} | {p99:.1f} | {delay:.2f} | {len(cache)} |")
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -156,13 +200,20 @@ def _profile(args: argparse.Namespace) -> None:
 def add_parsers(subparsers) -> None:
     sim = subparsers.add_parser("simulate", help="simulate serving a workload in virtual time (`simulate capacity` to search the SLO capacity)")
     _common_args(sim)
+    _output_args(sim)
     sim.set_defaults(func=_simulate)
     modes = sim.add_subparsers(dest="sim_mode")
     cap = modes.add_parser("capacity", help="highest request rate under a p99 TBT SLO")
     _common_args(cap)
-    cap.add_argument("--tbt-slo", type=float, nargs="+", default=[100.0, 500.0], help="p99 TBT SLOs in ms")
-    cap.add_argument("--max-scheduling-delay", type=float, default=2.0, help="seconds, median")
-    cap.add_argument("--rel-tol", type=float, default=0.03)
+    cap.add_argument("--slo", default="100,500",
+                     help="comma list of p99 TBT SLOs: ms numbers, or strict / relaxed (5x / 25x the simulated decode "
+                          "step of 16 requests, as `paceline bench` calibrates it)")
+    cap.add_argument("--tbt-slo", type=float, nargs="+", default=None, help=argparse.SUPPRESS)  # old: ms numbers
+    cap.add_argument("--start-rate", type=float, default=None, help="first rate the search tries (default: --rate)")
+    cap.add_argument("--max-scheduling-delay", type=float, default=MAX_DELAY_S, help="seconds, median")
+    cap.add_argument("--max-probes", type=int, default=24, help="simulated runs per SLO (shared runs are free)")
+    # simulated probes cost little: the search narrows the bracket further than a measured one (0.1)
+    cap.add_argument("--rel-tol", type=float, default=0.03, help="stop when the bracket is within this fraction")
     cap.set_defaults(func=_capacity)
 
     prof = subparsers.add_parser("profile", help="time the real executor over batch shapes and fit the simulator's cost model")

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from paceline.bench.metrics import RequestRecord
 from paceline.config import CacheConfig, SchedulerConfig
+from paceline.core.batch_shape import BatchShape, batch_shape
 from paceline.core.outputs import SchedulerOutput, StepResult
 from paceline.core.scheduler import Scheduler
 from paceline.request import Request
 from paceline.sampling import SamplingParams
-from paceline.sim.cost_model import BatchShape, batch_shape
 from paceline.sim.router import Router
 from paceline.sim.workloads import SimRequest
 
@@ -30,22 +31,6 @@ class CostModel(Protocol):
 
 
 @dataclass
-class RequestRecord:
-    request_id: str
-    replica: int
-    arrival: float
-    prompt_len: int
-    output_len: int
-    priority: int = 0
-    first_scheduled: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finish_time: float | None = None
-    finish_reason: str | None = None  # "length" when done, "rejected" when it could never fit
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass
 class StepRecord:
     replica: int
     start: float
@@ -55,21 +40,24 @@ class StepRecord:
     num_requests: int
 
 
+REJECTED = "rejected: longer than the context or the KV cache"
+
+
 @dataclass
 class SimResult:
-    requests: list[RequestRecord]
+    requests: list[RequestRecord]  # the records a benchmark client would have taken, in arrival order
     steps: list[StepRecord]
     wall_s: float  # real seconds the simulation took
     num_replicas: int
 
     @property
     def finished(self) -> list[RequestRecord]:
-        return [r for r in self.requests if r.finish_reason not in (None, "rejected")]
+        return [r for r in self.requests if r.ok]
 
     @property
     def makespan(self) -> float:
-        ends = [r.finish_time for r in self.requests if r.finish_time is not None]
-        return max(ends) - min(r.arrival for r in self.requests) if ends else 0.0
+        ends = [r.end_s for r in self.requests if r.end_s is not None]
+        return max(ends) - min(r.sent_s for r in self.requests) if ends else 0.0
 
 
 @dataclass
@@ -123,10 +111,10 @@ class Simulator:
                 if kind == ARRIVAL:
                     rec = self._arrive(payload, shared_prefix_tokens, now)
                     records.append(rec)
-                    if rec.finish_reason is None:
-                        by_id[rec.request_id] = rec
+                    if rec.error is None:
+                        by_id[str(rec.index)] = rec
                     if log is not None:
-                        log.append((now, kind, rec.request_id))
+                        log.append((now, kind, str(rec.index)))
                 elif kind == STEP_DONE:
                     rep = self.replicas[payload]
                     self._complete(rep, now, by_id)
@@ -155,16 +143,19 @@ class Simulator:
 
     def _arrive(self, r: SimRequest, shared_prefix: int, now: float) -> RequestRecord:
         rid = str(r.index)
+        # sent at its arrival: the simulated client has no network between it and the server
+        rec = RequestRecord(r.index, r.prompt_len, r.output_len, r.priority, scheduled_s=r.arrival, sent_s=r.arrival)
         if r.prompt_len + r.output_len > self.max_request_tokens:
-            return RequestRecord(rid, -1, r.arrival, r.prompt_len, r.output_len, r.priority, finish_reason="rejected")
-        replica = self.router.route()
+            rec.error, rec.replica = REJECTED, -1
+            return rec
+        rec.replica = self.router.route()
         # distinct fake ids per request, so the prefix cache only hits what the workload really shares
         n_shared = min(shared_prefix, r.prompt_len - 1)
         prompt = [SHARED_PREFIX_TOKEN] * n_shared + [1000 + r.index] * (r.prompt_len - n_shared)
         req = Request(rid, prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0),
                       arrival_time=r.arrival, priority=r.priority)
-        self.replicas[replica].scheduler.add_request(req)
-        return RequestRecord(rid, replica, r.arrival, r.prompt_len, r.output_len, r.priority)
+        self.replicas[rec.replica].scheduler.add_request(req)
+        return rec
 
     def _complete(self, rep: _Replica, now: float, by_id: dict[str, RequestRecord]) -> None:
         out = rep.in_flight
@@ -177,12 +168,12 @@ class Simulator:
                 rec = by_id.pop(req.request_id, None)
                 if rec is None:
                     continue
-                rec.first_scheduled = req.first_scheduled_time
+                rec.first_scheduled_s = req.first_scheduled_time
                 rec.token_times = req.token_times
-                rec.finish_time = req.finish_time if req.finish_time is not None else now
-                rec.finish_reason = req.finish_reason
+                rec.end_s = req.finish_time if req.finish_time is not None else now
+                # what the server reports in `usage`, as paceline's does
+                rec.usage_prompt_tokens, rec.usage_completion_tokens = len(req.prompt_token_ids), len(req.token_times)
                 rec.num_preemptions = req.num_preemptions
-                rec.num_cached_tokens = req.num_cached_tokens
                 self.router.finished(rec.replica)
 
     def _idle_with_work(self, rep: _Replica, now: float, heap: list, seq: int) -> None:

@@ -22,7 +22,7 @@ def make_request(rid: str | int, prompt: int | list[int], max_tokens: int = 8, a
                    arrival_time=arrival, priority=priority, cache_salt=salt)
 
 
-def make_scheduler(policy: str = "sarathi", budget: int = 64, max_seqs: int = 128, num_blocks: int = 1000,
+def make_scheduler(policy: str = "stall-free", budget: int = 64, max_seqs: int = 128, num_blocks: int = 1000,
                    block_size: int = 16, host_blocks: int = 0, watermark: float = 0.0, caching: bool = True,
                    step_time=None, **kw) -> Scheduler:
     cfg = SchedulerConfig(policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_seqs, **kw)
@@ -67,13 +67,13 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
     assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
     total = out.num_batched_tokens
     prompts = [s.num_tokens for s in out.scheduled if not s.is_decode]
-    if cfg.policy == "sarathi":
+    if cfg.policy == "stall-free":
         assert total <= cfg.max_num_batched_tokens
-    elif cfg.policy == "vllm":
+    elif cfg.policy == "prefill-first":
         assert total <= cfg.max_num_batched_tokens or len(out.scheduled) == 1
     else:  # one whole prompt may overflow the budget
         assert total - max(prompts, default=0) <= cfg.max_num_batched_tokens
-    if cfg.policy == "sarathi" and cfg.max_step_ms and out.scheduled:
+    if cfg.policy == "stall-free" and cfg.max_step_ms and out.scheduled:
         limit = cfg.max_step_ms / 1000 / sched.step_time_scale
         # a swap-out planned after a chunk was sized (a preemption for a later request) adds copies it could not see
         if out.predicted_step_s > limit * (1 + 1e-9) and not out.swapped_out_ids:
@@ -90,7 +90,7 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
         assert s.start + s.num_tokens <= r.num_tokens
         assert len(s.block_table) * bs >= s.start + s.num_tokens
         assert s.block_table == sched.kv.tables[r.request_id]
-    if cfg.policy == "sarathi" and out.num_prefill_tokens:
+    if cfg.policy == "stall-free" and out.num_prefill_tokens:
         # decodes first: when any prompt chunk runs, every running decode runs too
         scheduled = set(ids)
         for r in sched.running:

@@ -20,7 +20,7 @@ def ten_decoding(sched, max_tokens: int = 200) -> float:
 
 
 def test_sarathi_fills_the_budget_decodes_first_with_prompt_chunks() -> None:
-    sched = make_scheduler("sarathi", budget=64)
+    sched = make_scheduler("stall-free", budget=64)
     t = ten_decoding(sched)
     sched.add_request(make_request("long", 500, max_tokens=4, arrival=t))
     shapes = []
@@ -37,7 +37,7 @@ def test_sarathi_fills_the_budget_decodes_first_with_prompt_chunks() -> None:
 
 
 def test_sarathi_long_prefill_threshold_and_partial_prefill_limit() -> None:
-    sched = make_scheduler("sarathi", budget=64, long_prefill_token_threshold=20, max_num_partial_prefills=1)
+    sched = make_scheduler("stall-free", budget=64, long_prefill_token_threshold=20, max_num_partial_prefills=1)
     sched.add_request(make_request("a", 100, arrival=0.0))
     sched.add_request(make_request("b", 100, arrival=0.1))
     v = step(sched, 1.0)
@@ -51,7 +51,7 @@ def test_sarathi_long_prefill_threshold_and_partial_prefill_limit() -> None:
 
 
 def test_sarathi_chunks_many_prompts_and_respects_max_num_seqs() -> None:
-    sched = make_scheduler("sarathi", budget=64, max_seqs=3)
+    sched = make_scheduler("stall-free", budget=64, max_seqs=3)
     for i in range(5):
         sched.add_request(make_request(i, 30, arrival=i))
     v = step(sched, 1.0)
@@ -62,7 +62,7 @@ def test_sarathi_chunks_many_prompts_and_respects_max_num_seqs() -> None:
 
 
 def test_vllm_runs_a_long_prompt_alone_and_whole() -> None:
-    sched = make_scheduler("vllm", budget=64)
+    sched = make_scheduler("prefill-first", budget=64)
     t = ten_decoding(sched)
     sched.add_request(make_request("long", 500, max_tokens=4, arrival=t))
     v = step(sched, t + 1)
@@ -72,7 +72,7 @@ def test_vllm_runs_a_long_prompt_alone_and_whole() -> None:
 
 
 def test_vllm_batches_prompts_that_fit_and_stalls_decodes() -> None:
-    sched = make_scheduler("vllm", budget=64)
+    sched = make_scheduler("prefill-first", budget=64)
     t = ten_decoding(sched)
     for i in range(4):
         sched.add_request(make_request(f"p{i}", 30, arrival=t + i * 0.01))
@@ -122,7 +122,7 @@ def test_static_full_batch_starts_at_once() -> None:
     assert v.ids == ["0", "1"]
 
 
-@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "static"])
+@pytest.mark.parametrize("policy", ["stall-free", "prefill-first", "orca", "static"])
 def test_every_policy_finishes_every_request_with_its_length(policy: str) -> None:
     sched = make_scheduler(policy, budget=48, max_seqs=4, num_blocks=64)
     lengths = {}

@@ -205,7 +205,7 @@ def test_recomputed_request_reuses_its_own_cached_blocks() -> None:
     t += 1
     while r2.status is not RequestStatus.RUNNING:
         t += 1
-        v = step(sched, t)
+        step(sched, t)
     assert sched.stats().prefix_cache_hits >= 4 or r2.num_preemptions > 1
 
 

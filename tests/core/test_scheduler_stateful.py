@@ -26,7 +26,7 @@ def _toy_step_time(s) -> float:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["sarathi", "sarathi", "vllm", "orca", "static"]),
+    @initialize(policy=st.sampled_from(["stall-free", "stall-free", "prefill-first", "orca", "static"]),
                 scheduling=st.sampled_from(["fcfs", "priority"]),
                 mode=st.sampled_from(["recompute", "swap", "auto"]),
                 block_size=st.sampled_from([2, 4, 4, 8]),
@@ -45,8 +45,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                     block_size=block_size, host_blocks=host_blocks, scheduling_policy=scheduling,
                                     preemption_mode=mode, long_prefill_token_threshold=threshold,
                                     max_num_partial_prefills=partial, priority_aging_s=aging,
-                                    max_batch_wait_ms=wait_ms, max_step_ms=step_ms if policy == "sarathi" else 0.0,
-                                    step_time=_toy_step_time if step_ms and policy == "sarathi" else None)
+                                    max_batch_wait_ms=wait_ms, max_step_ms=step_ms if policy == "stall-free" else 0.0,
+                                    step_time=_toy_step_time if step_ms and policy == "stall-free" else None)
         self.capacity = num_blocks * block_size
         self.now = 0.0
         self.count = 0
@@ -103,7 +103,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not (set(out.preempted_ids) | set(out.swapped_out_ids)) & set(out.swapped_in_ids)
         for s in out.scheduled:  # a request resumed this step is not preempted in it
             assert s.request.request_id not in out.preempted_ids
-        if sched.config.policy == "sarathi":
+        if sched.config.policy == "stall-free":
             assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
         tokens = {s.request.request_id: rng.randrange(100) for s in out.scheduled if s.needs_sample}
         changed = sched.update(out, StepResult(tokens), self.now)
@@ -156,7 +156,7 @@ def test_found_by_a_longer_run_a_resumed_decode_after_a_resumed_chunk() -> None:
     """A longer randomized run found this: under max_step_ms a swapped-out request coming back with one output
     token to compute was sized as a prompt token though the step counts it as a decode, so the step broke its limit."""
     m = SchedulerMachine()
-    m.setup(policy="sarathi", scheduling="priority", mode="swap", block_size=4, num_blocks=14, budget=15, max_seqs=5,
+    m.setup(policy="stall-free", scheduling="priority", mode="swap", block_size=4, num_blocks=14, budget=15, max_seqs=5,
             host_blocks=5, threshold=5, partial=0, aging=0.0, wait_ms=0.0, step_ms=30.0)
     for max_tokens, priority, prompt_len in [(7, 0, 4), (5, 0, 11), (1, 1, 21), (6, 0, 9)]:
         m.arrive(max_tokens=max_tokens, prefix=None, priority=priority, prompt_len=prompt_len, salt=None, seed=0)
@@ -174,7 +174,7 @@ def test_found_by_a_longer_run_a_readmitted_request_that_looks_like_a_decode() -
     """Recomputed after a preemption with all but its last token in the prefix cache, a re-admitted request has one
     token to compute, like a decode; it is a new admission and may follow the chunks in flight."""
     m = SchedulerMachine()
-    m.setup(policy="sarathi", scheduling="fcfs", mode="recompute", block_size=4, num_blocks=11, budget=14, max_seqs=3,
+    m.setup(policy="stall-free", scheduling="fcfs", mode="recompute", block_size=4, num_blocks=11, budget=14, max_seqs=3,
             host_blocks=0, threshold=5, partial=0, aging=0.0, wait_ms=0.0, step_ms=0.0)
     m.arrive(max_tokens=1, prefix=None, priority=0, prompt_len=1, salt=None, seed=0)
     m.end_one(how="abort", pick=0)

@@ -1,4 +1,4 @@
-"""sarathi under max_step_ms: prompt chunks cut to what a step-time model allows."""
+"""stall-free under max_step_ms: prompt chunks cut to what a step-time model allows."""
 from __future__ import annotations
 
 import pytest
@@ -30,7 +30,7 @@ def decoding(sched, n: int, prompt: int, max_tokens: int) -> float:
 
 
 def test_chunks_shrink_with_depth_and_each_is_the_largest_that_fits() -> None:
-    sched = make_scheduler("sarathi", budget=512, step_time=linear_model, max_step_ms=150)
+    sched = make_scheduler("stall-free", budget=512, step_time=linear_model, max_step_ms=150)
     t = decoding(sched, 4, prompt=8, max_tokens=400)
     sched.add_request(make_request("long", 3000, max_tokens=2, arrival=t))
     chunks = []
@@ -63,7 +63,7 @@ def _shape(v) -> BatchShape:
 
 
 def test_a_prompt_still_moves_when_the_decodes_alone_fill_the_time() -> None:
-    sched = make_scheduler("sarathi", budget=512, step_time=linear_model, max_step_ms=20)
+    sched = make_scheduler("stall-free", budget=512, step_time=linear_model, max_step_ms=20)
     t = decoding(sched, 8, prompt=4, max_tokens=300)  # 10 + 8 * 2 ms > 20 ms before any prompt token
     sched.add_request(make_request("p", 100, max_tokens=2, arrival=t))
     sizes = []
@@ -75,7 +75,7 @@ def test_a_prompt_still_moves_when_the_decodes_alone_fill_the_time() -> None:
 
 def test_measured_over_predicted_scale_tightens_the_chunks() -> None:
     def first_chunk(scale: float) -> int:
-        sched = make_scheduler("sarathi", budget=2048, step_time=linear_model, max_step_ms=200)
+        sched = make_scheduler("stall-free", budget=2048, step_time=linear_model, max_step_ms=200)
         sched.step_time_scale = scale
         sched.add_request(make_request("p", 1000, max_tokens=2))
         return dict(step(sched, 1.0).batch)["p"]
@@ -86,13 +86,13 @@ def test_measured_over_predicted_scale_tightens_the_chunks() -> None:
 
 
 def test_no_limit_without_max_step_ms_and_a_limit_needs_a_model() -> None:
-    sched = make_scheduler("sarathi", budget=256, step_time=linear_model)
+    sched = make_scheduler("stall-free", budget=256, step_time=linear_model)
     sched.add_request(make_request("p", 1000, max_tokens=2))
     v = step(sched, 1.0)
     assert v.batch == [("p", 256)] and v.out.predicted_step_s == 0.0
     with pytest.raises(ValueError, match="step-time model"):
-        make_scheduler("sarathi", max_step_ms=100)
+        make_scheduler("stall-free", max_step_ms=100)
     with pytest.raises(ValueError, match="max_step_ms"):
-        make_scheduler("sarathi", step_time=linear_model, max_step_ms=-1)
-    with pytest.raises(ValueError, match="sarathi scheduler only"):
-        make_scheduler("vllm", step_time=linear_model, max_step_ms=100)
+        make_scheduler("stall-free", step_time=linear_model, max_step_ms=-1)
+    with pytest.raises(ValueError, match="stall-free scheduler only"):
+        make_scheduler("prefill-first", step_time=linear_model, max_step_ms=100)

@@ -5,9 +5,12 @@ import json
 import numpy as np
 import pytest
 
-from paceline.sim.capacity import search_capacity
-from paceline.sim.metrics import summarize
-from paceline.sim.simulator import RequestRecord, SimResult, StepRecord
+from paceline.bench.capacity import judge, search_capacity
+from paceline.bench.metrics import RequestRecord, RunResult
+from paceline.bench.report import run_dict
+from paceline.config import CacheConfig, SchedulerConfig
+from paceline.sim.metrics import sim_run_dict
+from paceline.sim.simulator import SimResult, Simulator, StepRecord
 from paceline.sim.workloads import generate, load_workload, requests_for
 
 
@@ -36,39 +39,42 @@ def test_benchmark_workloads_give_the_benchmarks_requests():
         load_workload("nope")
 
 
+def record(index, arrival, prompt, out, first_scheduled, token_times):
+    """A simulated request's record: sent at its arrival, ended with its last token."""
+    return RequestRecord(index, prompt, out, scheduled_s=arrival, sent_s=arrival, token_times=token_times,
+                         end_s=token_times[-1], first_scheduled_s=first_scheduled)
+
+
 def test_metrics_on_a_hand_made_timeline():
-    recs = [RequestRecord("a", 0, 0.0, 10, 4, first_scheduled=0.5, token_times=[1.0, 1.1, 1.2, 2.2], finish_time=2.2, finish_reason="length"),
-            RequestRecord("b", 0, 1.0, 10, 2, first_scheduled=1.0, token_times=[1.5, 1.6], finish_time=1.6, finish_reason="length")]
+    recs = [record(0, 0.0, 10, 4, 0.5, [1.0, 1.1, 1.2, 2.2]), record(1, 1.0, 10, 2, 1.0, [1.5, 1.6])]
     steps = [StepRecord(0, 0.0, 0.1, 2, 0, 2)] * 3 + [StepRecord(0, 0.0, 0.5, 1, 100, 2)]
-    s = summarize(SimResult(recs, steps, 0.01, 1), tbt_slo_s=0.5)
-    assert s.ttft["p50"] == pytest.approx(0.75) and s.ttft["max"] == pytest.approx(1.0)
-    assert s.tbt["n"] == 4 and s.tbt["max"] == pytest.approx(1.0)
-    assert s.tpot["mean"] == pytest.approx(((2.2 - 1.0) / 3 + 0.1) / 2)
-    assert s.scheduling_delay["p50"] == pytest.approx(0.25)
-    assert s.median_decode_step_s == pytest.approx(0.1)
-    assert s.num_stalls == 1 and s.stall_time_s == pytest.approx(1.0)  # the 1.0 s gap > 5 x 0.1 s
-    assert s.goodput == pytest.approx(1 / 2.2)  # only b kept every gap within 0.5 s
-    assert not s.meets(0.5) and s.meets(1.0)
+    run = sim_run_dict(SimResult(recs, steps, 0.01, 1), tbt_slo=0.5)
+    s = run["summary"]
+    assert s["ttft"]["p50"] == pytest.approx(0.75) and s["ttft"]["max"] == pytest.approx(1.0)
+    assert s["tbt"]["count"] == 4 and s["tbt"]["max"] == pytest.approx(1.0)
+    assert s["tpot"]["mean"] == pytest.approx(((2.2 - 1.0) / 3 + 0.1) / 2)
+    assert s["scheduling_delay"]["p50"] == pytest.approx(0.25)
+    assert run["simulation"]["median_decode_step_s"] == pytest.approx(0.1)
+    assert s["stalls"]["count"] == 1 and s["stalls"]["total_s"] == pytest.approx(1.0)  # the 1.0 s gap > 5 x 0.1 s
+    assert s["goodput"] == pytest.approx(1 / 2.2)  # only b kept every gap within 0.5 s
+    assert not judge(1.0, s, 0.5).passed and judge(1.0, s, 1.0).passed
 
 
 def test_capacity_search_brackets_the_threshold():
-    class Fake:
-        def __init__(self, rate):
-            self.rate = rate
-
-        def meets(self, slo, delay):
-            return self.rate <= 3.7 * slo
+    def probe(rate):  # p99 TBT grows with the rate: the SLO of 1 s holds up to 3.7 req/s
+        calls.append(rate)
+        return {"failed": 0, "tbt": {"p99": rate / 3.7}, "scheduling_delay": {"p50": 0.0}}
 
     calls = []
-    res = search_capacity(lambda r: calls.append(r) or Fake(r), 1.0, start_rate=1.0, rel_tol=0.01)
+    res = search_capacity(probe, 1.0, start_rate=1.0, rel_tol=0.01, max_probes=24)
     assert 3.7 * 0.99 <= res.capacity <= 3.7
     assert len(calls) == len(set(calls))
     cache = {}
-    search_capacity(lambda r: Fake(r), 1.0, cache=cache)
+    search_capacity(probe, 1.0, start_rate=1.0, cache=cache)
     n = len(cache)
-    search_capacity(lambda r: Fake(r), 1.0, cache=cache)
+    search_capacity(probe, 1.0, start_rate=1.0, cache=cache)
     assert len(cache) == n  # the second search reuses every run
-    assert search_capacity(lambda r: Fake(0 * r + 1e9), 1.0).capacity == 0.0
+    assert search_capacity(lambda r: probe(1e9), 1.0, start_rate=1.0).capacity == 0.0
 
 
 def test_cli_simulate_and_capacity(tmp_path, capsys):
@@ -92,13 +98,34 @@ def test_cli_simulate_and_capacity(tmp_path, capsys):
     assert args.quick and callable(args.func)
 
 
-def test_bench_summary_agrees_with_ours():
-    from paceline.sim.metrics import bench_summary
-    recs = [RequestRecord("0", 0, 0.0, 10, 4, first_scheduled=0.5, token_times=[1.0, 1.1, 1.2, 2.2], finish_time=2.2, finish_reason="length"),
-            RequestRecord("1", 0, 1.0, 10, 2, first_scheduled=1.0, token_times=[1.5, 1.6], finish_time=1.6, finish_reason="length")]
-    result = SimResult(recs, [StepRecord(0, 0.0, 0.1, 2, 0, 2)], 0.01, 1)
-    ours, theirs = summarize(result), bench_summary(result)
-    assert theirs["completed"] == 2
-    for k in ("ttft", "tbt"):
-        assert theirs[k]["p50"] == pytest.approx(getattr(ours, k)["p50"])
-    assert theirs["stalls"]["count"] == ours.num_stalls == 1
+def test_simulator_and_benchmark_give_identical_summaries_of_one_timeline():
+    """The simulator's report of a run equals the benchmark's report of a client that saw the same timeline:
+    every field of the summary, per priority class included."""
+    sim = Simulator(ConstantCostish(), SchedulerConfig(max_num_batched_tokens=256, scheduling_policy="priority"),
+                    CacheConfig(), num_blocks=400)
+    result = sim.run(requests_for("bursty-priority", 3.0, 40, seed=5))
+    simulated = sim_run_dict(result, ttft_slo=2.0, tbt_slo=0.2)
+    # the timeline as plain numbers, then the records a benchmark client builds from it (client.run_async)
+    timeline = [(r.index, r.prompt_tokens, r.output_tokens, r.priority, r.sent_s, list(r.token_times), r.end_s,
+                 r.first_scheduled_s) for r in result.requests]
+    records = []
+    for index, prompt, out, priority, arrival, times, end, _ in timeline:
+        rec = RequestRecord(index, prompt, out, priority, arrival)
+        rec.sent_s, rec.token_times, rec.end_s = arrival, times, end
+        rec.usage_prompt_tokens, rec.usage_completion_tokens = prompt, len(times)  # the server's `usage`
+        records.append(rec)
+    # what the server's queue-time histogram would say, were it exact
+    from paceline.bench.metrics import stats
+    delay = stats([first - arrival for _, _, _, _, arrival, _, _, first in timeline if first is not None])
+    measured = run_dict("simulated", "", None, RunResult(records, 0.0, 0.0, [], delay), ttft_slo=2.0, tbt_slo=0.2,
+                        stall_threshold_s=simulated["summary"]["stall_threshold_s"])
+    assert simulated["summary"]["completed"] == 40 and set(simulated["summary"]["per_priority"]) == {"0", "10"}
+    assert simulated["summary"]["stalls"]["count"] > 0 and simulated["summary"]["goodput"] is not None
+    assert measured["summary"] == simulated["summary"]
+
+
+class ConstantCostish:
+    """Steps cost a constant plus a little per token, so prompt chunks take longer than decodes (and stall)."""
+
+    def step_time(self, s) -> float:
+        return 0.01 + 2e-4 * s.num_tokens
