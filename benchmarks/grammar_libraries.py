@@ -91,7 +91,7 @@ def main() -> None:
     print(f"batch {args.batch}, vocabulary {vocab}, torch threads {torch.get_num_threads()}")
     for lib in args.libraries:
         compiles, steps = [], []
-        for name, (schema, instance) in SCHEMAS.items():
+        for schema, instance in SCHEMAS.values():
             path = tok.encode(json.dumps(instance), add_special_tokens=False)
             path.append(tok.eos_token_id)
             c, s = runners[lib](tok, vocab, schema, path, args.batch)
