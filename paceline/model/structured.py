@@ -153,6 +153,6 @@ def fill_masks(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
     allowed = bits.view(len(states), -1)[:, :vocab_size].bool()
     for i, s in enumerate(states):
         if s.failed:  # a token the grammar refused got in (a stop id, ignore_eos): do not mask what is left
-            log.warning("grammar matcher failed: %s", s.matcher.get_error())
+            log.debug("grammar matcher stopped or failed: %s", s.matcher.get_error())
             allowed[i] = True
     return allowed
