@@ -2,8 +2,40 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
+
+
+@dataclass(eq=False)
+class StructuredOutputs:
+    """A constraint on the output text, enforced at sampling time by a token mask (exactly one kind is set).
+
+    eq=False on purpose: the sampler keeps each request's grammar matcher keyed by this object's identity, so every
+    request holds its own instance (dataclasses.replace(params, structured=so.copy()) for each choice). A shared
+    one still gives correct output: the sampler checks the matcher has seen exactly the request's output tokens
+    and rebuilds it by replaying them when not, only slower."""
+    json: str | None = None  # a JSON schema, as canonical JSON text (the cache key of its compiled grammar)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # a Lark grammar (llguidance's syntax; GBNF is converted)
+    strict: bool = False  # json: no properties beyond the schema's, as OpenAI's strict mode
+    compiled: Any = field(default=None, repr=False)  # the library's compiled grammar, set by whoever validates
+
+    def __post_init__(self) -> None:
+        kinds = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        if sum(kinds) != 1:
+            raise ValueError("structured outputs need exactly one of json, json_object, regex, choice, grammar")
+
+    def copy(self) -> "StructuredOutputs":
+        return StructuredOutputs(self.json, self.json_object, self.regex, self.choice, self.grammar, self.strict,
+                                 self.compiled)
+
+    @property
+    def key(self) -> tuple:
+        return (self.json, self.json_object, self.regex, self.choice, self.grammar, self.strict)
 
 
 @dataclass
@@ -25,6 +57,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's logprob plus top k
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range [-100, 100])
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,3 +94,8 @@ class SamplingParams:
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        need(self.logit_bias is None or all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                                            for t, b in self.logit_bias.items()),
+             "logit_bias must map non-negative token ids to values in [-100, 100]")
+        need(self.structured is None or isinstance(self.structured, StructuredOutputs),
+             "structured must be a StructuredOutputs")

@@ -20,16 +20,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paceline import __version__
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from paceline.engine.metrics import EngineMetrics
+from paceline.entrypoints import tools
 from paceline.entrypoints.dashboard import add_dashboard_routes
-from paceline.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           Strict, TokenizeRequest, bad_request, validation_message)
+from paceline.entrypoints.protocol import (ERROR_RESPONSES, APIError, ChatCompletionRequest, ChatCompletionResponse,
+                                           CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                           DetokenizeResponse, Limits, TokenizeRequest, TokenizeResponse, bad_request,
+                                           validation_message)
 from paceline.sampling import SamplingParams
 
 log = logging.getLogger("paceline.server")
@@ -45,6 +47,7 @@ class ServerSettings:
     served_model_names: tuple[str, ...] = ()  # names /v1 accepts besides the engine's own
     retry_after_s: int = 1
     dashboard: bool = True  # GET /dashboard, the live page (--no-dashboard)
+    limits: Limits = dataclasses.field(default_factory=Limits)
 
 
 # ---- middleware: plain ASGI, so they also cover bodies FastAPI never parses ----------------------------------------
@@ -54,10 +57,11 @@ def _error_response(err: APIError) -> JSONResponse:
 
 
 class BodyLimit:
-    """413 for bodies over the limit; reads the body once (at most limit + 1 bytes) and replays it to the app."""
+    """413 for bodies over the limit; reads the body once (at most limit + 1 bytes) and replays it to the app.
+    Bodies of the JSON endpoints are checked here too (check_json_body), before FastAPI parses them."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, max_depth: int = Limits.max_json_depth) -> None:
+        self.app, self.max_bytes, self.max_depth = app, max_bytes, max_depth
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -78,6 +82,10 @@ class BodyLimit:
                 return await _error_response(too_large)(scope, receive, send)
             if not message.get("more_body", False):
                 break
+        if scope["path"] in JSON_PATHS:
+            err = check_json_body(b"".join(chunks), dict(scope["headers"]).get(b"content-type"), self.max_depth)
+            if err is not None:
+                return await _error_response(err)(scope, receive, send)
         replayed = False
 
         async def replay() -> dict:
@@ -88,6 +96,48 @@ class BodyLimit:
             return await receive()  # later reads wait for the client to disconnect
 
         await self.app(scope, replay, send)
+
+
+JSON_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
+
+
+def check_json_body(raw: bytes, content_type: bytes | None, max_depth: int) -> APIError | None:
+    """What FastAPI would otherwise answer with a 500 or a confusing 422: a body that is not a JSON object, too
+    deeply nested (json.loads raises RecursionError), or holding strings no tokenizer can take (lone surrogates
+    such as "\\ud800", legal JSON escapes that are not Unicode text)."""
+    if content_type is not None:
+        media = content_type.split(b";", 1)[0].strip().lower()
+        if media != b"application/json" and not media.endswith(b"+json"):
+            return APIError(400, f"Content-Type must be application/json, got {content_type.decode('latin-1')!r}",
+                            code="invalid_content_type")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return bad_request(f"the request body is not valid JSON: {e}", code="invalid_json")
+    except RecursionError:
+        return bad_request(f"the request body nests deeper than {max_depth} levels", code="invalid_json")
+    if not isinstance(data, dict):
+        return bad_request("the request body must be a JSON object", code="invalid_json")
+    # one iterative walk: nesting depth and every string (keys too) encodable as UTF-8
+    stack: list[tuple[Any, int, str | None]] = [(data, 1, None)]
+    while stack:
+        value, depth, top = stack.pop()
+        if depth > max_depth:
+            return bad_request(f"the request body nests deeper than {max_depth} levels", param=top,
+                               code="invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for k, v in items:
+            field = top if top is not None else str(k)
+            for s in (k, v):
+                if isinstance(s, str):
+                    try:
+                        s.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return bad_request("a string in the request is not valid Unicode (a lone surrogate such as "
+                                           "\\ud800)", param=field, code="invalid_unicode")
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1, field))
+    return None
 
 
 class BearerAuth:
@@ -159,36 +209,38 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
     async def prometheus() -> Response:
         return Response(metrics.render() if metrics else b"", media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
-        body = await parse_body(request, TokenizeRequest)
+    @app.post("/tokenize", responses=ERROR_RESPONSES, response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> Any:
         api.check_model(body.model)
+        if (body.messages is None) == (body.prompt is None):
+            raise bad_request("give either prompt or messages", param="prompt")
         if body.messages is not None:
             text = api.chat_prompt(body.messages, body.add_generation_prompt)
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        elif body.prompt is not None:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            raise bad_request("give either prompt or messages", param="prompt")
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids), "token_strs": None}
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids),
+                             "token_strs": None})
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict:
-        body = await parse_body(request, DetokenizeRequest)
+    @app.post("/detokenize", responses=ERROR_RESPONSES, response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> Any:
         api.check_model(body.model)
         vocab = _vocab_size(engine)
         bad = next((t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await api.chat(request, await parse_body(request, ChatCompletionRequest))
+    # 200: a JSON body, or with stream=true an SSE stream of chunks (text/event-stream)
+    @app.post("/v1/chat/completions", responses={**ERROR_RESPONSES, 200: {
+        "model": ChatCompletionResponse, "content": {"text/event-stream": {}}}})
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await api.chat(request, body)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await api.completions(request, await parse_body(request, CompletionRequest))
+    @app.post("/v1/completions", responses={**ERROR_RESPONSES, 200: {
+        "model": CompletionResponse, "content": {"text/event-stream": {}}}})
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await api.completions(request, body)
 
     if settings.dashboard and metrics is not None and metrics.step_log is not None:  # drain() ends its feeds
         add_dashboard_routes(app, [metrics.step_log], settings.api_key, is_open=lambda: async_engine._accepting)
@@ -196,22 +248,11 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
     inner: Any = app
     if settings.api_key:
         inner = BearerAuth(inner, settings.api_key)
-    return BodyLimit(inner, settings.max_body_bytes)  # type: ignore[return-value]
+    return BodyLimit(inner, settings.max_body_bytes, settings.limits.max_json_depth)  # type: ignore[return-value]
 
 
-async def parse_body(request: Request, model: type[Strict]) -> Any:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        message, param = validation_message(e)
-        raise bad_request(message, param=param) from None
+def _structured_param(body: Any) -> str:
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"
 
 
 def _vocab_size(engine: Any) -> int | None:
@@ -269,6 +310,7 @@ class OpenAIServing:
         names = [*settings.served_model_names, self.engine.model_name]
         self.model_names = list(dict.fromkeys(names))
         self.created = int(time.time())
+        self._grammars: Any = None  # GrammarCompiler, built on the first structured request
 
     @property
     def model_name(self) -> str:
@@ -279,14 +321,29 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.model_names)}",
                            param="model", code="model_not_found")
 
-    def chat_prompt(self, messages: list, add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, messages: list, add_generation_prompt: bool = True, **template_vars: Any) -> str:
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        plain = [m if isinstance(m, dict) else {"role": m.role, "content": m.text()} for m in messages]
         try:
-            return self.engine.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+            return self.engine.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                                             **template_vars)
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
+
+    async def prepare(self, params: SamplingParams, param: str) -> SamplingParams:
+        """Server-side parts of a request's parameters: its output grammar, compiled (and cached by constraint)."""
+        if params.structured is None:
+            return params
+        try:
+            if self._grammars is None:
+                from paceline.model.structured import GrammarCompiler
+                self._grammars = await asyncio.to_thread(GrammarCompiler, self.engine.tokenizer,
+                                                         _vocab_size(self.engine))
+            params.structured.compiled = await asyncio.to_thread(self._grammars.compile, params.structured)
+        except ValueError as e:
+            raise bad_request(str(e), param=param) from None
+        return params
 
     # -- submitting --------------------------------------------------------------------------------------------
 
@@ -297,7 +354,10 @@ class OpenAIServing:
         for p, prompt in enumerate(prompts):
             for i in range(params.n):
                 seed = params.seed + i if params.seed is not None else None
-                subs.append((f"{base_id}-{p}-{i}", prompt, dataclasses.replace(params, n=1, seed=seed)))
+                # each choice its own StructuredOutputs: the sampler keys grammar state by that object
+                structured = params.structured.copy() if params.structured is not None else None
+                subs.append((f"{base_id}-{p}-{i}", prompt,
+                             dataclasses.replace(params, n=1, seed=seed, structured=structured)))
         results = await asyncio.gather(
             *(self.async_engine.add_request(rid, prompt, sp, priority) for rid, prompt, sp in subs),
             return_exceptions=True)
@@ -326,29 +386,40 @@ class OpenAIServing:
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self.check_model(body.model)
-        params = body.sampling_params()
-        text = self.chat_prompt(body.messages)
+        body.check_limits(self.settings.limits, 1, body.resolved_max_tokens(), self.engine.max_model_len)
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        tools.check(body, template, self.model_name)
+        forced = tools.forced_structure(body)
+        params = await self.prepare(body.sampling_params(_vocab_size(self.engine), forced),
+                                    "tool_choice" if forced else _structured_param(body))
+        messages, template_vars = tools.messages_for_template(body, tools.template_kind(template))
+        text = self.chat_prompt(messages, body.add_generation_prompt, **template_vars,
+                                **(body.chat_template_kwargs or {}))
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(base_id, [prompt_ids], params, body.priority, "messages")
         meta = {"id": base_id, "created": int(time.time()), "model": body.model or self.model_name}
         top = body.top_logprobs or 0
         if body.stream:
-            return StreamingResponse(self._chat_stream(streams, meta, body.include_usage, top),
+            return StreamingResponse(self._chat_stream(streams, meta, body.include_usage, top, body),
                                      media_type="text/event-stream")
         choices = await self._collect(request, streams, [0] * len(streams))
         if choices is None:
             return Response(status_code=499)  # the client left; nobody reads this
-        return JSONResponse({**meta, "object": "chat.completion", "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
-            "usage": usage(choices)})
+        out = []
+        for c in choices:
+            content, calls = tools.parse(body, c.text)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            out.append({"index": c.index, "message": message,
+                        "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None,
+                        "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({**meta, "object": "chat.completion", "choices": out, "usage": usage(choices)})
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         self.check_model(body.model)
-        params = body.sampling_params()
         prompts = body.prompts()
+        body.check_limits(self.settings.limits, len(prompts), body.max_tokens, self.engine.max_model_len)
+        params = await self.prepare(body.sampling_params(_vocab_size(self.engine)), _structured_param(body))
         for p in prompts:
             if (isinstance(p, str) and not p.strip()) or (isinstance(p, list) and not p):
                 raise bad_request("prompt must not be empty", param="prompt")
@@ -356,14 +427,16 @@ class OpenAIServing:
         streams = await self.submit(base_id, prompts, params, body.priority, "prompt")
         meta = {"id": base_id, "created": int(time.time()), "model": body.model or self.model_name}
         prompt_of = [p for p in range(len(prompts)) for _ in range(params.n)]
+        # echo: the prompt's text leads each choice (token prompts are decoded as the model would print them)
+        echo = [(p if isinstance(p, str) else self.engine.tokenizer.decode(p)) if body.echo else "" for p in prompts]
         if body.stream:
             return StreamingResponse(self._completion_stream(streams, prompt_of, meta, body.include_usage,
-                                                             body.logprobs), media_type="text/event-stream")
+                                                             body.logprobs, echo), media_type="text/event-stream")
         choices = await self._collect(request, streams, prompt_of)
         if choices is None:
             return Response(status_code=499)
         return JSONResponse({**meta, "object": "text_completion", "choices": [
-            {"index": c.index, "text": c.text,
+            {"index": c.index, "text": echo[c.prompt_index] + c.text,
              "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0) if body.logprobs is not None else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
             "usage": usage(choices)})
@@ -397,23 +470,38 @@ class OpenAIServing:
         return choices
 
     async def _chat_stream(self, streams: list[RequestStream], meta: dict, include_usage: bool,
-                           top: int) -> AsyncIterator[str]:
+                           top: int, body: ChatCompletionRequest) -> AsyncIterator[str]:
         chunk = {**meta, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
         choices = [Choice(i, 0) for i in range(len(streams))]
+        calling = tools.uses_tools(body)
+        forced = calling and body.tool_choice not in (None, "auto")  # the whole output is the calls' JSON
+        splitters = [tools.StreamSplitter() for _ in streams]
         try:
             for c in choices:
                 yield sse({**chunk, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], **extra})
             async for i, out in merge(streams):
                 choices[i].update(out)
-                if not (out.new_text or out.finished or out.new_logprobs):
-                    continue  # text held back (a possible stop string) and nothing else to say
-                delta = {"content": out.new_text} if out.new_text else {}
+                text = out.new_text
+                if calling:
+                    text = "" if forced else splitters[i].feed(text)
+                if not (text or out.finished or out.new_logprobs):
+                    continue  # text held back (a possible stop string or tool call) and nothing else to say
+                delta: dict[str, Any] = {"content": text} if text else {}
+                finish = choices[i].finish_reason if out.finished else None
+                if calling and out.finished:
+                    content, calls = tools.parse(body, choices[i].text)
+                    if calls:  # OpenAI's shape: each call a delta with its index; arguments whole, in one piece
+                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                        finish = "tool_calls"
+                    else:  # no call after all: what was held back is content
+                        rest = choices[i].text[splitters[i].emitted:] if not forced else choices[i].text
+                        if rest:
+                            delta["content"] = delta.get("content", "") + rest
                 logprobs = self._chat_logprobs(out.new_token_ids, out.new_logprobs, top) if out.new_logprobs else None
                 yield sse({**chunk, "choices": [{
-                    "index": i, "delta": delta, "logprobs": logprobs,
-                    "finish_reason": choices[i].finish_reason if out.finished else None,
+                    "index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                     **({"stop_reason": out.stop_reason} if out.finished else {})}], **extra})
             if include_usage:
                 yield sse({**chunk, "choices": [], "usage": usage(choices)})
@@ -422,12 +510,17 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     async def _completion_stream(self, streams: list[RequestStream], prompt_of: list[int], meta: dict,
-                                 include_usage: bool, logprobs: int | None) -> AsyncIterator[str]:
+                                 include_usage: bool, logprobs: int | None,
+                                 echo: list[str]) -> AsyncIterator[str]:
         chunk = {**meta, "object": "text_completion"}
         extra = {"usage": None} if include_usage else {}
         choices = [Choice(i, prompt_of[i]) for i in range(len(streams))]
         offsets = [0] * len(streams)
         try:
+            for c in choices:
+                if echo[c.prompt_index]:
+                    yield sse({**chunk, "choices": [{"index": c.index, "text": echo[c.prompt_index], "logprobs": None,
+                                                     "finish_reason": None}], **extra})
             async for i, out in merge(streams):
                 choices[i].update(out)
                 if not (out.new_text or out.finished or (logprobs is not None and out.new_logprobs)):
@@ -597,6 +690,33 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
          "below your TBT SLO (0: off)", type=float)
     flag("step_profile", "profile (paceline profile) that --max-step-ms predicts with; default: a quick "
          "profile at start-up")
+    add_limit_args(parser)
+
+
+_LIMIT_FLAGS = {  # flag -> (Limits field, help)
+    "max_n": ("max_n", "most choices (n) per request"),
+    "max_prompts_per_request": ("max_prompts", "most prompts in one /v1/completions request"),
+    "max_tokens_per_request": ("max_total_tokens", "most tokens one request may ask for: prompts x n x max_tokens "
+                                                   "(the context length when max_tokens is unset)"),
+    "max_stop_strings": ("max_stop", "most stop strings (and stop_token_ids) per request"),
+    "max_json_depth": ("max_json_depth", "deepest nesting of a request's JSON body"),
+}
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """Per-request caps (paceline.entrypoints.protocol.Limits); their defaults suit a public server."""
+    for flag, (field, help) in _LIMIT_FLAGS.items():
+        default = Limits.__dataclass_fields__[field].default
+        parser.add_argument("--" + flag.replace("_", "-"), type=int, default=default,
+                            help=f"{help} (default: {default})")
+
+
+def limits_from_args(args: argparse.Namespace) -> Limits:
+    given = {field: getattr(args, flag) for flag, (field, _) in _LIMIT_FLAGS.items() if hasattr(args, flag)}
+    bad = [f"--{flag.replace('_', '-')}" for flag, (field, _) in _LIMIT_FLAGS.items() if given.get(field, 1) < 1]
+    if bad:
+        raise SystemExit(f"error: {', '.join(bad)} must be >= 1")
+    return Limits(**given)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -625,7 +745,7 @@ def run_server(args: argparse.Namespace) -> None:
     metrics = EngineMetrics(engine.model_name, step_log=not getattr(args, "no_dashboard", False))
     async_engine.on_step = metrics.on_step  # read per call; an idle call before this only skips zero gauges
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                              served_model_names=tuple(args.served_model_name or ()),
+                              served_model_names=tuple(args.served_model_name or ()), limits=limits_from_args(args),
                               dashboard=not getattr(args, "no_dashboard", False))
     app = build_app(async_engine, metrics, settings)
     sched = config.scheduler

@@ -14,6 +14,7 @@ returns by default.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,8 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # grammar matcher of each constrained request, keyed by its StructuredOutputs (dropped with the request)
+        self._grammars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits [N, vocab] float32, one row per request -> sampled token ids, and logprobs where asked."""
@@ -52,14 +55,42 @@ class Sampler:
             raise ValueError(f"got {logits.shape[0]} logit rows for {len(rows)} requests")
         raw = logits
         sps = [r.params for r in rows]
-        fast = all(sp.greedy and _no_penalties(sp) and _no_min_tokens_mask(r) for sp, r in zip(sps, rows))
+        fast = all(sp.greedy and _no_penalties(sp) and _no_min_tokens_mask(r) and not sp.logit_bias
+                   and sp.structured is None for sp, r in zip(sps, rows))
         if fast:
             tokens = raw.argmax(dim=-1)
         else:
-            logits = self._apply_penalties(logits.clone(), rows)
+            logits = self._apply_penalties(_apply_logit_bias(logits.clone(), rows), rows)
+            constrained = [i for i, sp in enumerate(sps) if sp.structured is not None]
+            if constrained:
+                self._apply_grammar(logits, rows, constrained)
             tokens = self._choose(logits, rows)
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw, tokens, rows)
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> None:
+        """Structured outputs: -inf every token the request's grammar does not allow next (one parallel mask fill
+        for the batch). Matchers are kept per StructuredOutputs object and fed the output tokens lazily."""
+        from paceline.model.structured import GrammarState, fill_masks
+
+        states = []
+        for i in constrained:
+            so = rows[i].params.structured
+            if so.compiled is None:
+                raise ValueError("structured outputs need a compiled grammar (GrammarCompiler.compile)")
+            state = self._grammars.get(so) or GrammarState(so.compiled)
+            state = state.advance(rows[i].output_token_ids)
+            self._grammars[so] = state
+            states.append(state)
+        allowed = fill_masks(states, logits.shape[1]).to(logits.device)
+        sub = logits[constrained].masked_fill(~allowed, _NEG_INF)
+        # nothing allowed (the grammar is done but min_tokens bans EOS): let EOS through rather than draw garbage
+        dead = torch.isinf(sub).all(dim=-1).nonzero().flatten().tolist()
+        for j in dead:
+            eos = rows[constrained[j]].eos_token_id
+            if eos is not None:
+                sub[j, eos] = 0.0
+        logits[constrained] = sub
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         n, vocab = logits.shape
@@ -132,6 +163,17 @@ class Sampler:
             k = rows[i].params.logprobs
             result[i] = TokenLogprobs(logprob=chosen[j], top=list(zip(top_i[j][:k], top_v[j][:k])))
         return result
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """OpenAI's logit_bias: added to the logits before anything else (so -100 all but bans a token)."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        bias = r.params.logit_bias
+        if bias:
+            ids = [t for t in bias if t < vocab]  # the server checks ids against the vocabulary; here, stay in range
+            logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 def _no_penalties(sp: SamplingParams) -> bool:

@@ -135,3 +135,17 @@ def test_invalid_params_are_value_errors(bad):
 def test_row_count_mismatch_is_a_value_error():
     with pytest.raises(ValueError, match="rows"):
         Sampler()(torch.zeros(2, V), [_row(temperature=0.0)])
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    logits = _logits(3)
+    best = int(logits[0].argmax())
+    # -100 bans the greedy choice; +100 forces a token however unlikely, sampled or greedy
+    tokens, _ = Sampler()(logits, [_row(temperature=0.0, logit_bias={best: -100.0}),
+                                   _row(temperature=0.0, logit_bias={7: 100.0}),
+                                   _row(temperature=1.0, seed=3, logit_bias={9: 100.0})])
+    assert tokens[0] != best and tokens[0] == int(logits[0].topk(2).indices[1])
+    assert tokens[1:] == [7, 9]
+    # logprobs stay the model's own
+    _, lps = Sampler()(logits[:1], [_row(temperature=0.0, logprobs=0, logit_bias={7: 100.0})])
+    assert lps[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[7]), abs=1e-5)

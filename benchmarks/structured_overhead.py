@@ -1,0 +1,66 @@
+"""Decode-step time of the bundled model at batch B with every request under a JSON-schema constraint, against the
+same batch unconstrained (one process, interleaved rounds). The difference is the grammar's cost per step (mask fill
+for the batch + applying it in the sampler).
+
+    flock -x /tmp/paceline-cpu.lock .venv/bin/python benchmarks/structured_overhead.py --batch 32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "entrypoints"))
+from json_schemas import SCHEMAS  # noqa: E402
+
+from paceline import LLM, SamplingParams  # noqa: E402
+from paceline.model.structured import GrammarCompiler  # noqa: E402
+from paceline.sampling import StructuredOutputs  # noqa: E402
+
+
+def decode_steps(llm: LLM, params: list[SamplingParams]) -> list[float]:
+    engine = llm.engine
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}-{id(p)}", "Give me a JSON record:", p)
+    times = []
+    while engine.has_unfinished():
+        engine.step()
+        s = engine.last_step
+        if s is not None and s.num_prefill_tokens == 0 and s.num_decode_tokens == len(params):
+            times.append(s.duration)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    llm = LLM(kv_cache_memory_gb=0.5)
+    compiler = GrammarCompiler(llm.engine.tokenizer, llm.engine.arch.vocab_size)
+    names = list(SCHEMAS)
+
+    def params(constrained: bool) -> list[SamplingParams]:
+        out = []
+        for i in range(args.batch):
+            so = None
+            if constrained:
+                so = StructuredOutputs(json=json.dumps(SCHEMAS[names[i % len(names)]][0]))
+                so.compiled = compiler.compile(so)
+            out.append(SamplingParams(temperature=1.0, seed=i, max_tokens=args.tokens, ignore_eos=True, structured=so))
+        return out
+
+    free, con = [], []
+    for _ in range(args.rounds):
+        free += decode_steps(llm, params(False))
+        con += decode_steps(llm, params(True))
+    f, c = statistics.median(free), statistics.median(con)
+    print(f"batch {args.batch}: decode step median unconstrained {1e3 * f:.2f} ms ({len(free)} steps), "
+          f"JSON-schema constrained {1e3 * c:.2f} ms ({len(con)} steps): overhead {100 * (c - f) / f:+.1f} %")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Structured outputs: JSON schema, JSON object, regex, choice and grammar constraints as token masks (llguidance).
+
+llguidance was picked over xgrammar by benchmarks/grammar_libraries.py (mask cost per token at batch 32 on this
+CPU, compile time, and no triton/tvm dependency); outlines-core builds a full index per schema up front.
+
+    compiler = GrammarCompiler(tokenizer)           # once per model: the vocabulary as llguidance sees it
+    so.compiled = compiler.compile(so)              # per request: ValueError for a bad schema/regex/grammar
+    state = GrammarState(so.compiled)               # per request, in the sampler
+    state.advance(output_token_ids)                 # feed what was sampled since last time
+    allowed = fill_masks([state, ...], vocab_size)  # bool [rows, vocab]
+
+A matcher's state is a function of the request's output tokens only, so a preempted request (recompute or swap)
+keeps it, and one that is lost is rebuilt by replaying the output (GrammarState.advance does that when needed).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance as llg
+import llguidance.torch as llt
+import torch
+
+from paceline.sampling import StructuredOutputs
+
+log = logging.getLogger("paceline.structured")
+
+# compact, fixed separators: with flexible whitespace a small model at temperature 1 can emit spaces until
+# max_tokens and never close the object
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CACHE_SIZE = 256  # compiled grammars kept, by constraint
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    tokenizer: Any  # llg.LLTokenizer
+    grammar: str  # llguidance's serialized grammar
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None) -> None:
+        vocab = vocab_size or tokenizer.vocab_size
+        # special tokens stay out of every mask (llguidance reads them from tokenizer.json); EOS ends a match
+        try:
+            self.lltokenizer = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab,
+                                               eos_token=tokenizer.eos_token_id)
+        except Exception as e:  # a tokenizer llguidance cannot read: structured outputs are refused, not crashed
+            raise ValueError(f"structured outputs are not available for this model's tokenizer: {e}") from None
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, so: StructuredOutputs) -> CompiledGrammar:
+        """The constraint as a checked llguidance grammar, cached by what it says; ValueError when it is invalid."""
+        with self._lock:
+            hit = self._cache.get(so.key)
+            if hit is not None:
+                self._cache.move_to_end(so.key)
+                return hit
+        grammar = _grammar_text(so)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltokenizer)
+        if is_error:
+            raise ValueError(f"invalid {_kind(so)}: {messages[0] if messages else 'rejected by the grammar compiler'}")
+        compiled = CompiledGrammar(self.lltokenizer, grammar)
+        with self._lock:
+            self._cache[so.key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+def _kind(so: StructuredOutputs) -> str:
+    return ("json schema" if so.json is not None else "json object" if so.json_object else
+            "regex" if so.regex is not None else "choice" if so.choice is not None else "grammar")
+
+
+def _grammar_text(so: StructuredOutputs) -> str:
+    try:
+        if so.json is not None:
+            schema = json.loads(so.json)
+            if so.strict:
+                schema = _closed_objects(schema)
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        if so.json_object:
+            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if so.regex is not None:
+            return llg.LLMatcher.grammar_from_regex(so.regex)
+        if so.choice is not None:
+            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
+        text = so.grammar or ""
+        # GBNF (llama.cpp's, what vLLM's xgrammar backend takes) is converted; anything else is read as Lark
+        return llg.grammar_from("gbnf" if "::=" in text else "lark", text)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ValueError(f"invalid {_kind(so)}: {e}") from None
+
+
+def _closed_objects(schema: Any) -> Any:
+    """OpenAI's strict mode: an object schema that does not say otherwise allows no extra properties."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed_objects(v) for k, v in schema.items()}
+    if out.get("type") == "object" or "properties" in out:
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+@dataclass
+class GrammarState:
+    """One request's matcher and the output tokens it has consumed."""
+    compiled: CompiledGrammar
+    consumed: list[int] = field(default_factory=list)
+    matcher: Any = None
+
+    def __post_init__(self) -> None:
+        self.matcher = llg.LLMatcher(self.compiled.tokenizer, self.compiled.grammar)
+
+    def advance(self, output_token_ids: list[int]) -> "GrammarState":
+        """Consume the tokens sampled since last time; a state that has not seen a prefix of them is replaced by
+        a fresh one that replays them all (the request was rebuilt elsewhere, or its state object is shared)."""
+        n = len(self.consumed)
+        if output_token_ids[:n] != self.consumed:
+            fresh = GrammarState(self.compiled)
+            return fresh.advance(output_token_ids)
+        new = output_token_ids[n:]
+        if new:
+            self.matcher.consume_tokens(new)
+            self.consumed.extend(new)
+        return self
+
+    @property
+    def failed(self) -> bool:
+        return self.matcher.is_error()
+
+
+_executor: Any = None
+
+
+def fill_masks(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
+    """Allowed tokens of each state's next position: bool [len(states), vocab_size], filled in parallel."""
+    global _executor
+    if _executor is None:
+        _executor = llg.LLExecutor()
+    bitmask = llt.allocate_token_bitmask(len(states), vocab_size)
+    live = [(s.matcher, i) for i, s in enumerate(states) if not s.failed]
+    if live:
+        llt.fill_next_token_bitmask_par(_executor, live, bitmask)
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.view(len(states), -1)[:, :vocab_size].bool()
+    for i, s in enumerate(states):
+        if s.failed:  # a token the grammar refused got in (a stop id, ignore_eos): do not mask what is left
+            log.debug("grammar matcher stopped or failed: %s", s.matcher.get_error())
+            allowed[i] = True
+    return allowed

@@ -1,0 +1,102 @@
+"""The request schema as clients meet it (fake engine): one rule for unknown fields, unsupported OpenAI fields
+named in a 400, caps, malformed bodies that used to answer 500, and an /openapi.json that declares it all."""
+from __future__ import annotations
+
+import pytest
+from test_server_fake import error, make_client
+
+
+@pytest.fixture
+def client():
+    with make_client() as c:
+        yield c
+
+
+def test_unknown_fields_are_rejected_by_name(client):
+    msg = error(client.post("/v1/completions", json={"prompt": "x", "temprature": 0.5}), 400, "temprature")
+    assert "temprature" in msg
+    error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x", "colour": 1}]}),
+          400, "messages.0.colour")
+
+
+@pytest.mark.parametrize("field,value", [("audio", {"voice": "alloy"}), ("functions", []), ("prediction", {}),
+                                         ("web_search_options", {}), ("reasoning_effort", "low"), ("metadata", {}),
+                                         ("verbosity", "low"), ("prompt_logprobs", 1), ("store", True),
+                                         ("modalities", ["audio"]), ("service_tier", "flex")])
+def test_unsupported_openai_fields_are_named(client, field, value):
+    body = {"messages": [{"role": "user", "content": "x"}], field: value}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == field
+    assert field in r.json()["error"]["message"]
+
+
+def test_completion_only_unsupported_fields(client):
+    error(client.post("/v1/completions", json={"prompt": "x", "suffix": "y"}), 400, "suffix")
+    error(client.post("/v1/completions", json={"prompt": "x", "best_of": 3}), 400, "best_of")
+    assert client.post("/v1/completions", json={"prompt": "x", "best_of": 1, "max_tokens": 2}).status_code == 200
+
+
+def test_accepted_no_op_fields(client):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "store": False, "user": "u",
+            "service_tier": "auto", "modalities": ["text"], "safety_identifier": "s", "prompt_cache_key": "k"}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_bodies_that_used_to_answer_500(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "\\ud800 x"}', headers={"content-type": "application/json"})
+    assert error(r, 400, "prompt", "invalid_unicode")
+    error(client.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000), 400, None, "invalid_json")
+    error(client.post("/v1/completions", content=b'{"prompt": ' + b"[" * 70 + b"]" * 70 + b"}"), 400, "prompt",
+          "invalid_json")
+    error(client.post("/v1/completions", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"}), 400,
+          None, "invalid_content_type")
+    error(client.post("/v1/completions", json={"prompt": "x", "seed": 2**70}), 400, "seed")
+    error(client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"abc": 1}}), 400, "logit_bias")
+    error(client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"5": 101}}), 400, "logit_bias")
+    error(client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"256": 1}}), 400, "logit_bias")
+    # and the server still answers
+    assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3}).json()["choices"][0]["text"] == "abc"
+
+
+def test_caps(client):
+    error(client.post("/v1/completions", json={"prompt": "x", "n": 10_000}), 400, "n")
+    error(client.post("/v1/completions", json={"prompt": ["x"] * 1000, "max_tokens": 1}), 400, "prompt")
+    error(client.post("/v1/completions", json={"prompt": "x", "n": 16, "max_tokens": 5000}), 400, "max_tokens")
+    error(client.post("/v1/completions", json={"prompt": "x", "logprobs": 10**6}), 400, "logprobs")
+    error(client.post("/v1/completions", json={"prompt": "x", "stop": ["s"] * 10_000}), 400, "stop")
+    error(client.post("/v1/completions", json={"prompt": "x", "stop": "s" * 10_000}), 400, "stop")
+
+
+def test_limits_are_configurable():
+    from paceline.entrypoints.protocol import Limits
+    with make_client(limits=Limits(max_n=2)) as c:
+        error(c.post("/v1/completions", json={"prompt": "x", "n": 3}), 400, "n")
+        assert c.post("/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 1}).status_code == 200
+
+
+def test_openapi_declares_bodies_ranges_and_errors(client):
+    doc = client.get("/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["required"]
+        assert {"200", "400", "413"} <= set(op["responses"])
+        assert op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse")
+    schemas = doc["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]
+    assert chat["additionalProperties"] is False
+    assert chat["properties"]["top_p"]["exclusiveMinimum"] == 0 and chat["properties"]["top_p"]["maximum"] == 1
+    assert chat["properties"]["top_logprobs"]["anyOf"][0]["maximum"] == 20
+    assert "tools" in chat["properties"] and "response_format" in chat["properties"]
+
+
+def test_echo_leads_with_the_prompt(client):
+    r = client.post("/v1/completions", json={"prompt": ["hi", "yo"], "max_tokens": 2, "echo": True}).json()
+    assert [c["text"] for c in r["choices"]] == ["hiab", "yoab"]
+    r = client.post("/v1/completions", json={"prompt": [120, 121], "max_tokens": 2, "echo": True}).json()
+    assert r["choices"][0]["text"] == "xyab"
+    with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": True,
+                                                         "stream": True}) as s:
+        texts = [__import__("json").loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
+                 if line.startswith("data: {")]
+    assert "".join(texts) == "hiab" and texts[0] == "hi"
+    error(client.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1}), 400, "echo")
