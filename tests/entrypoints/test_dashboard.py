@@ -332,7 +332,10 @@ def test_page_chart_code_under_node(fake_run, tmp_path):
     assert got["fillRect"] >= len(steps)  # a bar (two, where a step had both kinds) per step, plus dots
     assert got["fill"] > 0  # the stacked areas
     assert got["decode"] == sum(s["decode"] for s in steps) and got["prefill"] == sum(s["prefill"] for s in steps)
-    assert {"running p0", "waiting p1"} <= set(got["series"]) or {"running p0", "waiting p2"} <= set(got["series"])
+    # which priority is running or waiting at a 0.25 s snapshot depends on the machine's speed: ask only that both
+    # states were drawn, each labelled with a priority
+    labels = set(got["series"])
+    assert any(s.startswith("running p") for s in labels) and any(s.startswith("waiting p") for s in labels), labels
     assert got["historyPoints"] == sum(1 for m in messages if m["state"])
     assert got["ttft"] == len(JOBS)
     assert got["afterRestart"] == 1  # another server (new `started`): the old steps are dropped
@@ -425,7 +428,7 @@ def test_real_server_feed_matches_the_requests(real_server):
     assert max(s["kv_used"] for s in steps) <= 16 and all(s["kv_used"] + s["kv_free"] == 16 for s in steps)
     assert max(s["waiting"] for s in steps) >= 1
     info = next(m["info"] for m in messages if "info" in m and m["info"].get("num_blocks"))
-    assert info["num_blocks"] == 16 and info["max_num_batched_tokens"] == 64 and info["policy"] == "sarathi"
+    assert info["num_blocks"] == 16 and info["max_num_batched_tokens"] == 64 and info["policy"] == "stall-free"
 
 
 @pytest.mark.slow
