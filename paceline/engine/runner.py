@@ -9,7 +9,7 @@ from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from paceline.model.arch import ModelArch
 from paceline.model.attention import GatherWorkspace, SeqSlice, build_metadata
 from paceline.model.llama import LlamaModel
-from paceline.model.sampler import SampleRow, Sampler
+from paceline.model.sampler import Sampler
 from paceline.model.spec_verify import accept_prefix, verify_rows
 
 
