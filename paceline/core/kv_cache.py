@@ -115,6 +115,15 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need))
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the tail blocks past the first num_tokens tokens: slots taken for proposals that were rejected.
+        They were never registered (only blocks of computed tokens are), so they go to the head of the free queue."""
+        table = self.tables.get(request.request_id)
+        keep = self.blocks_for(num_tokens)
+        if table and len(table) > keep:
+            self.pool.free(table[:keep - 1:-1] if keep else table[::-1])
+            del table[keep:]
+
     def register_computed(self, request: Request) -> None:
         """Make the request's full, computed blocks findable by later requests."""
         rid = request.request_id

@@ -12,15 +12,24 @@ class ScheduledRequest:
     start: int  # index into request.token_ids of the first token computed now (== num_computed_tokens)
     num_tokens: int  # tokens computed now: request.token_ids[start:start + num_tokens]
     block_table: list[int]  # device blocks covering at least start + num_tokens tokens
+    # proposed tokens verified in this step (speculative decoding): they follow the request's known tokens, so
+    # the step computes token_ids[start:] + spec_token_ids, and num_tokens counts them
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens computed now that the request already holds (num_tokens less the proposals)."""
+        return self.num_tokens - len(self.spec_token_ids)
 
     @property
     def needs_sample(self) -> bool:
         """The chunk reaches the end of what the request knows, so its last position yields the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.spec_token_ids) == self.request.num_tokens
 
     @property
     def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.request.num_output_tokens > 0 and self.needs_sample
+        """One known token (the last sampled one), with or without proposals after it."""
+        return self.num_tokens - len(self.spec_token_ids) == 1 and self.request.num_output_tokens > 0 and self.needs_sample
 
 
 @dataclass
@@ -41,7 +50,7 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
+        return sum(s.num_tokens for s in self.scheduled if s.is_decode)  # proposals verified count as decode
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -61,5 +70,7 @@ class TokenLogprobs:
 @dataclass
 class StepResult:
     token_ids: dict[str, int] = field(default_factory=dict)  # request id -> sampled token, for needs_sample only
+    # request id -> the accepted proposals plus one sampled token, for requests scheduled with spec_token_ids
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only for requests that asked
     duration: float = 0.0  # seconds the step took (measured, or simulated)

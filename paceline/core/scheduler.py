@@ -14,7 +14,9 @@ from paceline.core.kv_cache import KVCacheManager, cdiv
 from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from paceline.core.policies import POLICIES
 from paceline.core.queues import RequestQueue, effective_priority, rank_function
+from paceline.core.spec_ngram import propose_ngram
 from paceline.request import Request, RequestStatus
+from paceline.spec_config import SpeculativeConfig
 
 RUNNING, WAITING, SWAPPED, FINISHED = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.SWAPPED,
                                        RequestStatus.FINISHED)
@@ -38,6 +40,11 @@ class SchedulerStats:
     num_cached_blocks: int = 0  # blocks findable by hash (free or in use)
     num_evictions: int = 0  # cached blocks handed out for fresh use
     num_steps: int = 0
+    # speculative decoding, vLLM's names: steps a request verified proposals in, proposals, proposals accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -64,7 +71,8 @@ class Step:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 num_host_blocks: int = 0, step_time: Callable[[BatchShape], float] | None = None) -> None:
+                 num_host_blocks: int = 0, step_time: Callable[[BatchShape], float] | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         if config.max_step_ms > 0 and step_time is None:
             raise ValueError("max_step_ms needs a step-time model: pass step_time (seconds for a BatchShape)")
         self.config = config
@@ -86,6 +94,9 @@ class Scheduler:
         # it (the engine: a high quantile of measured / predicted; a profile taken on an idle machine reads low)
         self.step_time = step_time
         self.step_time_scale = 1.0
+        self.spec = speculative
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted = 0
+        self.spec_accepted_per_pos = [0] * (speculative.num_speculative_tokens if speculative else 0)
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -172,7 +183,10 @@ class Scheduler:
             kv_usage=pool.num_used / pool.num_blocks, prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits, num_preemptions=self.num_preemptions, num_swaps=self.num_swaps,
             num_host_blocks=kv.host.num_blocks, num_used_host_blocks=used_host,
-            num_cached_blocks=len(pool.cached), num_evictions=pool.num_evictions, num_steps=self.num_steps)
+            num_cached_blocks=len(pool.cached), num_evictions=pool.num_evictions, num_steps=self.num_steps,
+            spec_decode_num_drafts=self.spec_num_drafts, spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_num_accepted,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos))
 
     # ---- one step ----
     def schedule(self, now: float) -> SchedulerOutput:
@@ -182,6 +196,8 @@ class Scheduler:
         if self.config.max_step_ms > 0:
             step.shape = BatchShape()
         self.policy(self, step)
+        if self.spec is not None:
+            self.add_speculation(step)
         out = step.out
         if out.scheduled:
             self.num_steps += 1
@@ -201,6 +217,10 @@ class Scheduler:
             request = s.request
             if request.status is not RUNNING:  # aborted or finished by the engine after schedule()
                 continue
+            if s.spec_token_ids:
+                self._update_verified(s, result, now)
+                changed.append(request)
+                continue
             end = s.start + s.num_tokens
             request.num_computed_tokens = end
             if caching and end // bs > registered.get(request.request_id, 0):
@@ -216,6 +236,82 @@ class Scheduler:
                     self._finish(request, reason, now)
                 changed.append(request)
         return changed
+
+    # ---- speculative decoding ----
+    def add_speculation(self, step: Step) -> None:
+        """Extend this step's decodes with proposed tokens, in schedule order, with what the policy left: the
+        token budget after every prompt chunk has taken its share (so speculation never starves a prefill), the
+        predicted step time under max_step_ms, and free blocks beyond the watermark (never by preempting)."""
+        spec, kv = self.spec, self.kv
+        max_len = self.config.max_model_len
+        for s in step.out.scheduled:
+            if step.budget < 1:
+                return
+            request = s.request
+            if not s.is_decode or s.spec_token_ids or request.sampling_params.logprobs is not None:
+                continue  # logprobs: one entry per step is what the engine streams, so no proposals for them
+            sp = request.sampling_params
+            left = (sp.max_tokens - request.num_output_tokens) if sp.max_tokens is not None else spec.num_speculative_tokens + 1
+            # the last verified token is a sample, so k proposals can add k + 1 tokens; none past max_tokens or the context
+            k = min(spec.num_speculative_tokens, step.budget, left - 1, max_len - request.num_tokens)
+            if k < 1:
+                continue
+            drafts = propose_ngram(request.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            if drafts and step.shape is not None:
+                drafts = drafts[:self._drafts_within_step_time(step, s, len(drafts))]
+            if not drafts or not kv.allocate(request, s.num_tokens + len(drafts), reserve=kv.watermark_blocks):
+                continue
+            if step.shape is not None:
+                _decode_to_verify(step.shape, s.start, len(drafts))
+            s.spec_token_ids = drafts
+            s.num_tokens += len(drafts)
+            s.block_table = list(kv.tables[request.request_id])
+            step.used += len(drafts)
+
+    def _drafts_within_step_time(self, step: Step, s: ScheduledRequest, k: int) -> int:
+        """The most of k proposals for decode `s` that keep the predicted step time under max_step_ms (0 when
+        none does: the decodes alone may already fill it)."""
+        limit = self.config.max_step_ms / 1000.0 / self.step_time_scale
+        swapped = len(step.out.blocks_to_swap_in) + len(step.out.blocks_to_swap_out)
+        for n in range(k, 0, -1):  # k is a handful: a linear scan costs less than thinking about bisecting
+            trial = replace(step.shape, num_swapped_blocks=swapped)
+            _decode_to_verify(trial, s.start, n)
+            if self.step_time(trial) <= limit:
+                return n
+        return 0
+
+    def _update_verified(self, s: ScheduledRequest, result: StepResult, now: float) -> None:
+        """A decode that verified proposals: append the accepted ones and the token sampled after them (stopping
+        where a stop condition hits), move num_computed_tokens back past the rejected ones, free their blocks."""
+        request, rid = s.request, s.request.request_id
+        verified = result.verified_token_ids.get(rid)
+        drafts = s.spec_token_ids
+        if not verified or len(verified) > len(drafts) + 1 or verified[:-1] != drafts[:len(verified) - 1]:
+            raise ValueError(f"the step result's verified tokens {verified!r} for request {rid!r} are not an "
+                             f"accepted prefix of its proposals {drafts!r} plus one token")
+        num_accepted = len(verified) - 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted += num_accepted
+        for i in range(num_accepted):
+            self.spec_accepted_per_pos[i] += 1
+        reason = None
+        appended = 0
+        for token in verified:
+            request.append_token(token, now)
+            appended += 1
+            reason = request.check_stop()
+            if reason is not None:
+                break
+        # KV is valid for the known token and each accepted proposal that was kept; the last token appended has none
+        request.num_computed_tokens = s.start + s.num_known_tokens + appended - 1
+        kv = self.kv
+        if kv.enable_prefix_caching and request.num_computed_tokens // self.block_size > kv.num_registered.get(rid, 0):
+            kv.register_computed(request)
+        if reason is not None:
+            self._finish(request, reason, now)
+        else:
+            kv.trim(request, request.num_tokens)
 
     # ---- mechanics the policies use ----
     def add_scheduled(self, step: Step, request: Request, num_tokens: int) -> None:
@@ -426,3 +522,14 @@ class Scheduler:
             if len(self.running) < self.config.max_num_seqs and kv.can_allocate(request, n, cached, self.reserve()):
                 return True
         return False
+
+
+def _decode_to_verify(shape: BatchShape, start: int, k: int) -> None:
+    """Recount a decode at `start` as the verification it becomes with k proposals: k + 1 query tokens of one
+    request attending causally over its context (the runner runs it as a chunk), every position reaching the LM head."""
+    shape.num_decodes -= 1
+    shape.num_requests -= 1
+    shape.num_sampled -= 1
+    shape.decode_context -= start + 1
+    shape.add_chunk(start, k + 1, sampled=True)
+    shape.num_sampled += k

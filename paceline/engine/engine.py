@@ -18,6 +18,7 @@ from paceline.model.loader import DTYPES, load_checkpoint
 from paceline.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from paceline.request import Request
 from paceline.sampling import SamplingParams
+from paceline.spec_config import SpeculativeConfig
 
 log = logging.getLogger("paceline")
 
@@ -81,8 +82,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        # speculative decoding: the argument, else the config's field once EngineConfig has one (a JSON string or dict)
+        spec = speculative_config or getattr(config, "speculative_config", None)
+        self.speculative_config = spec if isinstance(spec, SpeculativeConfig) or spec is None else SpeculativeConfig.parse(spec)
         t0 = time.perf_counter()
         self.device = resolve_device(config.device)
         dtype = DTYPES[config.dtype]
@@ -109,7 +113,7 @@ class Engine:
                                   num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
                                   seed=config.seed)
         self.scheduler = Scheduler(config.scheduler, cache, self.num_blocks, self.num_host_blocks,
-                                   step_time=self._step_time_model())
+                                   step_time=self._step_time_model(), speculative=self.speculative_config)
         self._text: dict[str, _TextState] = {}
         self._aborted: list[Request] = []
         self.last_step: StepStats | None = None

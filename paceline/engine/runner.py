@@ -9,7 +9,8 @@ from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from paceline.model.arch import ModelArch
 from paceline.model.attention import GatherWorkspace, SeqSlice, build_metadata
 from paceline.model.llama import LlamaModel
-from paceline.model.sampler import SampleRow, Sampler
+from paceline.model.sampler import Sampler
+from paceline.model.spec_verify import accept_prefix, verify_rows
 
 
 class ModelRunner:
@@ -66,13 +67,18 @@ class ModelRunner:
             # so that attention's decode groups (runs of similar lengths) pad little
             order = sorted(out.scheduled, key=lambda s: (s.num_tokens == 1, s.start if s.num_tokens == 1 else 0))
             logits, sampled = self._forward(order)
-            rows = [SampleRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
-                              s.request.eos_token_id) for s in sampled]
+            rows = [row for s in sampled for row in verify_rows(s)]  # one, or k + 1 for k proposals
             tokens, logprobs = self.sampler(logits, rows)
-            for s, tok, lp in zip(sampled, tokens, logprobs):
-                result.token_ids[s.request.request_id] = tok
-                if lp is not None:
-                    result.logprobs[s.request.request_id] = lp
+            i = 0
+            for s in sampled:
+                rid, k = s.request.request_id, len(s.spec_token_ids)
+                if k:  # speculative decoding: keep the proposals the target agrees with, then its own next token
+                    result.verified_token_ids[rid] = accept_prefix(s.spec_token_ids, tokens[i:i + k + 1])
+                else:
+                    result.token_ids[rid] = tokens[i]
+                    if logprobs[i] is not None:
+                        result.logprobs[rid] = logprobs[i]
+                i += k + 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         result.duration = time.perf_counter() - t0
@@ -85,14 +91,16 @@ class ModelRunner:
         last_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
         for s in order:
-            end = s.start + s.num_tokens
-            if s.num_tokens < 1 or end > s.request.num_tokens:
+            end = s.start + s.num_known_tokens
+            if s.num_known_tokens < 1 or end > s.request.num_tokens:
                 raise ValueError(f"request {s.request.request_id}: cannot run tokens {s.start}..{end} "
                                  f"of {s.request.num_tokens}")
             ids.extend(s.request.token_ids[s.start:end])
-            positions.extend(range(s.start, end))
+            ids.extend(s.spec_token_ids)  # proposals run as further query tokens of the same request
+            positions.extend(range(s.start, s.start + s.num_tokens))
             if s.needs_sample:
-                last_rows.append(len(ids) - 1)
+                # every proposal's position is sampled too: position i predicts the token after proposal i - 1
+                last_rows.extend(range(len(ids) - 1 - len(s.spec_token_ids), len(ids)))
                 sampled.append(s)
         logits = self.forward_tokens(ids, positions, [SeqSlice(s.start, s.num_tokens, s.block_table) for s in order],
                                      last_rows)

@@ -24,10 +24,10 @@ def make_request(rid: str | int, prompt: int | list[int], max_tokens: int = 8, a
 
 def make_scheduler(policy: str = "stall-free", budget: int = 64, max_seqs: int = 128, num_blocks: int = 1000,
                    block_size: int = 16, host_blocks: int = 0, watermark: float = 0.0, caching: bool = True,
-                   step_time=None, **kw) -> Scheduler:
+                   step_time=None, speculative=None, **kw) -> Scheduler:
     cfg = SchedulerConfig(policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_seqs, **kw)
     cache = CacheConfig(block_size=block_size, watermark=watermark, enable_prefix_caching=caching)
-    return Scheduler(cfg, cache, num_blocks, host_blocks, step_time=step_time)
+    return Scheduler(cfg, cache, num_blocks, host_blocks, step_time=step_time, speculative=speculative)
 
 
 def fake_result(out: SchedulerOutput, token: int = 7) -> StepResult:
@@ -87,7 +87,12 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
         assert r.status is RequestStatus.RUNNING
         assert s.num_tokens >= 1
         assert s.start == r.num_computed_tokens
-        assert s.start + s.num_tokens <= r.num_tokens
+        assert s.start + s.num_known_tokens <= r.num_tokens
+        if s.spec_token_ids:  # proposals only follow the last known token of a decode
+            assert s.is_decode and s.needs_sample and r.sampling_params.logprobs is None
+            assert len(s.spec_token_ids) <= sched.spec.num_speculative_tokens
+            sp = r.sampling_params
+            assert sp.max_tokens is None or r.num_output_tokens + len(s.spec_token_ids) < sp.max_tokens
         assert len(s.block_table) * bs >= s.start + s.num_tokens
         assert s.block_table == sched.kv.tables[r.request_id]
     if cfg.policy == "stall-free" and out.num_prefill_tokens:
@@ -107,8 +112,10 @@ def check_state(sched: Scheduler) -> None:
     """Block accounting and queue membership."""
     kv, pool = sched.kv, sched.kv.pool
     held = Counter(b for t in kv.tables.values() for b in t)
-    for t in kv.tables.values():
+    for rid, t in kv.tables.items():
         assert len(t) == len(set(t)), "a block twice in one table"
+        # between steps no request holds a block past its known tokens: rejected proposals' slots were given back
+        assert len(t) <= kv.blocks_for(sched.requests[rid].num_tokens), f"{rid} holds blocks past its tokens"
     for b in range(pool.num_blocks):
         assert pool.ref_counts[b] == held.get(b, 0), f"block {b}: ref {pool.ref_counts[b]} != {held.get(b, 0)} tables"
     free = {b for b in range(pool.num_blocks) if pool.ref_counts[b] == 0}

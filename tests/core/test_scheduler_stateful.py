@@ -16,6 +16,7 @@ from sched_util import check_output, check_state, make_scheduler
 from paceline.core.outputs import StepResult
 from paceline.request import Request, RequestStatus
 from paceline.sampling import SamplingParams
+from paceline.spec_config import SpeculativeConfig
 
 PREFIXES = [list(range(5000, 5040)), list(range(6000, 6040))]
 
@@ -38,15 +39,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                 partial=st.sampled_from([0, 0, 1, 2]),
                 aging=st.sampled_from([0.0, 0.0, 3.0]),
                 wait_ms=st.sampled_from([0.0, 1500.0]),
-                step_ms=st.sampled_from([0.0, 0.0, 30.0]))
+                step_ms=st.sampled_from([0.0, 0.0, 30.0]),
+                spec=st.sampled_from([None, None, (1, 1), (3, 2), (5, 3)]))
     def setup(self, policy, scheduling, mode, block_size, num_blocks, budget, max_seqs, host_blocks, threshold,
-              partial, aging, wait_ms, step_ms) -> None:
+              partial, aging, wait_ms, step_ms, spec=None) -> None:
         self.sched = make_scheduler(policy, budget=budget, max_seqs=max_seqs, num_blocks=num_blocks,
                                     block_size=block_size, host_blocks=host_blocks, scheduling_policy=scheduling,
                                     preemption_mode=mode, long_prefill_token_threshold=threshold,
                                     max_num_partial_prefills=partial, priority_aging_s=aging,
                                     max_batch_wait_ms=wait_ms, max_step_ms=step_ms if policy == "stall-free" else 0.0,
-                                    step_time=_toy_step_time if step_ms and policy == "stall-free" else None)
+                                    step_time=_toy_step_time if step_ms and policy == "stall-free" else None,
+                                    speculative=SpeculativeConfig(num_speculative_tokens=spec[0], prompt_lookup_max=spec[1])
+                                    if spec else None)
         self.capacity = num_blocks * block_size
         self.now = 0.0
         self.count = 0
@@ -105,12 +109,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert s.request.request_id not in out.preempted_ids
         if sched.config.policy == "stall-free":
             assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
-        tokens = {s.request.request_id: rng.randrange(100) for s in out.scheduled if s.needs_sample}
-        changed = sched.update(out, StepResult(tokens), self.now)
+        tokens = {s.request.request_id: rng.randrange(100) for s in out.scheduled if s.needs_sample and not s.spec_token_ids}
+        # a speculative decode: the target keeps a random prefix of the proposals (often all), then its own token
+        verified = {s.request.request_id: s.spec_token_ids[:rng.choice([0, len(s.spec_token_ids), rng.randrange(len(s.spec_token_ids) + 1)])]
+                    + [rng.randrange(100)] for s in out.scheduled if s.spec_token_ids}
+        before = {rid: self.all[rid].num_output_tokens for rid in verified}
+        changed = sched.update(out, StepResult(tokens, verified_token_ids=verified), self.now)
         for rid, tok in tokens.items():
             self.sampled[rid].append(tok)
+        for rid, toks in verified.items():  # never cut: proposals stop one short of max_tokens
+            self.sampled[rid].extend(toks)
+            r = self.all[rid]
+            assert r.num_output_tokens == before[rid] + len(toks)
+            if r.status is RequestStatus.RUNNING:
+                assert r.num_computed_tokens == r.num_tokens - 1, "KV of rejected proposals counted as computed"
         assert [r.request_id for r in changed] == [s.request.request_id for s in out.scheduled
-                                                  if s.request.request_id in tokens]
+                                                  if s.request.request_id in tokens or s.request.request_id in verified]
         del running_before
 
     @invariant()
