@@ -86,3 +86,15 @@ class Router:
 
     def mark_up(self, replica: int) -> None:
         self.down.pop(replica, None)
+
+
+def shared_prefix_workload(groups: int, per_group: int, seed: int = 0) -> list[str]:
+    """`groups` long system prompts, `per_group` questions under each, in a shuffled order."""
+    import random
+
+    topics = ["cooking", "chess", "tax law", "gardening", "astronomy", "poetry", "sailing", "databases", "music",
+              "geology", "knitting", "cycling"]
+    prompts = [f"You are an assistant who knows {topics[g % len(topics)]} (desk {g}) well and answers briefly. " * 8
+               + f"Question {j}: name one fact." for g in range(groups) for j in range(per_group)]
+    random.Random(seed).shuffle(prompts)
+    return prompts

@@ -12,10 +12,10 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'paceline[ray]'")
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'paceline[ray]'")
 
-from openai import OpenAI
+from openai import OpenAI  # noqa: E402  (after the importorskips)
 
-from paceline.parallel import ray_serve
-from paceline.parallel.comm import free_port
+from paceline.entrypoints import ray_serve  # noqa: E402
+from paceline.parallel.comm import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = {"kv_cache_memory_gb": 0.05, "block_size": 16, "served_model_name": "m"}
@@ -52,7 +52,7 @@ def test_two_replicas_serve_the_openai_api_and_survive_a_killed_replica(cluster)
 
 
 def test_prefix_routing_raises_the_cache_hit_rate(cluster) -> None:
-    from paceline.parallel.measure import shared_prefix_workload
+    from paceline.parallel.routing import shared_prefix_workload
 
     rates = {}
     for policy in ("round_robin", "prefix"):

@@ -1,9 +1,9 @@
 """Measurements for docs/scaling.md: TP=2's per-step communication and PP=2's bubble, on the bundled model.
 
-    python -m paceline.parallel.measure tp   # step time and time in collectives, TP=2 vs one process
-    python -m paceline.parallel.measure pp   # bubble fraction at PP=2: chunked vs whole prompts, 1 vs 2 steps in flight
-    python -m paceline.parallel.measure ray  # prefix-cache hit rate over 2 Ray Serve replicas, by routing policy
-    python -m paceline.parallel.measure allreduce  # microseconds per gloo all-reduce between 2 processes
+    python benchmarks/parallel_measure.py tp   # step time and time in collectives, TP=2 vs one process
+    python benchmarks/parallel_measure.py pp   # bubble fraction at PP=2: chunked vs whole prompts, 1 vs 2 steps in flight
+    python benchmarks/parallel_measure.py ray  # prefix-cache hit rate over 2 Ray Serve replicas, by routing policy
+    python benchmarks/parallel_measure.py allreduce  # microseconds per gloo all-reduce between 2 processes
 
 Every rank runs one thread (the driver too). On a machine with fewer cores than ranks nothing can get faster; the
 figures say what the communication and the idle stages cost, and only ratios from one run mean anything.
@@ -22,6 +22,7 @@ from paceline.engine.engine import Engine
 from paceline.model.loader import load_checkpoint
 from paceline.parallel.executor import build_runner
 from paceline.parallel.pipeline import run_pipelined
+from paceline.parallel.routing import shared_prefix_workload
 from paceline.sampling import SamplingParams
 
 BLOCK_SIZE = 16
@@ -142,18 +143,6 @@ def measure_allreduce(args) -> dict:
     return {"us_per_allreduce": {k: round(v, 1) for k, v in out.items()}, "repeats": args.repeats}
 
 
-def shared_prefix_workload(groups: int, per_group: int, seed: int = 0) -> list[str]:
-    """`groups` long system prompts, `per_group` questions under each, in a shuffled order."""
-    import random
-
-    topics = ["cooking", "chess", "tax law", "gardening", "astronomy", "poetry", "sailing", "databases", "music",
-              "geology", "knitting", "cycling"]
-    prompts = [f"You are an assistant who knows {topics[g % len(topics)]} (desk {g}) well and answers briefly. " * 8
-               + f"Question {j}: name one fact." for g in range(groups) for j in range(per_group)]
-    random.Random(seed).shuffle(prompts)
-    return prompts
-
-
 def measure_ray(args) -> dict:
     """Prefix-cache hit rate over 2 replicas on Ray Serve, by routing policy, on a shared-prefix workload sent one
     request at a time (so the figures do not depend on timing)."""
@@ -163,7 +152,7 @@ def measure_ray(args) -> dict:
     from openai import OpenAI
     from ray import serve
 
-    from paceline.parallel import ray_serve
+    from paceline.entrypoints import ray_serve
     from paceline.parallel.comm import free_port
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

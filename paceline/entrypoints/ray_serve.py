@@ -7,7 +7,7 @@ own HTTP app (entrypoints.server.build_app) in-process, so the API, its validati
 server's; the ingress forwards the request body and returns the reply whole (a streamed reply arrives as one piece).
 A replica that fails is passed over and its request retried on the next one; Ray Serve restarts the dead actor.
 
-    python -m paceline.parallel.ray_serve --replicas 2 --policy prefix --port 8000
+    python -m paceline.entrypoints.ray_serve --replicas 2 --policy prefix --port 8000
 """
 from __future__ import annotations
 
