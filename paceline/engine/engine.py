@@ -81,11 +81,37 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def is_4bit_gguf(model: str | None) -> bool:
+    """A GGUF whose layers are stored as Q4_0/Q4_1 codes (the header says so): int4 holds them exactly as stored."""
+    from paceline.model.loader import default_model_path, read_gguf
+
+    path = model if model is not None else default_model_path()
+    if not str(path).endswith(".gguf"):
+        return False
+    try:
+        metadata, _ = read_gguf(path)
+    except Exception:  # not readable as GGUF: the loader will say why
+        return False
+    return metadata.get("general.file_type") in (2, 3)  # LLAMA_FTYPE_MOSTLY_Q4_0, _Q4_1
+
+
+def numeric_mode(model: str | None, device: torch.device, dtype: str, quantization: str) -> tuple[str, str]:
+    """Resolve "auto": the fastest mode that keeps the file's quality (benchmarks/summaries/quality.md). On CPU a
+    4-bit GGUF runs int4 (its own codes, bfloat16 activations); anything else runs bfloat16. fp32 is only ever
+    asked for by name: it is the reference the exactness tests hold to."""
+    if quantization == "auto":
+        quantization = "int4" if device.type == "cpu" and dtype in ("auto", "bfloat16") and is_4bit_gguf(model) else "none"
+    if dtype == "auto":
+        dtype = "bfloat16"
+    return dtype, quantization
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         t0 = time.perf_counter()
         self.device = resolve_device(config.device)
+        config.dtype, config.quantization = numeric_mode(config.model, self.device, config.dtype, config.quantization)
         dtype = DTYPES[config.dtype]
         quantized = config.quantization != "none"
         if quantized and self.device.type != "cpu":
@@ -133,8 +159,16 @@ class Engine:
         if self.config.step_profile:
             return ProfiledCostModel.load(self.config.step_profile).step_time
         t0 = time.perf_counter()
-        model = quick_step_time_model(self.runner, self.arch.vocab_size, self.block_size, self.num_blocks,
-                                      self.max_model_len)
+        try:
+            model = quick_step_time_model(self.runner, self.arch.vocab_size, self.block_size, self.num_blocks,
+                                          self.max_model_len)
+        except ValueError as e:
+            if self.config.scheduler.max_step_ms_given:
+                raise
+            # the default target (from tbt_goal_ms) must not stop a small engine from starting: it serves without
+            log.warning("no step-time target (the default from tbt_goal_ms=%g): %s", self.config.tbt_goal_ms, e)
+            self.config.scheduler.max_step_ms = 0.0
+            return None
         log.info("step-time profile for max_step_ms=%g taken in %.1f s (median error %.0f %%)",
                  self.config.scheduler.max_step_ms, time.perf_counter() - t0, 100 * model.meta["median_rel_error"])
         return model.step_time
