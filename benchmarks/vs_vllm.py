@@ -145,6 +145,14 @@ def probe_chat(url: str, label: str, out_dir: Path, send_priority: bool) -> dict
             "scheduling_delay": queue_time(before, scrape(url)), "command": "paceline bench serve " + " ".join(CHAT_ARGS)}
 
 
+def this_checkout(system: System) -> System:
+    """Run the paceline of this checkout: the venv's `paceline` script imports whichever copy is installed."""
+    i = system.argv.index("--log-level")
+    system.argv[:i] = [sys.executable, "-m", "paceline.entrypoints.cli"]
+    system.env = {**system.env, "PYTHONPATH": str(ROOT)}
+    return system
+
+
 def start(system: System, log: Path) -> tuple[Server, float]:
     """Start it and send one short request; seconds from launch to that answer."""
     t0 = time.perf_counter()
@@ -272,9 +280,9 @@ def main() -> int:
     plan: list[tuple[str, System, System, bool]] = []
     for mode in [m for m in args.modes.split(",") if m]:
         extra = MODES[mode]
-        small = paceline_system("sarathi", SMALL_BUDGET, model, args.threads, extra=extra)
+        small = this_checkout(paceline_system("sarathi", SMALL_BUDGET, model, args.threads, extra=extra))
         # paceline's defaults: no scheduler flags at all, so config.py decides (budget, step-time target)
-        default = paceline_system("sarathi", 0, model, args.threads, extra=extra)
+        default = this_checkout(paceline_system("sarathi", 0, model, args.threads, extra=extra))
         i = default.argv.index("--scheduler")
         assert default.argv[i:i + 4] == ["--scheduler", "sarathi", "--max-num-batched-tokens", "0"]
         del default.argv[i:i + 4]

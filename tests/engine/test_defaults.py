@@ -46,3 +46,27 @@ def test_an_engine_too_small_for_the_start_up_profile_serves_without_the_default
     assert "no step-time target" in caplog.text
     with pytest.raises(ValueError, match="too small"):  # asked for by name, it is an error
         Engine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=24), scheduler=SchedulerConfig(max_step_ms=100)))
+
+
+def test_the_start_up_profile_is_kept_on_disk_per_setup(monkeypatch, tmp_path) -> None:
+    from paceline.sim.cost_model import FEATURES, ProfiledCostModel
+
+    taken = []
+
+    def quick(runner, vocab_size, block_size, num_blocks, max_len):  # stands in for the ~10-30 s real one
+        taken.append(num_blocks)
+        return ProfiledCostModel(dict.fromkeys(FEATURES, 0.0) | {"constant": 0.01}, meta={"median_rel_error": 0.0})
+
+    monkeypatch.setattr("paceline.sim.profile.quick_step_time_model", quick)
+    monkeypatch.setattr("paceline.engine.engine.cache_root", lambda: tmp_path)
+    config = dict(dtype="float32", cache=CacheConfig(kv_cache_memory_gb=0.05))
+    first = Engine(EngineConfig(**config))
+    assert len(taken) == 1 and len(list((tmp_path / "step-profiles").glob("*.json"))) == 1
+    second = Engine(EngineConfig(**config))  # the same setup: read back, not taken again
+    assert len(taken) == 1 and second.scheduler.step_time is not None
+    assert first._profile_cache_path() == second._profile_cache_path()
+    Engine(EngineConfig(dtype="float32", cache=CacheConfig(kv_cache_memory_gb=0.06)))  # another cache shape
+    assert len(taken) == 2
+    second._profile_cache_path().write_text("{torn")  # a broken file is profiled again, not an error
+    Engine(EngineConfig(**config))
+    assert len(taken) == 3
