@@ -232,8 +232,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # 2-D views: index_select/index_copy_ over whole rows take the memcpy fast path (3-D ones do not)
     k_flat = k_cache.view(-1, kvh * d)
     v_flat = v_cache.view(-1, kvh * d)
-    k_flat.index_copy_(0, meta.slot_mapping, k.reshape(t, kvh * d))
-    v_flat.index_copy_(0, meta.slot_mapping, v.reshape(t, kvh * d))
+    # a float32 step of a bfloat16 model (LlamaModel.wide_above) stores its K/V in the cache's dtype
+    k_flat.index_copy_(0, meta.slot_mapping, k.reshape(t, kvh * d).to(k_cache.dtype))
+    v_flat.index_copy_(0, meta.slot_mapping, v.reshape(t, kvh * d).to(v_cache.dtype))
     k_blocks = k_cache.view(k_cache.shape[0], -1)
     v_blocks = v_cache.view(v_cache.shape[0], -1)
 
@@ -250,8 +251,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             bp, qmax, lmax = meta.num_prefills, meta.prefill_q_max, meta.prefill_kv_max
             qp = q[:tp] if meta.prefill_q_index is None else q.index_select(0, meta.prefill_q_index)
             k_out, v_out = meta.prefill_kv_out or (None, None)
-            kc = _gather(k_blocks, meta.prefill_kv_index, k_out).view(bp, lmax, kvh, d).transpose(1, 2)
-            vc = _gather(v_blocks, meta.prefill_kv_index, v_out).view(bp, lmax, kvh, d).transpose(1, 2)
+            kc = _gather(k_blocks, meta.prefill_kv_index, k_out).view(bp, lmax, kvh, d).transpose(1, 2).to(q.dtype)
+            vc = _gather(v_blocks, meta.prefill_kv_index, v_out).view(bp, lmax, kvh, d).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qp.view(bp, qmax, h, d).transpose(1, 2), kc, vc,
                                                attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
             o = o.transpose(1, 2).reshape(bp * qmax, h * d)
@@ -260,8 +261,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for g in meta.decode_groups:
         bd, lmax = g.num_decodes, g.kv_max
         k_out, v_out = g.kv_out or (None, None)
-        kc = _gather(k_blocks, g.kv_index, k_out).view(bd, lmax, kvh, d).transpose(1, 2)
-        vc = _gather(v_blocks, g.kv_index, v_out).view(bd, lmax, kvh, d).transpose(1, 2)
+        kc = _gather(k_blocks, g.kv_index, k_out).view(bd, lmax, kvh, d).transpose(1, 2).to(q.dtype)
+        vc = _gather(v_blocks, g.kv_index, v_out).view(bd, lmax, kvh, d).transpose(1, 2).to(q.dtype)
         # query heads h = kv_head * group + g, so [bd, H, D] is already [bd, kv_heads, group, D]
         qd = q[row:row + bd].reshape(bd, kvh, h // kvh, d)
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=g.mask, scale=scale)

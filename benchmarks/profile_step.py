@@ -1,0 +1,234 @@
+"""Where a step's milliseconds go: one full `ModelRunner.execute` per step, broken down by category.
+
+Categories (exclusive time: a category does not include the ones nested in it):
+- linears: the layers' q/k/v, o, gate/up and down matmuls (`Linear`, `Int4Linear`)
+- attention: `paged_attention` (K/V cache writes, gathers, masks, SDPA)
+- norms/rope/elem: the rest of the model's forward (embedding, RMSNorms, RoPE, SiLU*mul, residual adds)
+- lm_head: `compute_logits` (the LM head matmul and the cast of its output)
+- sampler: the runner's `Sampler`
+- metadata: `build_metadata` (attention index tensors)
+- host: the rest of `execute` (ordering, id/position lists, tensor builds, row selection)
+
+Scenarios follow the issue's probes: one decode, 32 decodes (contexts 100..200), a 64-token prompt chunk with
+6 decodes (the stall probe's step), a fresh 512-token prefill, a 1,500-token prompt in chunks of 512 (the default
+budget: the sum of its 3 steps is the TTFT's compute) and whole. The KV cache is filled with random values in
+place of real contexts (values do not change the cost).
+
+    python benchmarks/profile_step.py                       # fp32, bf16, int4 (a few minutes)
+    python benchmarks/profile_step.py --modes bf16 --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from contextlib import contextmanager
+
+import torch
+
+CATEGORIES = ["linears", "attention", "norms/rope/elem", "lm_head", "sampler", "metadata", "host"]
+
+
+class Timers:
+    """Exclusive wall time per category, kept on a stack so nested calls are charged to the innermost one."""
+
+    def __init__(self):
+        self.totals = {c: 0.0 for c in CATEGORIES}
+        self.stack: list[list] = []  # [category, start, time spent in children]
+
+    @contextmanager
+    def charge(self, category: str):
+        if category == "linears" and any(f[0] == "lm_head" for f in self.stack):
+            category = "lm_head"
+        frame = [category, time.perf_counter(), 0.0]
+        self.stack.append(frame)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+            spent = time.perf_counter() - frame[1]
+            self.totals[category] += spent - frame[2]
+            if self.stack:
+                self.stack[-1][2] += spent
+
+    def wrap(self, fn, category: str):
+        def wrapped(*a, **kw):
+            with self.charge(category):
+                return fn(*a, **kw)
+        return wrapped
+
+
+def install(timers: Timers, runner) -> None:
+    """Wrap the executor's functions with timers (for this process only)."""
+    import paceline.engine.runner as runner_mod
+    import paceline.model.llama as llama
+
+    for cls in [c for c in (getattr(llama, n, None) for n in ("Linear", "Int4Linear")) if c is not None]:
+        if not getattr(cls, "_profiled", False):
+            cls.__call__ = (lambda orig: lambda self, *a, **kw: TIMERS[0].wrap(orig, "linears")(self, *a, **kw))(cls.__call__)
+            cls._profiled = True
+    if not getattr(llama, "_profiled", False):
+        llama.paged_attention = (lambda orig: lambda *a, **kw: TIMERS[0].wrap(orig, "attention")(*a, **kw))(llama.paged_attention)
+        runner_mod.build_metadata = (lambda orig: lambda *a, **kw: TIMERS[0].wrap(orig, "metadata")(*a, **kw))(runner_mod.build_metadata)
+        llama._profiled = True
+    model = runner.model
+    model.forward = timers.wrap(model.forward, "norms/rope/elem")
+    model.compute_logits = timers.wrap(model.compute_logits, "lm_head")
+    runner.sampler = (lambda s: lambda *a, **kw: TIMERS[0].wrap(s, "sampler")(*a, **kw))(runner.sampler)
+    runner.execute = timers.wrap(runner.execute, "host")
+
+
+TIMERS: list[Timers] = [Timers()]
+
+
+def scenarios(vocab: int, bs: int):
+    """name -> list of steps; a step is a list of (prompt_len, output_len, start, num_tokens) per request."""
+    rng = random.Random(0)
+    ctx32 = [rng.randint(100, 200) for _ in range(32)]
+    return {
+        "decode b=1 (ctx 150)": [[(150, 1, 150, 1)]],
+        "decode b=32 (ctx 100-200)": [[(c, 1, c, 1) for c in ctx32]],
+        "chunk 64 + 6 decodes": [[(1500, 0, 512, 64)] + [(150, 1, 150, 1)] * 6],
+        "prefill 512 (fresh)": [[(512, 0, 0, 512)]],
+        "prefill 1500 in 512-chunks": [[(1500, 0, s, min(512, 1500 - s))] for s in range(0, 1500, 512)],
+        "prefill 1500 whole": [[(1500, 0, 0, 1500)]],
+    }
+
+
+def build_outputs(steps, vocab: int, bs: int):
+    from paceline.core.outputs import ScheduledRequest, SchedulerOutput
+    from paceline.request import Request
+    from paceline.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=None)
+    outs, next_block = [], 0
+    reqs: dict[tuple, tuple] = {}
+    for step in steps:
+        sched = []
+        for i, (plen, olen, start, n) in enumerate(step):
+            key = (plen, olen, i)
+            if key not in reqs:  # a request's chunks over several steps share one request and block table
+                r = Request(str(len(reqs)), torch.randint(0, vocab, (plen,)).tolist(), greedy, 0.0)
+                for _ in range(olen):
+                    r.append_token(1, 0.0)
+                nb = (plen + olen + 1 + bs - 1) // bs
+                reqs[key] = (r, list(range(next_block, next_block + nb)))
+                next_block += nb
+            r, table = reqs[key]
+            sched.append(ScheduledRequest(r, start, n, table))
+        outs.append(SchedulerOutput(scheduled=sched))
+    return outs, next_block
+
+
+def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
+    from paceline.engine.runner import ModelRunner
+    from paceline.model.llama import LlamaModel
+
+    quantization = "int4" if mode == "int4" else "none"
+    dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+    model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, "cpu", dtype, quantization=quantization, **model_kw)
+    runner = ModelRunner(model, ckpt.arch, blocks, bs, dtype=dtype)
+    runner.kv_cache.normal_()
+    return runner
+
+
+def built_scenarios(ckpt, bs: int = 16):
+    scen = scenarios(ckpt.arch.vocab_size, bs)
+    built = {name: build_outputs(steps, ckpt.arch.vocab_size, bs) for name, steps in scen.items()}
+    return built, max(n for _, n in built.values()) + 1
+
+
+def parse_variant(text: str) -> dict:
+    """'wide_above=none' -> {'wide_above': None}; values are ints, none, or strings."""
+    out = {}
+    for part in filter(None, text.split("+")):
+        key, value = part.split("=")
+        out[key] = None if value == "none" else int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
+def compare(ckpt, mode: str, variants: list[str], repeats: int) -> None:
+    """A/B: the same scenarios on one runner per variant, interleaved repeat by repeat in this process."""
+    built, blocks = built_scenarios(ckpt)
+    runners = [make_runner(ckpt, mode, blocks, 16, **parse_variant(v)) for v in variants]
+    print(f"\n### {mode}: total ms per scenario, median of {repeats} interleaved repeats\n")
+    print("| scenario | " + " | ".join(variants) + " | ratio (first / last) |")
+    print("|---|" + "---:|" * (len(variants) + 1))
+    for name, (outs, _) in built.items():
+        times = [[] for _ in runners]
+        for runner in runners:  # warm-up
+            for o in outs:
+                runner.execute(o)
+        for _ in range(repeats):
+            for i, runner in enumerate(runners):
+                t = time.perf_counter()
+                for o in outs:
+                    runner.execute(o)
+                times[i].append(time.perf_counter() - t)
+        med = [sorted(ts)[len(ts) // 2] * 1e3 for ts in times]
+        print(f"| {name} | " + " | ".join(f"{m:.1f}" for m in med) + f" | {med[0] / med[-1]:.2f}x |", flush=True)
+
+
+def profile_mode(ckpt, mode: str, repeats: int, **model_kw) -> dict[str, dict[str, float]]:
+    built, blocks = built_scenarios(ckpt)
+    runner = make_runner(ckpt, mode, blocks, 16, **model_kw)
+    timers = Timers()
+    TIMERS[0] = timers
+    install(timers, runner)
+    results = {}
+    for name, (outs, _) in built.items():
+        for o in outs:  # warm-up
+            runner.execute(o)
+        per_rep = []
+        for _ in range(repeats):
+            timers.totals = {c: 0.0 for c in CATEGORIES}
+            t = time.perf_counter()
+            for o in outs:
+                runner.execute(o)
+            total = time.perf_counter() - t
+            per_rep.append((total, dict(timers.totals)))
+        per_rep.sort(key=lambda x: x[0])
+        total, cats = per_rep[len(per_rep) // 2]  # the median repeat, with its own breakdown
+        tokens = sum(s.num_tokens for o in outs for s in o.scheduled)
+        results[name] = {"total": total * 1e3, "tok/s": tokens / total, **{c: v * 1e3 for c, v in cats.items()}}
+    return results
+
+
+def print_table(mode: str, results: dict) -> None:
+    cols = ["total", "tok/s"] + CATEGORIES
+    print(f"\n### {mode} (ms per step or per sequence of steps; median of repeats)\n")
+    print("| scenario | " + " | ".join(cols) + " |")
+    print("|---|" + "---:|" * len(cols))
+    for name, r in results.items():
+        print(f"| {name} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="fp32,bf16,int4")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model-kw", default="", help="LlamaModel.from_weights keywords, e.g. wide_above=none")
+    p.add_argument("--compare", default="",
+                   help="A/B instead of the breakdown: variants separated by ',' (keywords joined by '+'), "
+                        "e.g. 'wide_above=none,wide_above=auto'")
+    p.add_argument("--only", default="", help="scenario names containing this text (comma-separated)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from paceline.model.loader import load_checkpoint
+
+    if args.only:
+        keep = args.only.split(",")
+        all_scenarios = scenarios
+        globals()["scenarios"] = lambda *a: {k: v for k, v in all_scenarios(*a).items() if any(x in k for x in keep)}
+    ckpt = load_checkpoint(None, "float32")
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__} cpu={torch.backends.cpu.get_cpu_capability()}")
+    for mode in args.modes.split(","):
+        if args.compare:
+            compare(ckpt, mode, args.compare.split(","), args.repeats)
+        else:
+            print_table(mode, profile_mode(ckpt, mode, args.repeats, **parse_variant(args.model_kw)))
+
+
+if __name__ == "__main__":
+    main()
