@@ -5,7 +5,9 @@
 Held-out text: the last --tokens tokens of benchmarks/data/corpus.txt (Python documentation prose), cut into
 --window-token windows; nothing in paceline was tuned on it (the benchmarks draw prompts from the whole corpus, but
 only for their lengths and timing). Each window is prefilled whole through the engine's own runner (the kernels
-that serve), and at every position we compare the next-token distribution with fp32's:
+that serve), and again in 8-token chunks: on a CPU without native bf16 math a step of more than 8 tokens runs its
+linears in float32 (paceline/model), so only the narrow steps, the decode path, run bf16 / int4 math. At every
+position we compare the next-token distribution with fp32's (whole-window prefill):
   top-1 agreement  the share of positions whose argmax equals fp32's
   perplexity       exp(mean negative log-likelihood of the text's actual next token)
   KL               mean KL(fp32 || mode) in nats
@@ -31,6 +33,7 @@ from paceline.engine.engine import Engine  # noqa: E402
 MODES = {"fp32": {"dtype": "float32", "quantization": "none"},
          "bf16": {"dtype": "bfloat16", "quantization": "none"},
          "int4": {"dtype": "bfloat16", "quantization": "int4"}}
+NARROW = 8  # tokens per step of the second pass: the decode path's width
 CORPUS = ROOT / "benchmarks" / "data" / "corpus.txt"
 
 
@@ -40,9 +43,22 @@ def held_out_windows(engine: Engine, num_tokens: int, window: int) -> list[list[
     return [tail[i:i + window] for i in range(0, len(tail) - window + 1, window)]
 
 
-def logits_of(engine: Engine, windows: list[list[int]]) -> list[torch.Tensor]:
-    """Float32 logits [len, vocab] of every position of each window, prefilled whole from block 0."""
-    return [engine.runner.prefill_logits(w) for w in windows]
+def logits_of(engine: Engine, windows: list[list[int]], chunk: int | None) -> list[torch.Tensor]:
+    """Float32 logits [len, vocab] of every position of each window, prefilled from block 0 in chunks of `chunk`."""
+    return [engine.runner.prefill_logits(w, chunk=chunk) for w in windows]
+
+
+def compare(windows: list[list[int]], logits: list[torch.Tensor], reference: list[torch.Tensor]) -> dict:
+    nll = agree = kl = n = 0.0
+    for w, lg, ref in zip(windows, logits, reference):
+        target = torch.tensor(w[1:])
+        logp = torch.log_softmax(lg[:-1], dim=-1)
+        ref_logp = torch.log_softmax(ref[:-1], dim=-1)
+        nll += float(-logp.gather(1, target[:, None]).sum())
+        agree += float((lg[:-1].argmax(-1) == ref[:-1].argmax(-1)).sum())
+        kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
+        n += len(w) - 1
+    return {"top1_agreement": agree / n, "perplexity": math.exp(nll / n), "kl_nats": kl / n, "positions": int(n)}
 
 
 def main() -> int:
@@ -58,31 +74,25 @@ def main() -> int:
     windows: list[list[int]] | None = None
     rows = []
     for mode, kw in MODES.items():
-        engine = Engine(EngineConfig(model=args.model, cache=CacheConfig(kv_cache_memory_gb=0.1), **kw))
+        engine = Engine(EngineConfig(model=args.model, tbt_goal_ms=0, cache=CacheConfig(kv_cache_memory_gb=0.1), **kw))
         if windows is None:
             windows = held_out_windows(engine, args.tokens, args.window)
-        t0 = time.perf_counter()
-        logits = logits_of(engine, windows)
-        elapsed = time.perf_counter() - t0
-        if reference is None:
-            reference = logits
-        nll = agree = kl = n = 0.0
-        for w, lg, ref in zip(windows, logits, reference):
-            target = torch.tensor(w[1:])
-            logp = torch.log_softmax(lg[:-1], dim=-1)
-            ref_logp = torch.log_softmax(ref[:-1], dim=-1)
-            nll += float(-logp.gather(1, target[:, None]).sum())
-            agree += float((lg[:-1].argmax(-1) == ref[:-1].argmax(-1)).sum())
-            kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
-            n += len(w) - 1
-        rows.append({"mode": mode, "top1_agreement": agree / n, "perplexity": math.exp(nll / n), "kl_nats": kl / n,
-                     "positions": int(n), "prefill_s": elapsed})
-        print(json.dumps(rows[-1]), flush=True)
+        for chunk in (None, NARROW):
+            t0 = time.perf_counter()
+            logits = logits_of(engine, windows, chunk)
+            elapsed = time.perf_counter() - t0
+            if reference is None:
+                reference = logits
+            rows.append({"mode": mode, "steps": "whole window" if chunk is None else f"{chunk}-token chunks",
+                         **compare(windows, logits, reference), "seconds": elapsed})
+            print(json.dumps(rows[-1]), flush=True)
         del engine
 
-    lines = ["| mode | top-1 agreement with fp32 | perplexity | KL(fp32 ‖ mode), nats/token |", "|---|---:|---:|---:|"]
+    lines = ["| mode | steps | top-1 agreement with fp32 | perplexity | KL(fp32 ‖ mode), nats/token |",
+             "|---|---|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {100 * r['top1_agreement']:.2f} % | {r['perplexity']:.3f} | {r['kl_nats']:.4f} |")
+        lines.append(f"| {r['mode']} | {r['steps']} | {100 * r['top1_agreement']:.2f} % | {r['perplexity']:.3f} | "
+                     f"{r['kl_nats']:.4f} |")
     md = "\n".join(lines)
     print(f"\n{md}\n\n{rows[0]['positions']} positions: the last {args.tokens} tokens of {CORPUS.relative_to(ROOT)}, "
           f"{len(windows)} windows of {args.window}")

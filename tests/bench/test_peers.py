@@ -68,5 +68,7 @@ def test_vllm_cpu_system(monkeypatch, tmp_path):
     assert b[b.index("--max-num-seqs") + 1] == "32"
     assert vllm_cpu_system(str(folder), budget=64).argv[-1] == "64"  # --max-num-seqs follows a budget below 128
     assert "--max-num-seqs" not in vllm_cpu_system(str(folder), budget=256).argv
+    fp32 = vllm_cpu_system(str(folder), budget=64, dtype="float32")
+    assert fp32.name == "vllm-cpu-fp32-64" and fp32.argv[fp32.argv.index("--dtype") + 1] == "float32"
     monkeypatch.setattr("paceline.bench.peers.hf_folder", lambda m: (_ for _ in ()).throw(OSError("disk full")))
     assert "disk full" in vllm_cpu_system("m.gguf").skip
