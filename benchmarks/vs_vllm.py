@@ -185,7 +185,11 @@ def measure(name: str, small: System, default: System, prompts: Prompts, out_dir
         row["decode"] = probe_decode(ep, prompts)
         row["prefill"] = probe_prefill(ep, prompts)
         if chat:
-            row["chat"] = probe_chat(srv.url, name, out_dir, default.send_priority)
+            try:
+                row["chat"] = probe_chat(srv.url, name, out_dir, default.send_priority)
+            except (subprocess.CalledProcessError, OSError, KeyError, ValueError, TypeError) as e:
+                row["chat_error"] = str(e)[:200]  # the other probes' numbers stand
+                print(f"[{name}] chat probe failed: {e}", flush=True)
     finally:
         srv.stop()
     print(f"[{name}] {json.dumps(row, default=float)}", flush=True)
