@@ -12,6 +12,16 @@ STALL_FACTOR = 5.0  # a TBT gap longer than this many median decode steps is a s
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
+# The serving default's TBT goal and the step-time target derived from it. A token gap is one step plus the
+# engine's and HTTP's own work per token, and the engine tracks the 98th percentile of measured / predicted step
+# time, so the target leaves the rest of the goal as headroom (see benchmarks/summaries/vs_vllm.md)
+DEFAULT_TBT_GOAL_MS = 200.0
+STEP_TARGET_FRACTION = 0.75
+
+
+def step_target_ms(tbt_goal_ms: float) -> float:
+    return tbt_goal_ms * STEP_TARGET_FRACTION
+
 
 def scheduler_name(name: str) -> str:
     """A scheduler's current name: an old one is mapped, with a warning; any other comes back as it is (the
@@ -58,11 +68,16 @@ class SchedulerConfig:
     priority_aging_s: float = 0.0  # 0: off; else a waiting request gains one priority level per this many seconds
     max_batch_wait_ms: float = 0.0  # static policy: how long to wait for a batch to fill
     max_waiting_requests: int = 0  # 0: unlimited; the server answers 503 beyond it
-    # 0: off; else sarathi cuts prompt chunks so the predicted step time stays under it (needs a step-time model)
-    max_step_ms: float = 0.0
+    # 0: off; else the stall-free scheduler cuts prompt chunks so the predicted step time stays under it (needs a step-time model).
+    # None: not given; a scheduler alone takes 0, an EngineConfig derives it from its tbt_goal_ms (stall-free only)
+    max_step_ms: float | None = None
+    max_step_ms_given: bool = field(init=False, default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.policy = scheduler_name(self.policy)
+        self.max_step_ms_given = self.max_step_ms is not None
+        if self.max_step_ms is None:
+            self.max_step_ms = 0.0
         if self.policy not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {self.policy!r}; choose one of {', '.join(SCHEDULERS)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -83,22 +98,33 @@ class SchedulerConfig:
 @dataclass
 class EngineConfig:
     model: str | None = None  # GGUF path, Hugging Face folder, or None for the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto (float32; bfloat16 under int4) | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | int4: the layers' linear weights as 4-bit codes (CPU, bfloat16)
+    # auto: the engine picks by device and file (see engine.numeric_mode): bfloat16, int4 on CPU for a 4-bit GGUF
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (bfloat16 under int4)
+    quantization: str = "auto"  # auto | none | int4: the layers' linear weights as 4-bit codes (CPU, bfloat16)
     device: str = "auto"  # auto: cuda when present, else cpu
     served_model_name: str | None = None
     seed: int = 0  # seed of the generator used by requests that give none
     # step-time profile (`paceline profile`) for scheduler.max_step_ms; None: a quick profile at start-up
     step_profile: str | None = None
+    # the gap between two tokens a stream should not exceed; the stall-free step-time target (scheduler.max_step_ms, when
+    # not given) derives from it and the start-up profile predicts steps against it. 0: no goal, no target
+    tbt_goal_ms: float = DEFAULT_TBT_GOAL_MS
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.quantization not in ("none", "int4"):
-            raise ValueError(f"quantization must be none or int4, got {self.quantization!r}")
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.quantization == "int4" else "float32"
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.quantization not in ("auto", "none", "int4"):
+            raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
+        if self.dtype == "auto" and self.quantization == "int4":
+            self.dtype = "bfloat16"
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization == "auto" and self.dtype not in ("auto", "bfloat16"):
+            self.quantization = "none"  # a dtype asked for by name: int4 computes in bfloat16 only
         if self.quantization == "int4" and self.dtype != "bfloat16":
             raise ValueError(f"int4 quantization computes in bfloat16; use dtype bfloat16 (or auto), not {self.dtype}")
+        if self.tbt_goal_ms < 0:
+            raise ValueError(f"tbt_goal_ms must be >= 0, got {self.tbt_goal_ms}")
+        s = self.scheduler
+        if not s.max_step_ms_given and s.policy == "stall-free" and self.tbt_goal_ms > 0:
+            s.max_step_ms = step_target_ms(self.tbt_goal_ms)

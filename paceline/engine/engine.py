@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
+import os
+import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -14,7 +18,7 @@ from paceline.core.outputs import TokenLogprobs
 from paceline.core.scheduler import Scheduler
 from paceline.engine.runner import ModelRunner
 from paceline.model.llama import LlamaModel
-from paceline.model.loader import DTYPES, load_checkpoint
+from paceline.model.loader import DTYPES, cache_root, default_model_path, load_checkpoint
 from paceline.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from paceline.request import Request
 from paceline.sampling import SamplingParams
@@ -81,6 +85,31 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def is_4bit_gguf(model: str | None) -> bool:
+    """A GGUF whose layers are stored as Q4_0/Q4_1 codes (the header says so): int4 holds them exactly as stored."""
+    from paceline.model.loader import read_gguf
+
+    path = model if model is not None else default_model_path()
+    if not str(path).endswith(".gguf"):
+        return False
+    try:
+        metadata, _ = read_gguf(path)
+    except Exception:  # not readable as GGUF: the loader will say why
+        return False
+    return metadata.get("general.file_type") in (2, 3)  # LLAMA_FTYPE_MOSTLY_Q4_0, _Q4_1
+
+
+def numeric_mode(model: str | None, device: torch.device, dtype: str, quantization: str) -> tuple[str, str]:
+    """Resolve "auto": the fastest mode that keeps the file's quality (benchmarks/summaries/quality.md). On CPU a
+    4-bit GGUF runs int4 (its own codes, bfloat16 activations); anything else runs bfloat16. fp32 is only ever
+    asked for by name: it is the reference the exactness tests hold to."""
+    if quantization == "auto":
+        quantization = "int4" if device.type == "cpu" and dtype in ("auto", "bfloat16") and is_4bit_gguf(model) else "none"
+    if dtype == "auto":
+        dtype = "bfloat16"
+    return dtype, quantization
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -89,6 +118,7 @@ class Engine:
         self.speculative_config = spec if isinstance(spec, SpeculativeConfig) or spec is None else SpeculativeConfig.parse(spec)
         t0 = time.perf_counter()
         self.device = resolve_device(config.device)
+        config.dtype, config.quantization = numeric_mode(config.model, self.device, config.dtype, config.quantization)
         dtype = DTYPES[config.dtype]
         quantized = config.quantization != "none"
         if quantized and self.device.type != "cpu":
@@ -136,11 +166,52 @@ class Engine:
         if self.config.step_profile:
             return ProfiledCostModel.load(self.config.step_profile).step_time
         t0 = time.perf_counter()
-        model = quick_step_time_model(self.runner, self.arch.vocab_size, self.block_size, self.num_blocks,
-                                      self.max_model_len)
+        cached = self._profile_cache_path()
+        if cached.exists():
+            try:
+                model = ProfiledCostModel.load(cached)
+                log.info("step-time profile for max_step_ms=%g read from %s", self.config.scheduler.max_step_ms, cached)
+                return model.step_time
+            except (OSError, ValueError, KeyError) as e:  # a torn or old file: profile again
+                log.warning("ignoring the cached step-time profile %s: %s", cached, e)
+        try:
+            model = quick_step_time_model(self.runner, self.arch.vocab_size, self.block_size, self.num_blocks,
+                                          self.max_model_len)
+        except ValueError as e:
+            if self.config.scheduler.max_step_ms_given:
+                raise
+            # the default target (from tbt_goal_ms) must not stop a small engine from starting: it serves without
+            log.warning("no step-time target (the default from tbt_goal_ms=%g): %s", self.config.tbt_goal_ms, e)
+            self.config.scheduler.max_step_ms = 0.0
+            return None
         log.info("step-time profile for max_step_ms=%g taken in %.1f s (median error %.0f %%)",
                  self.config.scheduler.max_step_ms, time.perf_counter() - t0, 100 * model.meta["median_rel_error"])
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            model.save(tmp)
+            os.replace(tmp, cached)  # atomic: a server starting beside this one reads all of it or nothing
+        except OSError as e:
+            log.warning("could not cache the step-time profile at %s: %s", cached, e)
         return model.step_time
+
+    def _profile_cache_path(self) -> Path:
+        """Where the start-up profile of this exact setup is kept, so a warm start skips the ~10-30 s it takes: the
+        model file, numeric mode, cache shape, threads, torch and the kernels' source all go into the key. A machine
+        that drifts after it was taken is what the engine's measured / predicted tracking corrects."""
+        model = Path(self.config.model or default_model_path())
+        stat = model.stat()
+        sources = sorted((Path(__file__).resolve().parents[1]).glob("model/*.py")) + [
+            Path(__file__).with_name("runner.py"), Path(__file__).resolve().parents[1] / "sim" / "profile.py"]
+        h = hashlib.sha256()
+        for part in (str(model.resolve()), stat.st_size, stat.st_mtime_ns, self.config.dtype, self.config.quantization,
+                     self.device, self.block_size, self.num_blocks, self.max_model_len, torch.__version__,
+                     torch.get_num_threads(), platform.processor(), os.cpu_count()):
+            h.update(f"{part}\0".encode())
+        for src in sources:
+            if src.exists():
+                h.update(src.read_bytes())
+        return cache_root() / "step-profiles" / f"{h.hexdigest()[:24]}.json"
 
     @property
     def eos_token_id(self) -> int | None:

@@ -44,12 +44,39 @@ def _split_kwargs(kwargs: dict) -> EngineConfig:
                         **groups["engine"])
 
 
+Prompt = str | list[int] | dict
+
+
+def prompt_from_dict(prompt: dict) -> str | list[int]:
+    """vLLM's prompt dicts: {"prompt": "text"} (TextPrompt) or {"prompt_token_ids": [...]} (TokensPrompt)."""
+    keys = set(prompt)
+    if keys == {"prompt"}:
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise ValueError(f'"prompt" must be a string, got {type(text).__name__}')
+        return text
+    if keys == {"prompt_token_ids"}:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f'"prompt_token_ids" must be a list of token ids, got {type(ids).__name__}')
+        return list(ids)  # the engine checks each id against the vocabulary
+    if not keys:
+        raise ValueError('a prompt dict needs "prompt" (text) or "prompt_token_ids" (a list of ids)')
+    if {"prompt", "prompt_token_ids"} <= keys:
+        raise ValueError('a prompt dict takes "prompt" or "prompt_token_ids", not both')
+    extra = sorted(keys - {"prompt", "prompt_token_ids"})
+    raise ValueError(f"unsupported prompt dict key(s) {', '.join(map(repr, extra))}; "
+                     'a prompt dict takes "prompt" (text) or "prompt_token_ids" (a list of ids)')
+
+
 class LLM:
-    """`LLM(model=None, dtype="float32", max_num_batched_tokens=..., scheduler=..., ...)`; keywords as in config.py."""
+    """`LLM(model=None, dtype="auto", max_num_batched_tokens=..., scheduler=..., ...)`; keywords as in config.py."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         if "scheduler" in kwargs:  # the CLI's name for SchedulerConfig.policy
             kwargs["policy"] = kwargs.pop("scheduler")
+        # offline, nobody reads tokens as they come: no TBT goal (and no start-up profile) unless asked for
+        kwargs.setdefault("tbt_goal_ms", 0.0)
         self.engine = Engine(_split_kwargs({"model": model, **kwargs}))
         self._ids = itertools.count()
 
@@ -64,14 +91,16 @@ class LLM:
         return self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts],
                              sampling_params, priority)
 
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+    def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: int | list[int] = 0) -> list[GenerationOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Run every prompt to completion; outputs come back in the order of the prompts. A prompt is text, a list
+        of token ids, or one of vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": [ids]}."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts must not be empty")
+        prompts = [prompt_from_dict(p) if isinstance(p, dict) else p for p in prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         priorities = priority if isinstance(priority, list) else [priority] * len(prompts)
         if len(params) != len(prompts) or len(priorities) != len(prompts):

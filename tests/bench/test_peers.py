@@ -43,3 +43,32 @@ def test_system_command_lines(monkeypatch, tmp_path):
     a = ls.argv
     assert a[a.index("-np") + 1] == "32" and a[a.index("-b") + 1] == a[a.index("-ub") + 1] == "512"
     assert a[a.index("-c") + 1] == str(32 * 2048) and "-cb" in a
+
+
+def test_vllm_cpu_system(monkeypatch, tmp_path):
+    from paceline.bench.peers import vllm_cpu_system
+    monkeypatch.setenv("PACELINE_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
+    assert "no vLLM CPU install" in vllm_cpu_system("m.gguf").skip
+    exe = tmp_path / "python"
+    exe.write_text("")
+    monkeypatch.setenv("PACELINE_VLLM_PYTHON", str(exe))
+    folder = tmp_path / "hf"  # an HF folder is used as is: no conversion
+    folder.mkdir()
+    default = vllm_cpu_system(str(folder), threads=2)
+    assert default.skip is None and default.name == "vllm-cpu" and not default.send_priority
+    a = default.argv
+    assert a[:3] == [str(exe), "-m", "vllm.entrypoints.openai.api_server"]
+    assert a[a.index("--model") + 1] == str(folder) == default.model and a[a.index("--dtype") + 1] == "bfloat16"
+    assert "{port}" in a and "--max-num-batched-tokens" not in a  # its own default budget
+    assert default.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and default.env["OMP_NUM_THREADS"] == "2"
+    assert default.env["HF_HUB_OFFLINE"] == "1" and default.startup_timeout_s >= 300
+    small = vllm_cpu_system(str(folder), budget=64, max_num_seqs=32)
+    b = small.argv
+    assert small.name == "vllm-cpu-64" and b[b.index("--max-num-batched-tokens") + 1] == "64"
+    assert b[b.index("--max-num-seqs") + 1] == "32"
+    assert vllm_cpu_system(str(folder), budget=64).argv[-1] == "64"  # --max-num-seqs follows a budget below 128
+    assert "--max-num-seqs" not in vllm_cpu_system(str(folder), budget=256).argv
+    fp32 = vllm_cpu_system(str(folder), budget=64, dtype="float32")
+    assert fp32.name == "vllm-cpu-fp32-64" and fp32.argv[fp32.argv.index("--dtype") + 1] == "float32"
+    monkeypatch.setattr("paceline.bench.peers.hf_folder", lambda m: (_ for _ in ()).throw(OSError("disk full")))
+    assert "disk full" in vllm_cpu_system("m.gguf").skip

