@@ -11,7 +11,7 @@ from paceline.engine.engine import Engine, is_4bit_gguf, numeric_mode
 from paceline.model.loader import default_model_path
 
 
-def test_the_step_target_is_on_by_default_for_sarathi_and_derived_from_the_tbt_goal() -> None:
+def test_the_step_target_is_on_by_default_for_stall_free_and_derived_from_the_tbt_goal() -> None:
     assert 0 < step_target_ms(DEFAULT_TBT_GOAL_MS) < DEFAULT_TBT_GOAL_MS
     assert EngineConfig().scheduler.max_step_ms == step_target_ms(DEFAULT_TBT_GOAL_MS)
     assert EngineConfig(tbt_goal_ms=100).scheduler.max_step_ms == step_target_ms(100)
@@ -49,7 +49,7 @@ def test_an_engine_too_small_for_the_start_up_profile_serves_without_the_default
 
 
 def test_the_start_up_profile_is_kept_on_disk_per_setup(monkeypatch, tmp_path) -> None:
-    from paceline.sim.cost_model import FEATURES, ProfiledCostModel
+    from paceline.core.step_time import FEATURES, ProfiledCostModel
 
     taken = []
 
@@ -57,7 +57,7 @@ def test_the_start_up_profile_is_kept_on_disk_per_setup(monkeypatch, tmp_path) -
         taken.append(num_blocks)
         return ProfiledCostModel(dict.fromkeys(FEATURES, 0.0) | {"constant": 0.01}, meta={"median_rel_error": 0.0})
 
-    monkeypatch.setattr("paceline.sim.profile.quick_step_time_model", quick)
+    monkeypatch.setattr("paceline.engine.profile.quick_step_time_model", quick)
     monkeypatch.setattr("paceline.engine.engine.cache_root", lambda: tmp_path)
     config = dict(dtype="float32", cache=CacheConfig(kv_cache_memory_gb=0.05))
     first = Engine(EngineConfig(**config))

@@ -84,16 +84,17 @@ class Server:
 def servers():
     """Every configuration this module needs, launched at once so their model loads overlap."""
     launched = {
-        "main": Server("--kv-cache-memory-gb", "0.25", "--api-key", KEY),
+        # float32: this module checks batched and chunked outputs against one request alone, a float32 guarantee
+        "main": Server("--kv-cache-memory-gb", "0.25", "--api-key", KEY, "--dtype", "float32"),
         # 24 blocks x 16 tokens: 16 requests of ~50 tokens need ~64 blocks, so the cache fills and some wait
         "priority": Server("--scheduling-policy", "priority", "--num-kv-blocks", "24", "--block-size", "16",
-                           "--no-enable-prefix-caching", "--api-key", KEY),
+                           "--no-enable-prefix-caching", "--api-key", KEY, "--max-step-ms", "0"),
         "queue": Server("--max-num-seqs", "1", "--max-waiting-requests", "1", "--kv-cache-memory-gb", "0.1",
-                        "--graceful-shutdown-s", "0.5"),
+                        "--graceful-shutdown-s", "0.5", "--max-step-ms", "0"),
     }
     yield launched
-    for s in launched.values():
-        assert s.stop() == 0, s.output()
+    codes = {name: s.stop() for name, s in launched.items()}  # stop every server before judging any
+    assert all(c == 0 for c in codes.values()), {n: launched[n].output() for n, c in codes.items() if c}
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ def test_unsupported_int4_settings_are_plain_errors():
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(quantization="int3")
     assert EngineConfig(quantization="int4").dtype == "bfloat16"
-    assert EngineConfig().dtype == "float32"
+    assert EngineConfig().dtype == "auto"  # resolved when the engine sees the checkpoint and the device
 
 
 def test_bundled_model_under_int4_stays_close_to_float32():
