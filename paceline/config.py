@@ -109,10 +109,16 @@ class EngineConfig:
     # the gap between two tokens a stream should not exceed; the stall-free step-time target (scheduler.max_step_ms, when
     # not given) derives from it and the start-up profile predicts steps against it. 0: no goal, no target
     tbt_goal_ms: float = DEFAULT_TBT_GOAL_MS
+    # speculative decoding as vLLM spells it, a JSON string or dict: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m}; None: off. Parsed (and checked) by the engine.
+    speculative_config: str | dict | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # a bad JSON is a plain error here, before any model loads
+            from paceline.spec_config import SpeculativeConfig
+            SpeculativeConfig.parse(self.speculative_config)
         if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
         if self.dtype == "auto" and self.quantization == "int4":

@@ -21,7 +21,7 @@ def _generate(args: argparse.Namespace) -> None:
         sys.exit(f"error: {e}")
     try:
         llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, policy=args.scheduler,
-                  kv_cache_memory_gb=args.kv_cache_memory_gb)
+                  kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=args.speculative_config)
     except ValueError as e:
         sys.exit(f"error: {e}")
     prompts = args.prompt or [SAMPLE_PROMPT]
@@ -45,6 +45,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON as vLLM: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N}')
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", default=EngineConfig.quantization, choices=["none", "int4"])

@@ -638,6 +638,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_waiting_requests": (SchedulerConfig, "max_waiting_requests"),
     "max_step_ms": (SchedulerConfig, "max_step_ms"),
     "step_profile": (EngineConfig, "step_profile"),
+    "speculative_config": (EngineConfig, "speculative_config"),
 }
 
 
@@ -690,6 +691,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
          "below your TBT SLO (0: off)", type=float)
     flag("step_profile", "profile (paceline profile) that --max-step-ms predicts with; default: a quick "
          "profile at start-up")
+    flag("speculative_config", 'speculative decoding, JSON as vLLM: {"method": "ngram", "num_speculative_tokens": K, '
+         '"prompt_lookup_max": N, "prompt_lookup_min": M}')
     add_limit_args(parser)
 
 
