@@ -88,7 +88,7 @@ def servers():
         "main": Server("--kv-cache-memory-gb", "0.25", "--api-key", KEY, "--dtype", "float32"),
         # 24 blocks x 16 tokens: 16 requests of ~50 tokens need ~64 blocks, so the cache fills and some wait
         "priority": Server("--scheduling-policy", "priority", "--num-kv-blocks", "24", "--block-size", "16",
-                           "--no-enable-prefix-caching", "--api-key", KEY, "--max-step-ms", "0"),
+                           "--no-enable-prefix-caching", "--api-key", KEY, "--max-step-ms", "0", "--dtype", "float32"),
         "queue": Server("--max-num-seqs", "1", "--max-waiting-requests", "1", "--kv-cache-memory-gb", "0.1",
                         "--graceful-shutdown-s", "0.5", "--max-step-ms", "0"),
     }

@@ -23,7 +23,7 @@ PROMPTS = ["Describe the weather in Paris as JSON.", "Give me a product record."
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory_gb=0.1)
+    return LLM(dtype="float32", kv_cache_memory_gb=0.1)  # the figures below were set in float32, the exact mode
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_preemption_mid_constrained_output_changes_nothing(llm: LLM, compiler: G
     schema = json.dumps(SCHEMAS["product"][0])
     reference = [o.outputs[0].token_ids for o in
                  llm.generate(PROMPTS, [constrained(compiler, 40, json=schema) for _ in PROMPTS])]
-    small = LLM(num_blocks=12, block_size=16, preemption_mode=mode, swap_space_gb=0.05)
+    small = LLM(dtype="float32", num_blocks=12, block_size=16, preemption_mode=mode, swap_space_gb=0.05)
     small_compiler = GrammarCompiler(small.engine.tokenizer, small.engine.arch.vocab_size)
     outs = small.generate(PROMPTS, [constrained(small_compiler, 40, json=schema) for _ in PROMPTS])
     assert small.engine.stats().num_preemptions > 0

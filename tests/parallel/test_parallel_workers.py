@@ -43,6 +43,7 @@ def token_ids(outputs) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- tiny random model
+# every LLM here asks for float32 by name: token-for-token equality is a float32 guarantee, and the runners are float32
 
 BLOCK_SIZE = 4
 TINY_PROMPTS = [[(11 * i + 3 * j) % 250 + 3 for j in range(6 + 7 * i)] for i in range(6)]
@@ -52,7 +53,7 @@ TINY_ARGS = {"block_size": BLOCK_SIZE, "num_blocks": 24, "max_num_batched_tokens
 
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_folder: str) -> list[list[int]]:
-    llm = LLM(tiny_folder, block_size=BLOCK_SIZE, num_blocks=256)
+    llm = LLM(tiny_folder, dtype="float32", block_size=BLOCK_SIZE, num_blocks=256)
     return [token_ids(llm.generate(p, greedy(16)))[0] for p in TINY_PROMPTS]
 
 
@@ -72,7 +73,7 @@ def test_tiny_model_equals_one_process_with_chunks_and_preemption(tiny_folder, t
                                                                     layout, mode) -> None:
     runner = tiny_runners[layout]
     assert isinstance(runner, TensorParallelRunner if layout == "tp2" else PipelineParallelRunner)
-    llm = attach(LLM(tiny_folder, preemption_mode=mode, **TINY_ARGS), runner)
+    llm = attach(LLM(tiny_folder, dtype="float32", preemption_mode=mode, **TINY_ARGS), runner)
     runner.collect_stats()
     outputs = llm.generate(TINY_PROMPTS, greedy(16))
     stats = llm.engine.stats()
@@ -115,7 +116,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def bundled_reference() -> list[list[int]]:
-    return token_ids(LLM(kv_cache_memory_gb=0.05).generate(PROMPTS, greedy(12)))
+    return token_ids(LLM(dtype="float32", kv_cache_memory_gb=0.05).generate(PROMPTS, greedy(12)))
 
 
 @pytest.mark.slow
@@ -123,7 +124,8 @@ def bundled_reference() -> list[list[int]]:
 def test_bundled_model_equals_one_process_with_chunks_and_preemption(bundled_reference, layout) -> None:
     # ~8 prompt + 12 output tokens in blocks of 4: 12 blocks for 4 requests force preemption; 8-token steps chunk
     with runner_for(None, layout, num_blocks=12) as runner:
-        llm = attach(LLM(block_size=BLOCK_SIZE, num_blocks=12, max_num_batched_tokens=8, swap_space_gb=0), runner)
+        llm = attach(LLM(dtype="float32", block_size=BLOCK_SIZE, num_blocks=12,
+                              max_num_batched_tokens=8, swap_space_gb=0), runner)
         outputs = llm.generate(PROMPTS, greedy(12))
         assert llm.engine.stats().num_preemptions > 0
         assert token_ids(outputs) == bundled_reference
