@@ -57,8 +57,7 @@ def test_structured_outputs_extras_and_bad_constraints(server):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", [
-    pytest.param("required", marks=pytest.mark.xfail(strict=False, reason="left free, the 135M model listed calls past "
-                                                      "max_tokens; the one-call fix below is not yet re-run")),
+    "required",  # with parallel_tool_calls=false (below): left free, the 135M model listed calls past max_tokens
     {"type": "function", "function": {"name": "get_weather"}}])
 def test_tool_round_trip(server, stream, choice):
     client = server.openai
