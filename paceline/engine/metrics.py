@@ -53,6 +53,14 @@ class EngineMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Preemptions (recompute or swap).")
+        # speculative decoding, as vLLM names it: acceptance rate = accepted / draft tokens
+        self.spec_drafts = counter("spec_decode_num_drafts", "Decodes that carried proposed tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
+        self.spec_accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposed tokens accepted, by position in the proposal.",
+                                             labelnames=["model_name", "position"], registry=r)
+        self._model_name = model_name
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         success = Counter(P + "request_success", "Finished requests by finish reason.",
@@ -134,12 +142,20 @@ class EngineMetrics:
         self.total_blocks.set(stats.num_blocks)
         # the scheduler keeps running totals; counters take the increase since the last look
         for name, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                              ("num_preemptions", self.preemptions)):
+                              ("num_preemptions", self.preemptions), ("spec_decode_num_drafts", self.spec_drafts),
+                              ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                              ("spec_decode_num_accepted_tokens", self.spec_accepted)):
             value = getattr(stats, name, 0)
             delta = value - self._last_stats.get(name, 0)
             if delta > 0:
                 counter.inc(delta)
             self._last_stats[name] = value
+        for pos, value in enumerate(getattr(stats, "spec_decode_num_accepted_tokens_per_pos", ())):
+            key = f"spec_pos_{pos}"
+            delta = value - self._last_stats.get(key, 0)
+            if delta > 0:
+                self.spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(delta)
+            self._last_stats[key] = value
 
     def observe_output(self, out: Any) -> None:
         req = out.request
