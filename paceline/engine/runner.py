@@ -106,10 +106,13 @@ class ModelRunner:
                                      last_rows)
         return logits, sampled
 
-    def forward_tokens(self, ids: list[int], positions: list[int], seqs: list[SeqSlice], rows: list[int]) -> torch.Tensor:
-        """Lowest level: one forward over a flat batch laid out as `seqs`; float32 logits of the flat `rows`."""
+    def _check_positions(self, positions: list[int]) -> None:
         if positions and max(positions) >= self.model.max_positions:
             raise ValueError(f"position {max(positions)} exceeds the model's {self.model.max_positions} positions")
+
+    def forward_tokens(self, ids: list[int], positions: list[int], seqs: list[SeqSlice], rows: list[int]) -> torch.Tensor:
+        """Lowest level: one forward over a flat batch laid out as `seqs`; float32 logits of the flat `rows`."""
+        self._check_positions(positions)
         meta = build_metadata(seqs, self.block_size, self.device, self.workspace)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)

@@ -127,9 +127,12 @@ class _ParallelRunner(ModelRunner):
         self.closed = False
         atexit.register(self.close)
 
-    def _check_positions(self, positions: list[int]) -> None:
-        if positions and max(positions) >= self.model.max_positions:
-            raise ValueError(f"position {max(positions)} exceeds the model's {self.model.max_positions} positions")
+    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
+        if (blocks_to_swap_out or blocks_to_swap_in) and self.host_cache is None:
+            raise ValueError("swap requested but the runner has no host blocks (num_host_blocks=0)")
+        if blocks_to_swap_out or blocks_to_swap_in:  # the workers swap their shards of the same blocks
+            self._send(SWAP, encode_swap(Swap(blocks_to_swap_out, blocks_to_swap_in)))
+        super().swap(blocks_to_swap_out, blocks_to_swap_in)
 
     def _send(self, command: int, payload: list[int]) -> None:
         raise NotImplementedError
@@ -171,13 +174,6 @@ class TensorParallelRunner(_ParallelRunner):
     def _send(self, command: int, payload: list[int]) -> None:
         broadcast_message(self.groups, command, payload)
 
-    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
-        if (blocks_to_swap_out or blocks_to_swap_in) and self.host_cache is None:
-            raise ValueError("swap requested but the runner has no host blocks (num_host_blocks=0)")
-        if blocks_to_swap_out or blocks_to_swap_in:
-            self._send(SWAP, encode_swap(Swap(blocks_to_swap_out, blocks_to_swap_in)))
-        super().swap(blocks_to_swap_out, blocks_to_swap_in)
-
     def forward_tokens(self, ids, positions, seqs, rows) -> torch.Tensor:
         self._check_positions(positions)
         t0 = time.perf_counter()
@@ -214,13 +210,6 @@ class PipelineParallelRunner(_ParallelRunner):
     def _send(self, command: int, payload: list[int]) -> None:
         self.in_flight_sends += send_message(self.groups, 1, command, payload)
         self.in_flight_sends = settle(self.in_flight_sends)
-
-    def swap(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
-        if (blocks_to_swap_out or blocks_to_swap_in) and self.host_cache is None:
-            raise ValueError("swap requested but the runner has no host blocks (num_host_blocks=0)")
-        if blocks_to_swap_out or blocks_to_swap_in:
-            self._send(SWAP, encode_swap(Swap(blocks_to_swap_out, blocks_to_swap_in)))
-        super().swap(blocks_to_swap_out, blocks_to_swap_in)
 
     def _run_first_stage(self, f: Forward) -> None:
         self._check_positions(f.positions)
