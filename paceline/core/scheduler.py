@@ -9,12 +9,12 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from paceline.config import CacheConfig, SchedulerConfig
-from paceline.core.batch_shape import BatchShape
+from paceline.core.batch_shape import BatchShape, batch_shape
 from paceline.core.kv_cache import KVCacheManager, cdiv
 from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from paceline.core.policies import POLICIES
 from paceline.core.queues import RequestQueue, effective_priority, rank_function
-from paceline.core.spec_ngram import propose_ngram
+from paceline.core.spec_adaptive import Candidate, Speculator, decode_to_verify
 from paceline.request import Request, RequestStatus
 from paceline.spec_config import SpeculativeConfig
 
@@ -95,6 +95,7 @@ class Scheduler:
         self.step_time = step_time
         self.step_time_scale = 1.0
         self.spec = speculative
+        self.speculator = Speculator(speculative, step_time) if speculative else None
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted = 0
         self.spec_accepted_per_pos = [0] * (speculative.num_speculative_tokens if speculative else 0)
 
@@ -235,18 +236,20 @@ class Scheduler:
                 if reason is not None:
                     self._finish(request, reason, now)
                 changed.append(request)
+        if self.speculator is not None:
+            self.speculator.observe(output.scheduled, self.requests)
         return changed
 
     # ---- speculative decoding ----
     def add_speculation(self, step: Step) -> None:
-        """Extend this step's decodes with proposed tokens, in schedule order, with what the policy left: the
-        token budget after every prompt chunk has taken its share (so speculation never starves a prefill), the
-        predicted step time under max_step_ms, and free blocks beyond the watermark (never by preempting)."""
-        spec, kv = self.spec, self.kv
+        """Extend this step's decodes with proposed tokens, with what the policy left: the token budget after every
+        prompt chunk has taken its share (so speculation never starves a prefill), the predicted step time under
+        max_step_ms, and free blocks beyond the watermark (never by preempting). How many per request is
+        core/spec_adaptive.py's call."""
+        spec, kv, speculator = self.spec, self.kv, self.speculator
         max_len = self.config.max_model_len
-        for s in step.out.scheduled:
-            if step.budget < 1:
-                return
+        candidates = []
+        for i, s in enumerate(step.out.scheduled):
             request = s.request
             if not s.is_decode or s.spec_token_ids or request.sampling_params.logprobs is not None:
                 continue  # logprobs: one entry per step is what the engine streams, so no proposals for them
@@ -254,31 +257,27 @@ class Scheduler:
             left = (sp.max_tokens - request.num_output_tokens) if sp.max_tokens is not None else spec.num_speculative_tokens + 1
             # the last verified token is a sample, so k proposals can add k + 1 tokens; none past max_tokens or the context
             k = min(spec.num_speculative_tokens, step.budget, left - 1, max_len - request.num_tokens)
-            if k < 1:
-                continue
-            drafts = propose_ngram(request.token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
-            if drafts and step.shape is not None:
-                drafts = drafts[:self._drafts_within_step_time(step, s, len(drafts))]
+            if k >= 1:
+                drafts = speculator.propose(request.token_ids, k)
+                candidates.append(Candidate(i, s, drafts, speculator.rate(request.request_id)))
+        if not candidates:
+            return
+        shape = step.shape if step.shape is not None else batch_shape(step.out)
+        limit = self.config.max_step_ms / 1000.0 / self.step_time_scale if step.shape is not None else None
+        shape = replace(shape, num_swapped_blocks=len(step.out.blocks_to_swap_in) + len(step.out.blocks_to_swap_out))
+        speculator.plan(candidates, shape, len(step.out.scheduled), step.budget, limit)
+        for c in candidates:
+            s, request = c.scheduled, c.scheduled.request
+            drafts = c.drafts[:c.taken]
             if not drafts or not kv.allocate(request, s.num_tokens + len(drafts), reserve=kv.watermark_blocks):
+                speculator.remember_shadow(request.request_id, request.num_tokens, c.drafts)
                 continue
             if step.shape is not None:
-                _decode_to_verify(step.shape, s.start, len(drafts))
+                decode_to_verify(step.shape, s.start, len(drafts))
             s.spec_token_ids = drafts
             s.num_tokens += len(drafts)
             s.block_table = list(kv.tables[request.request_id])
             step.used += len(drafts)
-
-    def _drafts_within_step_time(self, step: Step, s: ScheduledRequest, k: int) -> int:
-        """The most of k proposals for decode `s` that keep the predicted step time under max_step_ms (0 when
-        none does: the decodes alone may already fill it)."""
-        limit = self.config.max_step_ms / 1000.0 / self.step_time_scale
-        swapped = len(step.out.blocks_to_swap_in) + len(step.out.blocks_to_swap_out)
-        for n in range(k, 0, -1):  # k is a handful: a linear scan costs less than thinking about bisecting
-            trial = replace(step.shape, num_swapped_blocks=swapped)
-            _decode_to_verify(trial, s.start, n)
-            if self.step_time(trial) <= limit:
-                return n
-        return 0
 
     def _update_verified(self, s: ScheduledRequest, result: StepResult, now: float) -> None:
         """A decode that verified proposals: append the accepted ones and the token sampled after them (stopping
@@ -523,13 +522,3 @@ class Scheduler:
                 return True
         return False
 
-
-def _decode_to_verify(shape: BatchShape, start: int, k: int) -> None:
-    """Recount a decode at `start` as the verification it becomes with k proposals: k + 1 query tokens of one
-    request attending causally over its context (the runner runs it as a chunk), every position reaching the LM head."""
-    shape.num_decodes -= 1
-    shape.num_requests -= 1
-    shape.num_sampled -= 1
-    shape.decode_context -= start + 1
-    shape.add_chunk(start, k + 1, sampled=True)
-    shape.num_sampled += k

@@ -144,6 +144,9 @@ class Engine:
                                   seed=config.seed)
         self.scheduler = Scheduler(config.scheduler, cache, self.num_blocks, self.num_host_blocks,
                                    step_time=self._step_time_model(), speculative=self.speculative_config)
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            from paceline.engine.spec_draft import load_drafter
+            load_drafter(self)
         self._text: dict[str, _TextState] = {}
         self._aborted: list[Request] = []
         self.last_step: StepStats | None = None
@@ -158,8 +161,9 @@ class Engine:
     def _step_time_model(self):
         """What the scheduler predicts step times with under max_step_ms: the given profile, else a quick one
         of this engine's own runner (the same kernels, dtype and threads that will serve)."""
-        if self.config.scheduler.max_step_ms <= 0:
-            return None
+        spec = self.speculative_config
+        if self.config.scheduler.max_step_ms <= 0 and not (spec is not None and spec.adaptive):
+            return None  # adaptive speculation weighs a proposal's cost with the same model
         from paceline.core.step_time import ProfiledCostModel
         from paceline.engine.profile import quick_step_time_model
 
@@ -178,7 +182,7 @@ class Engine:
             model = quick_step_time_model(self.runner, self.arch.vocab_size, self.block_size, self.num_blocks,
                                           self.max_model_len)
         except ValueError as e:
-            if self.config.scheduler.max_step_ms_given:
+            if self.config.scheduler.max_step_ms_given and self.config.scheduler.max_step_ms > 0:
                 raise
             # the default target (from tbt_goal_ms) must not stop a small engine from starting: it serves without
             log.warning("no step-time target (the default from tbt_goal_ms=%g): %s", self.config.tbt_goal_ms, e)

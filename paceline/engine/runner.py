@@ -37,6 +37,7 @@ class ModelRunner:
         self.host_cache = alloc(host_shape, pin_memory=pin) if num_host_blocks else None
         self.sampler = Sampler(seed, self.device)
         self.workspace = GatherWorkspace(block_size * arch.num_kv_heads * arch.head_dim, dtype, self.device)
+        self.drafter = None  # speculative method draft_model: fills the step's proposals (engine/spec_draft.py)
 
     @staticmethod
     def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -66,6 +67,8 @@ class ModelRunner:
             # multi-token chunks first, then single tokens (the layout attention expects), those by context length
             # so that attention's decode groups (runs of similar lengths) pad little
             order = sorted(out.scheduled, key=lambda s: (s.num_tokens == 1, s.start if s.num_tokens == 1 else 0))
+            if self.drafter is not None:
+                self.drafter.propose(out)
             logits, sampled = self._forward(order)
             rows = [row for s in sampled for row in verify_rows(s)]  # one, or k + 1 for k proposals
             tokens, logprobs = self.sampler(logits, rows)

@@ -40,7 +40,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 aging=st.sampled_from([0.0, 0.0, 3.0]),
                 wait_ms=st.sampled_from([0.0, 1500.0]),
                 step_ms=st.sampled_from([0.0, 0.0, 30.0]),
-                spec=st.sampled_from([None, None, (1, 1), (3, 2), (5, 3)]))
+                spec=st.sampled_from([None, None, (1, 1, True, "ngram"), (3, 2, False, "ngram"), (5, 3, True, "ngram"),
+                                      (3, 1, True, "draft_model")]))
     def setup(self, policy, scheduling, mode, block_size, num_blocks, budget, max_seqs, host_blocks, threshold,
               partial, aging, wait_ms, step_ms, spec=None) -> None:
         self.sched = make_scheduler(policy, budget=budget, max_seqs=max_seqs, num_blocks=num_blocks,
@@ -49,7 +50,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                     max_num_partial_prefills=partial, priority_aging_s=aging,
                                     max_batch_wait_ms=wait_ms, max_step_ms=step_ms if policy == "stall-free" else 0.0,
                                     step_time=_toy_step_time if step_ms and policy == "stall-free" else None,
-                                    speculative=SpeculativeConfig(num_speculative_tokens=spec[0], prompt_lookup_max=spec[1])
+                                    speculative=SpeculativeConfig(spec[3], num_speculative_tokens=spec[0], prompt_lookup_max=spec[1],
+                                                                  adaptive=spec[2])
                                     if spec else None)
         self.capacity = num_blocks * block_size
         self.now = 0.0

@@ -59,6 +59,11 @@ def test_config_parses_vllm_spelling_and_refuses_bad_input() -> None:
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (5, 3, 2)
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
     for bad in ['{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"prompt_lookup_min": 5, "prompt_lookup_max": 2}',
-                '{"method": "draft_model", "model": "x"}', "[1]", "{nope", '{"k": 1}']:
+                '{"method": "ngram", "model": "x"}', '{"adaptive": 1}',
+                '{"method": "draft_model", "quantization": "int8"}', "[1]", "{nope", '{"k": 1}']:
         with pytest.raises(ValueError):
             SpeculativeConfig.parse(bad)
+    d = SpeculativeConfig.parse('{"method": "draft_model", "quantization": "int4", "num_speculative_tokens": 3}')
+    assert (d.method, d.model, d.quantization, d.adaptive) == ("draft_model", None, "int4", True)
+    assert SpeculativeConfig.parse('{"model": "/m.gguf"}').method == "draft_model"  # vLLM infers it
+    assert SpeculativeConfig.parse('{"adaptive": false}').adaptive is False
