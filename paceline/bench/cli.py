@@ -62,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ep = Endpoint(args.url, model=args.model, api=args.api, prompt_format=args.prompt_format,
                   send_priority=not args.no_priority)
     prompts = build_prompts(PromptSource(load_tokenizer(args.tokenizer)), requests, args.seed,
-                            as_text=ep.prompt_format == "text")
+                            as_text=ep.prompt_format == "text", style=spec.prompt_style)
     label = args.label or ep.url
     result = run(ep, requests, prompts, progress=not args.no_progress, deadline_s=args.deadline,
                  max_concurrency=args.max_concurrency, label=label)

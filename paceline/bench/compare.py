@@ -105,7 +105,7 @@ class Bench:
         return max(self.args.probe_requests, math.ceil(rate * getattr(self.args, "probe_seconds", 0.0)))
 
     def prompts(self, requests: list[RequestSpec], fmt: str, epoch: int) -> list[list[int] | str]:
-        return build_prompts(self.source, requests, self.args.seed, fmt == "text", epoch)
+        return build_prompts(self.source, requests, self.args.seed, fmt == "text", epoch, self.spec.prompt_style)
 
     def set_slos(self, ep: Endpoint | None) -> None:
         names = _csv(self.args.slo)

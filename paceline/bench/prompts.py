@@ -68,13 +68,26 @@ class PromptSource:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+QUOTE_RESTART = 16  # tokens of the passage repeated at the end of a "quote" prompt
+
+
 def build_prompts(source: PromptSource, requests: list[RequestSpec], seed: int, as_text: bool,
-                  epoch: int = 0) -> list[list[int] | str]:
+                  epoch: int = 0, style: str = "text") -> list[list[int] | str]:
     """One prompt per request; the same seed and epoch give the same prompts at any rate. Runs against one server
     must use different epochs: a prompt the server has seen is served from its prefix cache, which would make every
-    run after the first cheaper than it should be."""
+    run after the first cheaper than it should be.
+
+    style "quote": a passage, a blank line, then the passage's first tokens again. A model continues the copy it has
+    started (even a 135M one that ignores an instruction to copy), so the answer quotes its prompt the way a summary
+    quotes its source or a code edit its file: what speculative decoding gains on."""
     out: list[list[int] | str] = []
+    blank = source.tokenizer.encode("\n\n", add_special_tokens=False) if style == "quote" else []
     for r in requests:
-        ids = source.token_ids(r.prompt_tokens, np.random.default_rng([seed, 4, epoch, r.index]))
+        rng = np.random.default_rng([seed, 4, epoch, r.index])
+        if style == "quote" and r.prompt_tokens > 2 * QUOTE_RESTART + len(blank):
+            passage = source.token_ids(r.prompt_tokens - QUOTE_RESTART - len(blank), rng)
+            ids = passage + blank + passage[:QUOTE_RESTART]
+        else:
+            ids = source.token_ids(r.prompt_tokens, rng)
         out.append(source.text(ids) if as_text else ids)
     return out

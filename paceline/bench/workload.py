@@ -16,6 +16,9 @@ YAML shape (every key optional except where noted):
       - {fraction: 0.8, priority: 10, prompt_tokens: {...}, output_tokens: {...}}
     trace: path/to/trace.csv            # arrival_s,prompt_tokens,output_tokens[,priority]; relative to the yaml
     max_model_len: 8192                 # prompt + output are clipped to it
+    prompt_style: text                  # text: a corpus passage; quote: the passage, then its start again, so the
+                                        # answer goes on quoting the prompt (what speculative decoding gains on)
+    spec_acceptance: 0.1                # simulator only: the chance a prompt-lookup proposal is accepted on it
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import yaml
 
 ARRIVAL_KINDS = ("poisson", "gamma", "fixed", "all-at-once", "trace")
 LENGTH_KINDS = ("fixed", "uniform", "zipf", "lognormal", "trace")
+PROMPT_STYLES = ("text", "quote")
 # package data, so an installed wheel has them: chat, long-prompt, bursty-priority for a CPU server, and sharegpt,
 # arxiv at datacenter scale for the simulator (numbers and sources in each file)
 WORKLOADS_DIR = Path(__file__).resolve().parent / "data" / "workloads"
@@ -117,8 +121,14 @@ class WorkloadSpec:
     classes: list[PriorityClass] = field(default_factory=list)
     trace: str | None = None  # CSV path, used by arrival kind "trace" and length kind "trace"
     max_model_len: int = 8192
+    prompt_style: str = "text"
+    spec_acceptance: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.prompt_style not in PROMPT_STYLES:
+            raise ValueError(f"prompt_style must be one of {', '.join(PROMPT_STYLES)}, got {self.prompt_style!r}")
+        if not 0.0 <= self.spec_acceptance <= 1.0:
+            raise ValueError(f"spec_acceptance must be in [0, 1], got {self.spec_acceptance}")
         if self.classes and not math.isclose(sum(c.fraction for c in self.classes), 1.0, abs_tol=1e-6):
             raise ValueError(f"priority class fractions must sum to 1, got {sum(c.fraction for c in self.classes)}")
         if self.max_model_len < 2:
@@ -283,7 +293,8 @@ def _length_from(d: dict | None, default: LengthDist | None = None) -> LengthDis
 
 
 def spec_from_dict(d: dict, base_dir: Path | None = None) -> WorkloadSpec:
-    known = {"name", "arrival", "prompt_tokens", "output_tokens", "classes", "trace", "max_model_len", "description"}
+    known = {"name", "arrival", "prompt_tokens", "output_tokens", "classes", "trace", "max_model_len", "description",
+             "prompt_style", "spec_acceptance"}
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"unknown workload keys: {', '.join(sorted(unknown))}")
@@ -302,6 +313,8 @@ def spec_from_dict(d: dict, base_dir: Path | None = None) -> WorkloadSpec:
         classes=classes,
         trace=trace,
         max_model_len=int(d.get("max_model_len", 8192)),
+        prompt_style=d.get("prompt_style", "text"),
+        spec_acceptance=float(d.get("spec_acceptance", 0.0)),
     )
 
 

@@ -114,12 +114,13 @@ def test_int4_draft_model_equals_plain_and_is_mostly_accepted(plain: Engine, dra
     want = _run(plain, PROMPTS, [_greedy()] * len(PROMPTS))
     before = drafted.stats()
     assert _run(drafted, PROMPTS, [_greedy()] * len(PROMPTS)) == want
-    params = [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=20, ignore_eos=True) for i in range(2)]
-    assert _run(drafted, PROMPTS[2:], params) == _run(plain, PROMPTS[2:], params)
     st = drafted.stats()
     drafts = st.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = st.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    assert drafts > 0 and accepted >= 0.6 * drafts, (accepted, drafts)
+    # greedy: the int4 copy agrees with float32 on nearly every token (97 % measured)
+    assert drafts > 0 and accepted >= 0.8 * drafts, (accepted, drafts)
+    params = [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=20, ignore_eos=True) for i in range(2)]
+    assert _run(drafted, PROMPTS[2:], params) == _run(plain, PROMPTS[2:], params)
     assert drafted.scheduler.speculator.draft_cost > 0
 
 
