@@ -1,5 +1,7 @@
-"""One stream on a prompt whose answer repeats its input: decode tok/s with and without n-gram speculation, in one
-process, interleaved (A, B, A, B, ...) so the ratio holds on a drifting machine. Also the acceptance rate.
+"""One stream: decode tok/s without speculation, with n-gram speculation at a fixed k and with adaptive k, and (in
+float32) with the model's own int4 copy as a draft model; on a prompt whose answer repeats its input and on one
+the model answers freely. One process, runs interleaved (A, B, C, ... A, B, C) so the ratios hold on a drifting
+machine; acceptance from the engines' counters.
 
     python benchmarks/spec_speed.py --modes float32,default --k 4 --tokens 96 --repeats 3
 """
@@ -16,23 +18,24 @@ from paceline.spec_config import SpeculativeConfig
 
 CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # step {i}\n" for i in range(12))
 # a small model follows "the same code, copied:" where it ignores an instruction to copy
-PROMPT = f"{CODE}\n# the same code, copied:\n{CODE.splitlines()[0]}\n"
+PROMPTS = {"copies its prompt": f"{CODE}\n# the same code, copied:\n{CODE.splitlines()[0]}\n",
+           "free answer": "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n"}
 
 
 def engine(mode: str, spec: SpeculativeConfig | None) -> Engine:
     dtype = "float32" if mode == "float32" else "auto"
-    config = EngineConfig(dtype=dtype, cache=CacheConfig(kv_cache_memory_gb=0.1),
-                          scheduler=SchedulerConfig(max_step_ms=0))  # one stream: no step target to plan for
+    # one stream: no step target to plan for (adaptive k still prices proposals with the start-up profile)
+    config = EngineConfig(dtype=dtype, cache=CacheConfig(kv_cache_memory_gb=0.2), scheduler=SchedulerConfig(max_step_ms=0))
     return Engine(config, speculative_config=spec)
 
 
-def decode_rate(eng: Engine, tokens: int, rid: str) -> tuple[float, int]:
-    req = eng.add_request(rid, PROMPT, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+def decode_rate(eng: Engine, prompt: str, tokens: int, rid: str) -> float:
+    req = eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
     eng.step()  # the prefill (and first token) is not decode
     start, first = time.perf_counter(), len(req.output_token_ids)
     while eng.has_unfinished():
         eng.step()
-    return (len(req.output_token_ids) - first) / (time.perf_counter() - start), len(req.output_token_ids)
+    return (len(req.output_token_ids) - first) / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -42,19 +45,35 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=3, prompt_lookup_min=1)
-    print("| mode | plain decode tok/s | n-gram k=%d tok/s | speed-up | acceptance |" % args.k)
-    print("|---|---:|---:|---:|---:|")
+    k = args.k
+    print("| mode | prompt | configuration | decode tok/s | vs plain | acceptance | mean accepted / verify |")
+    print("|---|---|---|---:|---:|---:|---:|")
     for mode in args.modes.split(","):
-        plain, specd = engine(mode, None), engine(mode, spec)
-        a, b = [], []
-        for i in range(args.repeats):
-            a.append(decode_rate(plain, args.tokens, f"p{i}")[0])
-            b.append(decode_rate(specd, args.tokens, f"s{i}")[0])
-        st = specd.stats()
-        acc = st.spec_decode_num_accepted_tokens / max(st.spec_decode_num_draft_tokens, 1)
-        ra, rb = statistics.median(a), statistics.median(b)
-        print(f"| {mode} | {ra:.1f} | {rb:.1f} | {rb / ra:.2f}x | {acc:.0%} |")
+        configs = {"plain": None,
+                   f"n-gram, fixed k={k}": SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3, adaptive=False),
+                   f"n-gram, adaptive k<={k}": SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3)}
+        if mode == "float32":
+            configs[f"int4 draft, fixed k={k}"] = SpeculativeConfig("draft_model", num_speculative_tokens=k,
+                                                                    quantization="int4", adaptive=False)
+            configs[f"int4 draft, adaptive k<={k}"] = SpeculativeConfig("draft_model", num_speculative_tokens=k,
+                                                                        quantization="int4")
+        engines = {name: engine(mode, spec) for name, spec in configs.items()}
+        for label, prompt in PROMPTS.items():
+            rates: dict[str, list[float]] = {name: [] for name in engines}
+            before = {name: e.stats() for name, e in engines.items()}
+            for i in range(args.repeats):
+                for name, e in engines.items():
+                    rates[name].append(decode_rate(e, prompt, args.tokens, f"{label}{i}"))
+            plain = statistics.median(rates["plain"])
+            for name, e in engines.items():
+                st, b = e.stats(), before[name]
+                drafts = st.spec_decode_num_draft_tokens - b.spec_decode_num_draft_tokens
+                acc = st.spec_decode_num_accepted_tokens - b.spec_decode_num_accepted_tokens
+                verifies = st.spec_decode_num_drafts - b.spec_decode_num_drafts
+                r = statistics.median(rates[name])
+                print(f"| {mode} | {label} | {name} | {r:.1f} | {r / plain:.2f}x | "
+                      f"{f'{acc / drafts:.0%}' if drafts else '-'} | {f'{acc / verifies:.2f}' if verifies else '-'} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -67,8 +67,9 @@ def batch_shape(output: SchedulerOutput) -> BatchShape:
     for item in output.scheduled:
         req, start, c = item.request, item.start, item.num_tokens
         n = len(req.token_ids)
-        if start + c == n:
-            sampled += 1
+        k = len(item.spec_token_ids)  # a verification: k + 1 query tokens, each reaching the LM head
+        if start + c - k == n:
+            sampled += 1 + k
             if c == 1 and n > len(req.prompt_token_ids):
                 decodes += 1
                 decode_ctx += n

@@ -50,6 +50,9 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode, choices=PREEMPTION_MODES)
     g.add_argument("--priority-aging-s", type=float, default=0.0)
     g.add_argument("--max-batch-wait-ms", type=float, default=0.0)
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as the server takes it, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+                        "a proposal is accepted with the workload's spec_acceptance")
     g.add_argument("--max-step-ms", type=float, default=0.0,
                    help="stall-free: cut prompt chunks so the cost model's step time stays under it (0: off)")
 
@@ -94,7 +97,9 @@ def deployment_from_args(args: argparse.Namespace):
                             max_step_ms=args.max_step_ms)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         swap_space_gb=args.swap_space_gb, enable_prefix_caching=args.enable_prefix_caching)
-    dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization)
+    from paceline.spec_config import SpeculativeConfig
+    dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization,
+                     SpeculativeConfig.parse(getattr(args, "speculative_config", None)))
     return dep, workload
 
 

@@ -7,6 +7,7 @@ from paceline.config import CacheConfig, SchedulerConfig
 from paceline.sim.cost_model import ProfiledCostModel, RooflineCostModel, roofline_from_names
 from paceline.sim.hardware import GiB
 from paceline.sim.simulator import Simulator
+from paceline.spec_config import SpeculativeConfig
 
 
 @dataclass
@@ -17,6 +18,7 @@ class Deployment:
     num_replicas: int = 1
     router: str = "round-robin"
     gpu_memory_utilization: float = 0.9
+    speculative: SpeculativeConfig | None = None
 
     def num_blocks(self) -> int:
         if self.cache.num_blocks:
@@ -37,7 +39,7 @@ class Deployment:
 
     def simulator(self) -> Simulator:
         return Simulator(self.cost_model, self.scheduler, self.cache, self.num_blocks(), self.num_host_blocks(),
-                         num_replicas=self.num_replicas, router=self.router)
+                         num_replicas=self.num_replicas, router=self.router, speculative=self.speculative)
 
 
 def cost_model_from_spec(spec: str, model: str = "mistral-7b", gpu: str = "a100", tp: int = 1, pp: int = 1,

@@ -8,6 +8,7 @@ a step that starts at its own arrival time.
 from __future__ import annotations
 
 import heapq
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -21,6 +22,7 @@ from paceline.request import Request
 from paceline.sampling import SamplingParams
 from paceline.sim.router import Router
 from paceline.sim.workloads import SimRequest
+from paceline.spec_config import SpeculativeConfig
 
 STEP_DONE, ARRIVAL, POLL = 0, 1, 2  # tie order at one instant
 SHARED_PREFIX_TOKEN = 7
@@ -73,7 +75,8 @@ class _Replica:
 class Simulator:
     def __init__(self, cost_model: CostModel, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, num_host_blocks: int = 0, num_replicas: int = 1, router: str = "round-robin",
-                 scheduler_factory: Callable[..., Scheduler] = Scheduler) -> None:
+                 scheduler_factory: Callable[..., Scheduler] = Scheduler,
+                 speculative: SpeculativeConfig | None = None, seed: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.cost_model = cost_model
@@ -83,9 +86,20 @@ class Simulator:
         self.router = Router(router, num_replicas)
         # under max_step_ms the scheduler predicts with the very model that times the simulated steps
         step_time = cost_model.step_time if scheduler_config.max_step_ms > 0 else None
+        spec_kw = {"speculative": speculative} if speculative is not None else {}
         self.replicas = [_Replica(i, scheduler_factory(scheduler_config, cache_config, num_blocks, num_host_blocks,
-                                                       step_time=step_time))
+                                                       step_time=step_time, **spec_kw))
                          for i in range(num_replicas)]
+        # Speculation: a request's tokens are 0 with its workload's acceptance a, else 1, independently, and the
+        # proposer always proposes 0s; so a proposal is accepted with chance a per position (the geometric model
+        # adaptive k assumes) and the cost model charges every verified row (batch_shape counts them)
+        self.speculative = speculative
+        self.rng = random.Random(seed)
+        self.acceptance: dict[str, float] = {}
+        if speculative is not None:
+            for rep in self.replicas:
+                rep.scheduler.speculator.step_time = cost_model.step_time
+                rep.scheduler.speculator.propose_fn = lambda tokens, k: [0] * k
         # a request longer than the context or the whole cache could never finish: rejected, as the engine does
         self.max_request_tokens = min(scheduler_config.max_model_len, num_blocks * cache_config.block_size)
         self.event_log: list[tuple[float, int, str]] | None = None  # (time, kind, id), when a test asks for it
@@ -155,13 +169,17 @@ class Simulator:
         req = Request(rid, prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0),
                       arrival_time=r.arrival, priority=r.priority)
         self.replicas[rec.replica].scheduler.add_request(req)
+        self.acceptance[rid] = r.acceptance
         return rec
 
     def _complete(self, rep: _Replica, now: float, by_id: dict[str, RequestRecord]) -> None:
         out = rep.in_flight
         assert out is not None
-        result = StepResult(token_ids={s.request.request_id: 0 for s in out.scheduled if s.needs_sample},
-                            duration=rep.in_flight_duration)
+        if self.speculative is None:
+            result = StepResult(token_ids={s.request.request_id: 0 for s in out.scheduled if s.needs_sample},
+                                duration=rep.in_flight_duration)
+        else:
+            result = self._speculative_result(out, rep.in_flight_duration)
         rep.busy, rep.in_flight = False, None
         for req in rep.scheduler.update(out, result, now):
             if req.is_finished:
@@ -175,6 +193,22 @@ class Simulator:
                 rec.usage_prompt_tokens, rec.usage_completion_tokens = len(req.prompt_token_ids), len(req.token_times)
                 rec.num_preemptions = req.num_preemptions
                 self.router.finished(rec.replica)
+
+    def _speculative_result(self, out: SchedulerOutput, duration: float) -> StepResult:
+        result = StepResult(duration=duration)
+        rng = self.rng
+        for s in out.scheduled:
+            rid = s.request.request_id
+            a = self.acceptance.get(rid, 0.0)
+            if s.spec_token_ids:  # accepted proposals (0s), then the target's own token
+                tokens = []
+                while len(tokens) < len(s.spec_token_ids) and rng.random() < a:
+                    tokens.append(0)
+                tokens.append(0 if len(tokens) == len(s.spec_token_ids) and rng.random() < a else 1)
+                result.verified_token_ids[rid] = tokens
+            elif s.needs_sample:
+                result.token_ids[rid] = 0 if rng.random() < a else 1
+        return result
 
     def _idle_with_work(self, rep: _Replica, now: float, heap: list, seq: int) -> None:
         """Nothing could be scheduled. If the scheduler names a time when that changes (the static policy
