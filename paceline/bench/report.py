@@ -13,13 +13,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from paceline.bench.metrics import RunResult, summarize
-from paceline.bench.server_metrics import step_composition
+from paceline.bench.server_metrics import speculation, step_composition
 
 
 def run_dict(system: str, workload: str, rate: float | None, result: RunResult, *, ttft_slo: float | None = None,
              tbt_slo: float | None = None, stall_threshold_s: float | None = None, extra: dict | None = None) -> dict:
     summary = summarize(result.records, ttft_slo=ttft_slo, tbt_slo=tbt_slo, stall_threshold_s=stall_threshold_s)
     summary["scheduling_delay"] = result.scheduling_delay
+    snaps = result.metric_snapshots
+    summary["speculation"] = speculation(snaps[0][1], snaps[-1][1]) if len(snaps) >= 2 else None
     return {
         "system": system,
         "workload": workload,
@@ -141,6 +143,10 @@ def run_markdown(run: dict) -> str:
         notes.append(f"goodput SLOs: TTFT {_ms(s.get('ttft_slo_s'))} ms, TBT {_ms(s.get('tbt_slo_s'))} ms")
     if s.get("scheduling_delay") is None:
         notes.append("scheduling delay: not exposed by this server")
+    spec = s.get("speculation")
+    if spec:
+        notes.append(f"speculative decoding: {spec['acceptance_rate']:.0%} of {spec['draft_tokens']:.0f} proposed tokens "
+                     f"accepted, {spec['mean_accepted_length']:.2f} accepted per verification")
     if notes:
         parts.append("\n".join(f"- {n}" for n in notes))
     pt = priority_table(run)

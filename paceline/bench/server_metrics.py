@@ -85,6 +85,21 @@ def scheduling_delay(before: dict[str, float], after: dict[str, float]) -> dict[
             "mean": d.get(f"{QUEUE_TIME}_sum", 0.0) / count, "count": int(count)}
 
 
+def speculation(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """Speculative decoding over the run, from the counters paceline and vLLM both expose (vLLM's names, under
+    `paceline:` or `vllm:`): proposals, accepted ones, acceptance rate and mean accepted length per verification.
+    None when the server exposes none or proposed nothing."""
+    d = diff(after, before)
+    for prefix in ("paceline:", "vllm:"):
+        drafts = d.get(f"{prefix}spec_decode_num_drafts_total", 0.0)
+        proposed = d.get(f"{prefix}spec_decode_num_draft_tokens_total", 0.0)
+        if drafts > 0 and proposed > 0:
+            accepted = d.get(f"{prefix}spec_decode_num_accepted_tokens_total", 0.0)
+            return {"draft_tokens": proposed, "accepted_tokens": accepted, "acceptance_rate": accepted / proposed,
+                    "mean_accepted_length": accepted / drafts}
+    return None
+
+
 @dataclass
 class Scraper:
     """Polls /metrics every `interval` seconds while a run is going; keeps (time, snapshot) pairs."""
