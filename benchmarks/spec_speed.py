@@ -44,33 +44,34 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompts", default=",".join(PROMPTS))
-    p.add_argument("--configs", default=None, help="comma-separated configuration names to run (default: all)")
+    p.add_argument("--lookup-max", type=int, default=3, help="n-gram prompt_lookup_max")
+    p.add_argument("--prompts", default=",".join(PROMPTS), help="prompts whose names this string contains")
+    p.add_argument("--configs", default=None, help="configurations to run besides plain: those whose names this string contains (default: all)")
     p.add_argument("--wide-above", type=int, default=None,
                    help="experiment: run steps of more rows than this in float32 (the model's wide_above; "
                         "default mode's is 8, so a verification of k <= 7 proposals runs in bfloat16/int4)")
     args = p.parse_args()
-    k = args.k
+    k, n = args.k, args.lookup_max
     print("| mode | prompt | configuration | decode tok/s | vs plain | acceptance | mean accepted / verify |")
     print("|---|---|---|---:|---:|---:|---:|")
     for mode in args.modes.split(","):
         configs = {"plain": None,
-                   f"n-gram, fixed k={k}": SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3, adaptive=False),
-                   f"n-gram, adaptive k<={k}": SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3)}
+                   f"n-gram, fixed k={k}": SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=n, adaptive=False),
+                   f"n-gram, adaptive k<={k}": SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=n)}
         if mode == "float32":
             configs[f"int4 draft, fixed k={k}"] = SpeculativeConfig("draft_model", num_speculative_tokens=k,
                                                                     quantization="int4", adaptive=False)
             configs[f"int4 draft, adaptive k<={k}"] = SpeculativeConfig("draft_model", num_speculative_tokens=k,
                                                                         quantization="int4")
         if args.configs:
-            configs = {n: c for n, c in configs.items() if n == "plain" or n in args.configs.split(",")}
+            configs = {name: c for name, c in configs.items() if name == "plain" or name in args.configs}
         engines = {name: engine(mode, spec) for name, spec in configs.items()}
         if args.wide_above is not None:
             for e in engines.values():
                 if e.runner.model.wide_above is not None:
                     e.runner.model.wide_above = args.wide_above
         for label, prompt in PROMPTS.items():
-            if label not in args.prompts.split(","):
+            if label not in args.prompts:
                 continue
             rates: dict[str, list[float]] = {name: [] for name in engines}
             before = {name: e.stats() for name, e in engines.items()}
