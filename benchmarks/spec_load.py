@@ -40,7 +40,8 @@ def run(engine: Engine, requests, prompts, tag: str) -> dict:
     drafts = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     verifies = after.spec_decode_num_drafts - before.spec_decode_num_drafts
-    return {"tok_s": tokens / (end - t0), "tbt_p50": gaps[len(gaps) // 2] * 1e3,
+    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in live if len(r.token_times) > 1]
+    return {"tok_s": tokens / (end - t0), "tpot": statistics.mean(tpot) * 1e3, "tbt_p50": gaps[len(gaps) // 2] * 1e3,
             "tbt_p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1e3,
             "ttft_p50": statistics.median(r.token_times[0] - r.arrival_time for r in live) * 1e3,
             "drafts": drafts, "acceptance": accepted / drafts if drafts else float("nan"),
@@ -61,8 +62,9 @@ def main() -> None:
                f"adaptive k<={args.k}": SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=3)}
     engines = {name: Engine(EngineConfig(dtype=args.dtype), speculative_config=spec) for name, spec in configs.items()}
     source = PromptSource(next(iter(engines.values())).tokenizer)
-    print("| workload | rate req/s | configuration | generated tok/s | TBT p50 / p99 ms | TTFT p50 ms | acceptance | mean accepted / verify |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print("| workload | rate req/s | configuration | generated tok/s | TPOT mean ms | TBT p50 / p99 ms | TTFT p50 ms | "
+          "acceptance | mean accepted / verify |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     epoch = 0
     for wl in args.workloads.split(","):
         spec = load_workload(wl)
@@ -72,7 +74,7 @@ def main() -> None:
             prompts = build_prompts(source, reqs, args.seed, as_text=False, epoch=epoch, style=spec.prompt_style)
             for name, eng in engines.items():
                 m = run(eng, reqs, prompts, f"{wl}{rate}")
-                print(f"| {wl} | {rate:g} | {name} | {m['tok_s']:.1f} | {m['tbt_p50']:.0f} / {m['tbt_p99']:.0f} | "
+                print(f"| {wl} | {rate:g} | {name} | {m['tok_s']:.1f} | {m['tpot']:.1f} | {m['tbt_p50']:.0f} / {m['tbt_p99']:.0f} | "
                       f"{m['ttft_p50']:.0f} | {m['acceptance']:.0%} | {m['mean_accepted']:.2f} |", flush=True)
 
 
