@@ -120,3 +120,16 @@ def test_int8_wide_step_mixing_a_chunk_with_decodes_equals_each_alone(tiny, hf_l
     mixed = runner.forward_tokens(a[8:] + [b[8]], list(range(8, 20)) + [8],
                                   [SeqSlice(8, 12, ta), SeqSlice(8, 1, tb)], [11, 12])
     assert torch.allclose(mixed[0], alone_a[0], atol=1e-4)
+
+
+def test_engine_config_reaches_the_model():
+    from paceline.config import CacheConfig
+    from paceline.engine.engine import Engine
+
+    engine = Engine(EngineConfig(wide_linears="int8", tbt_goal_ms=0, cache=CacheConfig(kv_cache_memory_gb=0.05)))
+    model = engine.runner.model
+    if model.wide_above is None:
+        pytest.skip("this CPU has native bf16 math: no wide steps")
+    assert model.wide_linears == "int8" and isinstance(model.lm_head.wide, Int8Linear)
+    # the bundled model's layers are int4 (a Q4_1 GGUF): their wide copies are the int8 ones
+    assert isinstance(model.layers[0].down.dense, Int8Linear)
