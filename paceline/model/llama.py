@@ -72,11 +72,12 @@ WEIGHT_LEVELS = 127  # int8 weights use -127..127
 
 class Int8Linear:
     """y = x W^T (+ b) for float32 x, with W held as int8 per output channel (symmetric, one float scale per row)
-    and x quantized to 8 bits at every call (dynamic quantization), run by torch's x86 quantized engine (fbgemm).
+    and x quantized at every call (dynamic quantization, 7 bits: see reduce_range), run by torch's x86 quantized
+    engine (fbgemm). Opt-in: it costs quality (benchmarks/summaries/int8_wide.md).
 
     This serves the wide steps (many rows, where compute bounds the step): an int8 matmul does several times
     the multiply-adds per instruction of a float32 one. Measured on this VM (AVX2, 2 threads), against the
-    prepacked float32 Linear: [576 -> 3072] at 512 rows 11.9 -> 6.6 ms, [1536 -> 576] 6.4 -> 3.3 ms, the LM
+    prepacked float32 Linear: [576 -> 3072] at 512 rows 11.9 -> 6.6 ms, [1536 -> 576] 6.4 -> 3.7 ms, the LM
     head [576 -> 49152] at 32 rows 15.2 -> 6.8 ms; at 1-8 rows there is nothing to gain (memory bounds them).
 
     The engine's own activation quantization is per tensor (one scale and zero point over every row), which
