@@ -56,6 +56,9 @@ def sim_run_dict(result: SimResult, *, system: str = "simulated", workload: str 
     sim = {"median_decode_step_s": med, "step_time": stats([s.duration for s in result.steps]),
            "num_steps": len(result.steps), "num_preemptions": sum(r.num_preemptions for r in result.requests),
            "num_replicas": result.num_replicas, "wall_s": result.wall_s}
+    # what a server's /metrics would have counted (a measured run's summary has it from the scrapes)
+    sim["preemption_counts"] = {**result.preemptions,
+                                "per_s": result.preemptions.get("preemptions", 0) / max(result.makespan, 1e-9)}
     return run_dict(system, workload, rate, run, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
                     stall_threshold_s=STALL_FACTOR * med if med else None, extra={"simulation": sim, **(extra or {})})
 
