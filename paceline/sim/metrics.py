@@ -55,7 +55,8 @@ def sim_run_dict(result: SimResult, *, system: str = "simulated", workload: str 
     run = RunResult(result.requests, result.makespan, 0.0, counter_snapshots(result.steps), scheduling_delay(result))
     sim = {"median_decode_step_s": med, "step_time": stats([s.duration for s in result.steps]),
            "num_steps": len(result.steps), "num_preemptions": sum(r.num_preemptions for r in result.requests),
-           "num_replicas": result.num_replicas, "wall_s": result.wall_s}
+           "num_replicas": result.num_replicas, "wall_s": result.wall_s,
+           "pipeline_bubble_fraction": result.bubble_fraction}
     # what a server's /metrics would have counted (a measured run's summary has it from the scrapes)
     sim["preemption_counts"] = {**result.preemptions,
                                 "per_s": result.preemptions.get("preemptions", 0) / max(result.makespan, 1e-9)}
