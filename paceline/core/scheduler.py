@@ -467,7 +467,9 @@ class Scheduler:
             request = self.swapped.peek()
             if request.request_id in step.preempted:
                 return
-            if self.waiting and self.queued_before(self.waiting.peek(), request, step.now):
+            # queued work that ranks first takes the seat; not under static, which admits only its batch's members
+            if self.waiting and self.config.policy != "static" and self.queued_before(self.waiting.peek(), request,
+                                                                                       step.now):
                 return
             n = chunk(request)
             if n <= 0 or not self.kv.can_swap_in(request, n, self.reserve()):
