@@ -243,7 +243,7 @@ class Engine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
+                    priority: int = 0, arrival_time: float | None = None, client_id: str = "") -> Request:
         if request_id in self._text:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenize_prompt(prompt)
@@ -262,7 +262,7 @@ class Engine:
         if params.min_tokens > params.max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})")
         request = Request(request_id, prompt_ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                          priority=priority, eos_token_id=self.eos_token_id)
+                          priority=priority, eos_token_id=self.eos_token_id, client_id=client_id)
         self._text[request_id] = _TextState(
             IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens),
             StopStringMatcher(params.stop, include_stop_str_in_output=params.include_stop_str_in_output))
