@@ -9,7 +9,7 @@ SCHEDULERS = ("stall-free", "prefill-first", "orca", "static")
 # the names they had before, still accepted (with a warning) so that old commands and scripts keep working
 OLD_SCHEDULER_NAMES = {"sarathi": "stall-free", "vllm": "prefill-first"}
 STALL_FACTOR = 5.0  # a TBT gap longer than this many median decode steps is a stall (benchmark, simulator, /metrics)
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 # The serving default's TBT goal and the step-time target derived from it. A token gap is one step plus the
@@ -68,6 +68,11 @@ class SchedulerConfig:
     priority_aging_s: float = 0.0  # 0: off; else a waiting request gains one priority level per this many seconds
     max_batch_wait_ms: float = 0.0  # static policy: how long to wait for a batch to fill
     max_waiting_requests: int = 0  # 0: unlimited; the server answers 503 beyond it
+    # time slices (0: off): a decoding request that ran this many output tokens (or ms) since it was last admitted,
+    # while queued work it does not outrank waits for its seat, is preempted and demoted one level; level L's slice
+    # is 2**L times the first, so a long generation is preempted O(log length) times
+    time_slice_tokens: int = 0
+    time_slice_ms: float = 0.0
     # 0: off; else the stall-free scheduler cuts prompt chunks so the predicted step time stays under it (needs a step-time model).
     # None: not given; a scheduler alone takes 0, an EngineConfig derives it from its tbt_goal_ms (stall-free only)
     max_step_ms: float | None = None
@@ -90,6 +95,13 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_step_ms < 0:
             raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
+        if self.time_slice_tokens < 0:
+            raise ValueError(f"time_slice_tokens must be >= 0, got {self.time_slice_tokens}")
+        if self.time_slice_ms < 0:
+            raise ValueError(f"time_slice_ms must be >= 0, got {self.time_slice_ms}")
+        if (self.time_slice_tokens or self.time_slice_ms) and self.policy == "static":
+            # a static batch runs its members to the end by definition: there is no seat to hand over
+            raise ValueError("time slices do not apply to the static scheduler")
         if self.max_step_ms > 0 and self.policy != "stall-free":
             # the other policies run whole prompts (or fixed batches): there is no chunk for the limit to cut
             raise ValueError(f"max_step_ms applies to the stall-free scheduler only, not {self.policy!r}")
@@ -101,6 +113,11 @@ class EngineConfig:
     # auto: the engine picks by device and file (see engine.numeric_mode): bfloat16, int4 on CPU for a 4-bit GGUF
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (bfloat16 under int4)
     quantization: str = "auto"  # auto | none | int4: the layers' linear weights as 4-bit codes (CPU, bfloat16)
+    # what the wide steps' linears run (a bfloat16/int4 model on a CPU without native bf16 math runs steps of more
+    # than 8 tokens in float32): fp32 copies of the weights, or int8 (per-channel weights, per-row dynamic
+    # activations, where torch has the x86 quantized engine); auto: paceline.model.llama.AUTO_WIDE_LINEARS, chosen
+    # by quality and speed (benchmarks/summaries/int8_wide.md)
+    wide_linears: str = "auto"  # auto | fp32 | int8
     device: str = "auto"  # auto: cuda when present, else cpu
     served_model_name: str | None = None
     seed: int = 0  # seed of the generator used by requests that give none
@@ -124,6 +141,8 @@ class EngineConfig:
             SpeculativeConfig.parse(self.speculative_config)
         if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
+        if self.wide_linears not in ("auto", "fp32", "int8"):
+            raise ValueError(f"wide_linears must be auto, fp32 or int8, got {self.wide_linears!r}")
         if self.dtype == "auto" and self.quantization == "int4":
             self.dtype = "bfloat16"
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

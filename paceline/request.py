@@ -23,6 +23,7 @@ class Request:
     priority: int = 0  # lower runs first (vLLM's convention)
     eos_token_id: int | None = None
     cache_salt: str | None = None
+    client_id: str = ""  # whose request (the OpenAI `user` field or X-Client-Id): the fair policy's unit of share
 
     status: RequestStatus = RequestStatus.WAITING
     # prompt followed by every output token; kept as one list so slicing a chunk needs no concat
@@ -38,6 +39,12 @@ class Request:
     preemption_times: list[float] = field(default_factory=list)
     num_swaps: int = 0
     finish_time: float | None = None
+    # time slices (scheduler.time_slice_*): the MLFQ level (raised each time a slice preempts it), and where its
+    # current residency began (output tokens, time) when it was last admitted or swapped in
+    slice_level: int = 0
+    slice_mark: int = 0
+    slice_since: float = 0.0
+    dropped_kv_tokens: int = 0  # KV tokens a recompute preemption dropped and readmission has not yet counted
 
     def __post_init__(self) -> None:
         if not self.token_ids:

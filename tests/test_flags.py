@@ -10,7 +10,7 @@ from paceline.entrypoints.server import engine_config_from_args
 SHARED = ["--scheduler", "--scheduling-policy", "--max-num-batched-tokens", "--max-num-seqs", "--max-model-len",
           "--block-size", "--kv-cache-memory-gb", "--num-kv-blocks", "--swap-space-gb", "--enable-prefix-caching",
           "--preemption-mode", "--long-prefill-token-threshold", "--max-num-partial-prefills", "--priority-aging-s",
-          "--max-batch-wait-ms", "--max-step-ms"]
+          "--max-batch-wait-ms", "--max-step-ms", "--time-slice-tokens", "--time-slice-ms"]
 
 
 def options(parser: argparse.ArgumentParser, command: str) -> set[str]:

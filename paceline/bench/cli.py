@@ -9,7 +9,8 @@ def _ms(x: float | None) -> float | None:
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="chat", help="chat | long-prompt | bursty-priority | a YAML path | a trace CSV")
+    p.add_argument("--workload", default="chat",
+                   help="chat | long-prompt | bursty-priority | two-tenants | a YAML path | a trace CSV")
     p.add_argument("--rate", type=float, default=None, help="mean request rate (req/s)")
     p.add_argument("--duration", type=float, default=None, help="send requests arriving within this many seconds")
     p.add_argument("--num-requests", type=int, default=None, help="send this many requests")
@@ -69,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     label = args.label or ep.url
     steps_before = html_report.server_steps(ep.url) if args.html else None
     result = run(ep, requests, prompts, progress=not args.no_progress, deadline_s=args.deadline,
-                 max_concurrency=args.max_concurrency, label=label)
+                 max_concurrency=args.max_concurrency, label=label, in_flight_caps=spec.in_flight_caps())
     r = run_dict(label, spec.name, rate, result, ttft_slo=_ms(args.ttft_slo), tbt_slo=_ms(args.tbt_slo),
                  stall_threshold_s=_ms(args.stall_threshold),
                  extra={"command": "bench serve", "url": ep.url, "seed": args.seed})

@@ -30,6 +30,7 @@ class Endpoint:
     api: str = "completions"  # completions | chat
     prompt_format: str = "ids"  # ids: token-id prompts (exact lengths) | text
     send_priority: bool = True  # vLLM-style `priority` field; servers that reject unknown fields need False
+    send_user: bool = True  # the OpenAI `user` field, for requests whose workload class names a client
     include_usage: bool = True
     send_ignore_eos: bool = True  # False for servers that reject the field (they get the same effect via extra_body)
     temperature: float = 0.0
@@ -60,6 +61,8 @@ def request_body(ep: Endpoint, model: str, spec: RequestSpec, prompt: list[int] 
         body["stream_options"] = {"include_usage": True}
     if ep.send_priority:
         body["priority"] = spec.priority
+    if ep.send_user and spec.client:
+        body["user"] = spec.client
     body.update(ep.extra_body)
     return body
 
@@ -151,16 +154,23 @@ class _Live:
 
 async def run_async(ep: Endpoint, requests: list[RequestSpec], prompts: list[list[int] | str], *,
                     progress: bool = True, deadline_s: float | None = None, max_concurrency: int | None = None,
-                    scrape_interval: float | None = 0.5, label: str = "") -> RunResult:
+                    scrape_interval: float | None = 0.5, label: str = "",
+                    in_flight_caps: dict[str, int] | None = None) -> RunResult:
     """Send every request at its arrival time; wait for all (or until deadline_s after the start, then cancel the
-    rest and mark them failed). Scrapes /metrics every scrape_interval seconds (None: only before and after)."""
+    rest and mark them failed). Scrapes /metrics every scrape_interval seconds (None: only before and after).
+    in_flight_caps: client -> most requests in flight; such a client's request waits for a slot, and one still
+    waiting when the last arrival is due is never sent (and left out of the result)."""
     if len(prompts) != len(requests):
         raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
     limits = httpx.Limits(max_connections=max(1024, len(requests)), max_keepalive_connections=256)
     timeout = httpx.Timeout(ep.timeout_s, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = ep.model or await discover_model(client, ep.url)
-        records = [RequestRecord(r.index, r.prompt_tokens, r.output_tokens, r.priority, r.arrival_s) for r in requests]
+        records = [RequestRecord(r.index, r.prompt_tokens, r.output_tokens, r.priority, r.arrival_s, client=r.client)
+                   for r in requests]
+        slots = {c: asyncio.Semaphore(n) for c, n in (in_flight_caps or {}).items()}
+        window_end = max((r.arrival_s for r in requests), default=0.0)
+        unsent: set[int] = set()
         live = _Live()
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         t0 = time.perf_counter()
@@ -174,11 +184,22 @@ async def run_async(ep: Endpoint, requests: list[RequestSpec], prompts: list[lis
             delay = spec.arrival_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            if sem:
-                async with sem:
+            slot = slots.get(spec.client)
+            if slot is not None:
+                try:  # a closed-loop client: wait for one of its own to finish, but not past the arrival window
+                    await asyncio.wait_for(slot.acquire(), max(0.0, window_end - (time.perf_counter() - t0)) + 1e-3)
+                except asyncio.TimeoutError:
+                    unsent.add(rec.index)
+                    return
+            try:
+                if sem:
+                    async with sem:
+                        await send_one(client, ep, model, spec, prompt, rec, t0, live.on_tokens)
+                else:
                     await send_one(client, ep, model, spec, prompt, rec, t0, live.on_tokens)
-            else:
-                await send_one(client, ep, model, spec, prompt, rec, t0, live.on_tokens)
+            finally:
+                if slot is not None:
+                    slot.release()
 
         tasks = [asyncio.create_task(one(s, p, r)) for s, p, r in zip(requests, prompts, records)]
         bar = _progress_bar(label) if progress else None
@@ -211,6 +232,7 @@ async def run_async(ep: Endpoint, requests: list[RequestSpec], prompts: list[lis
         duration = time.perf_counter() - t0
         after = await scraper.scrape(client) if before is not None else None
         delay = scheduling_delay(before, after) if before is not None and after is not None else None
+        records = [r for r in records if r.index not in unsent]
         return RunResult(records, duration, started_at, scraper.snapshots, delay)
 
 

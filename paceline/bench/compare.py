@@ -120,7 +120,7 @@ class Bench:
         deadline = reqs[-1].arrival_s + self.args.probe_timeout
         epoch = self.epochs[system] = self.epochs.get(system, 0) + 1  # the k-th run of every system: same prompts
         result = run(ep, reqs, self.prompts(reqs, ep.prompt_format, epoch), progress=not self.args.no_progress,
-                     deadline_s=deadline, label=f"{system} @ {rate:.2f}/s")
+                     deadline_s=deadline, label=f"{system} @ {rate:.2f}/s", in_flight_caps=self.spec.in_flight_caps())
         strict = self.slos[0][1] if self.slos else None
         stall = STALL_FACTOR * self.decode_step_s if self.decode_step_s else None
         r = run_dict(system, self.spec.name, rate, result, tbt_slo=strict, stall_threshold_s=stall,

@@ -32,6 +32,7 @@ class RequestRecord:
     first_scheduled_s: float | None = None
     num_preemptions: int = 0
     replica: int = 0
+    client: str = ""  # the workload class's client (sent as `user`)
 
     @property
     def ok(self) -> bool:
@@ -161,6 +162,13 @@ def summarize(records: list[RequestRecord], *, duration: float | None = None, tt
         summary["goodput"] = good / duration if duration else 0.0
         summary["slo_attainment"] = good / len(records) if records else 0.0
     if by_priority:
+        clients = sorted({r.client for r in records})
+        if len(clients) > 1:
+            summary["per_client"] = {
+                c: summarize([r for r in records if r.client == c], duration=duration, ttft_slo=ttft_slo,
+                             tbt_slo=tbt_slo, stall_threshold_s=stall_threshold_s, by_priority=False)
+                for c in clients}
+            summary["fairness"] = fairness(records)
         priorities = sorted({r.priority for r in records})
         if len(priorities) > 1:
             summary["per_priority"] = {
@@ -168,6 +176,51 @@ def summarize(records: list[RequestRecord], *, duration: float | None = None, tt
                                   tbt_slo=tbt_slo, stall_threshold_s=stall_threshold_s, by_priority=False)
                 for p in priorities}
     return summary
+
+
+def max_min_shares(capacity: float, demands: dict[str, float]) -> dict[str, float]:
+    """Max-min fair split of `capacity` (water-filling): a client asking less than an equal share gets what it
+    asks, the rest is split equally among the others."""
+    share, left, todo = {}, capacity, dict(demands)
+    while todo:
+        equal = left / len(todo)
+        small = {c: d for c, d in todo.items() if d <= equal}
+        if not small:
+            share.update({c: equal for c in todo})
+            break
+        for c, d in small.items():
+            share[c] = d
+            left -= d
+            del todo[c]
+    return share
+
+
+def jain_index(xs: list[float]) -> float | None:
+    """(sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one takes everything."""
+    sq = sum(x * x for x in xs)
+    return sum(xs) ** 2 / (len(xs) * sq) if xs and sq > 0 else None
+
+
+def fairness(records: list[RequestRecord]) -> dict:
+    """Jain's index of the clients' output-token throughput over the arrival window (first to last arrival),
+    each client's throughput divided by its max-min fair share of what all clients got in the window. A client's
+    demand is the tokens its requests sent in the window asked for: one asking for less than an equal share
+    (the light client) is entitled to all of it, a backlogged one (the heavy client) to the rest. 1.0: every
+    client got its fair share; a starved light client pulls it down."""
+    end = max((r.sent_s for r in records), default=0.0)
+    start = min((r.sent_s for r in records), default=0.0)
+    window = max(end - start, 1e-9)
+    got: dict[str, float] = {}
+    demand: dict[str, float] = {}
+    for r in records:
+        got[r.client] = got.get(r.client, 0.0) + sum(1 for t in r.token_times if t <= end)
+        demand[r.client] = demand.get(r.client, 0.0) + r.output_tokens
+    share = max_min_shares(sum(got.values()), demand)
+    ratios = {c: got[c] / share[c] for c in got if share[c] > 0}
+    return {"window_s": window, "jain_index": jain_index(list(ratios.values())),
+            "tokens_per_s": {c: g / window for c, g in got.items()},
+            "fair_share_per_s": {c: s / window for c, s in share.items()},
+            "share_ratio": ratios}
 
 
 def all_decoding_gaps(records: list[RequestRecord]) -> list[float]:

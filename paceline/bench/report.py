@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from paceline.bench.metrics import RunResult, summarize
-from paceline.bench.server_metrics import speculation, step_composition
+from paceline.bench.server_metrics import preemption_counts, speculation, step_composition
 
 
 def run_dict(system: str, workload: str, rate: float | None, result: RunResult, *, ttft_slo: float | None = None,
@@ -22,6 +22,9 @@ def run_dict(system: str, workload: str, rate: float | None, result: RunResult, 
     summary["scheduling_delay"] = result.scheduling_delay
     snaps = result.metric_snapshots
     summary["speculation"] = speculation(snaps[0][1], snaps[-1][1]) if len(snaps) >= 2 else None
+    counts = preemption_counts(result.metric_snapshots)
+    if counts:  # per second of the run, as the server counted them (a simulator passes its own in `extra`)
+        summary["preemptions"] = {**counts, "per_s": counts.get("preemptions", 0.0) / max(summary["duration_s"], 1e-9)}
     return {
         "system": system,
         "workload": workload,
@@ -120,6 +123,27 @@ def priority_table(run: dict) -> str | None:
     return markdown_table(header, rows)
 
 
+def client_table(run: dict) -> str | None:
+    """Per client: throughput, its share of a max-min fair split, TTFT and TBT; then Jain's index."""
+    s = run["summary"]
+    per, fair = s.get("per_client"), s.get("fairness")
+    if not per or not fair:
+        return None
+    header = ["client", "done", "out tok/s (window)", "of fair share", "TTFT p50 (ms)", "TTFT p99", "TBT p50",
+              "TBT p99", "e2e p50 (s)"]
+    rows = [[c or "(none)", f"{x['completed']}/{x['num_requests']}", _num(fair["tokens_per_s"].get(c), ".1f"),
+             _num(fair["share_ratio"].get(c)), _ms(_get(x["ttft"], "p50")), _ms(_get(x["ttft"], "p99")),
+             _ms(_get(x["tbt"], "p50")), _ms(_get(x["tbt"], "p99")), _num(_get(x["e2e"], "p50"))]
+            for c, x in per.items()]
+    p = s.get("preemptions") or (run.get("simulation") or {}).get("preemption_counts") or {}
+    line = f"Jain's fairness index over the {fair['window_s']:.0f} s arrival window: {_num(fair['jain_index'], '.3f')}"
+    if p:
+        line += (f"; preemptions {p.get('preemptions', 0):.0f} ({p['per_s']:.2f}/s)"
+                 + (f", by time slice {p['time_slice_preemptions']:.0f}" if "time_slice_preemptions" in p else "")
+                 + (f", recomputed tokens {p['recomputed_tokens']:.0f}" if "recomputed_tokens" in p else ""))
+    return markdown_table(header, rows) + "\n\n" + line
+
+
 def distribution_table(summary: dict) -> str:
     """Every latency of one run: mean, p50, p90, p99, max in ms."""
     rows = [("TTFT", "ttft"), ("TBT", "tbt"), ("TPOT", "tpot"), ("end-to-end", "e2e"),
@@ -152,4 +176,7 @@ def run_markdown(run: dict) -> str:
     pt = priority_table(run)
     if pt:
         parts.append(pt)
+    ct = client_table(run)
+    if ct:
+        parts.append(ct)
     return "\n\n".join(parts)

@@ -133,6 +133,27 @@ class Scraper:
                 pass
 
 
+# name in the report -> the counters servers expose it under (paceline's, vLLM's)
+PREEMPTION_COUNTERS = {
+    "preemptions": ("paceline:num_preemptions_total", "vllm:num_preemptions_total"),
+    "time_slice_preemptions": ("paceline:num_time_slice_preemptions_total",),
+    "recomputed_tokens": ("paceline:num_recomputed_tokens_total",),
+}
+
+
+def preemption_counts(snapshots: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """How much each preemption counter rose between the first and the last scrape; absent ones left out."""
+    if len(snapshots) < 2:
+        return {}
+    first, last = snapshots[0][1], snapshots[-1][1]
+    out = {}
+    for name, keys in PREEMPTION_COUNTERS.items():
+        key = next((k for k in keys if k in last), None)
+        if key is not None:
+            out[name] = last[key] - first.get(key, 0.0)
+    return out
+
+
 def step_composition(snapshots: list[tuple[float, dict[str, float]]]) -> list[dict]:
     """Per scrape interval: decode and prompt-chunk tokens run (and per step, when a step counter is exposed)."""
     out = []

@@ -14,6 +14,10 @@ YAML shape (every key optional except where noted):
     classes:                            # a priority mix; without it every request has priority 0
       - {fraction: 0.2, priority: 0, prompt_tokens: {...}, output_tokens: {...}}
       - {fraction: 0.8, priority: 10, prompt_tokens: {...}, output_tokens: {...}}
+    # a class may also name its client (sent as the OpenAI `user` field) and cap that client's requests in flight:
+    #   - {fraction: 0.9, priority: 0, client: heavy, max_in_flight: 16, ...}
+    # a capped client sends a request at its arrival or when one of its own finishes, whichever is later, and
+    # what it still holds when the last arrival of the run is due is never sent (a closed loop over the window)
     trace: path/to/trace.csv            # arrival_s,prompt_tokens,output_tokens[,priority]; relative to the yaml
     max_model_len: 8192                 # prompt + output are clipped to it
     prompt_style: text                  # text: a corpus passage; quote: the passage, then its start again, so the
@@ -106,10 +110,14 @@ class PriorityClass:
     priority: int
     prompt_tokens: LengthDist | None = None  # None: the workload's default
     output_tokens: LengthDist | None = None
+    client: str = ""  # who sends it (the `user` field); "" for nobody in particular
+    max_in_flight: int = 0  # 0: open loop; else the client's requests in flight at most (all its classes share it)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"class fraction must be in (0, 1], got {self.fraction}")
+        if self.max_in_flight < 0:
+            raise ValueError(f"max_in_flight must be >= 0, got {self.max_in_flight}")
 
 
 @dataclass
@@ -137,6 +145,10 @@ class WorkloadSpec:
         if uses_trace and not self.trace:
             raise ValueError("a trace arrival or length needs `trace: <csv path>`")
 
+    def in_flight_caps(self) -> dict[str, int]:
+        """client -> the most requests it keeps in flight, for the clients that cap it."""
+        return {c.client: c.max_in_flight for c in self.classes if c.max_in_flight}
+
 
 @dataclass
 class RequestSpec:
@@ -145,6 +157,7 @@ class RequestSpec:
     prompt_tokens: int
     output_tokens: int
     priority: int = 0
+    client: str = ""
 
 
 @dataclass
@@ -234,11 +247,12 @@ def generate(spec: WorkloadSpec, *, rate: float | None = None, num_requests: int
         priority = [trace[i % len(trace)].priority for i in range(n)]
     else:
         priority = [spec.classes[k].priority if spec.classes else 0 for k in which]
+    client = [spec.classes[k].client if spec.classes else "" for k in which]
 
     out = []
     for i in range(n):
         p, o = clip_to_context(int(prompt[i]), int(output[i]), spec.max_model_len)
-        out.append(RequestSpec(i, float(arrivals[i]), p, o, int(priority[i])))
+        out.append(RequestSpec(i, float(arrivals[i]), p, o, int(priority[i]), client[i]))
     return out
 
 
@@ -301,9 +315,10 @@ def spec_from_dict(d: dict, base_dir: Path | None = None) -> WorkloadSpec:
     trace = d.get("trace")
     if trace and base_dir is not None and not Path(trace).is_absolute():
         trace = str(base_dir / trace)
-    classes = [PriorityClass(fraction=c["fraction"], priority=c["priority"],
+    classes = [PriorityClass(fraction=c["fraction"], priority=c.get("priority", 0),
                              prompt_tokens=_length_from(c.get("prompt_tokens")),
-                             output_tokens=_length_from(c.get("output_tokens")))
+                             output_tokens=_length_from(c.get("output_tokens")),
+                             client=str(c.get("client", "")), max_in_flight=int(c.get("max_in_flight", 0)))
                for c in d.get("classes") or []]
     return WorkloadSpec(
         name=d.get("name", "custom"),

@@ -119,7 +119,8 @@ class PrefillFirst(Policy):
     otherwise it runs every decode. No chunking, so a long prompt stalls every decode."""
 
     def __call__(self, sched: Scheduler, step: Step) -> None:
-        if not sched.swapped and sched.waiting:
+        waiting, swapped = sched.waiting, sched.swapped
+        if waiting and (not swapped or sched.queued_before(waiting.peek(), swapped.peek(), step.now)):
             if sched.admit_waiting(step, _whole_prompt_chunker(step, [True])):
                 return
         decodes, prefills = _split_running(sched)

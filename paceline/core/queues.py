@@ -19,13 +19,23 @@ from paceline.request import Request
 RankKey = tuple
 
 
-def rank_function(scheduling_policy: str, priority_aging_s: float = 0.0) -> Callable[[Request], RankKey]:
+def rank_function(scheduling_policy: str, priority_aging_s: float = 0.0,
+                  levels: bool = False) -> Callable[[Request], RankKey]:
+    """The queue key. `levels` (time slices on): a request's MLFQ level goes between its priority and its
+    arrival, so a request demoted by a used slice waits behind fresh work of its priority. Under `fair` this is
+    each client's own order; core/fair.py puts the client's counter after the priority."""
     if scheduling_policy == "fcfs":
+        if levels:
+            return lambda r: (r.slice_level, r.arrival_time)
         return lambda r: (r.arrival_time,)
-    if scheduling_policy != "priority":
-        raise ValueError(f"unknown scheduling policy {scheduling_policy!r}; choose fcfs or priority")
+    if scheduling_policy not in ("priority", "fair"):
+        raise ValueError(f"unknown scheduling policy {scheduling_policy!r}; choose fcfs, priority or fair")
     if priority_aging_s > 0:
+        if levels:
+            return lambda r: (r.priority + r.arrival_time / priority_aging_s, r.slice_level, r.arrival_time)
         return lambda r: (r.priority + r.arrival_time / priority_aging_s, r.arrival_time)
+    if levels:
+        return lambda r: (r.priority, r.slice_level, r.arrival_time)
     return lambda r: (r.priority, r.arrival_time)
 
 

@@ -10,11 +10,13 @@ from typing import Callable
 
 from paceline.config import CacheConfig, SchedulerConfig
 from paceline.core.batch_shape import BatchShape, batch_shape
+from paceline.core.fair import FairQueue, FairShare
 from paceline.core.kv_cache import KVCacheManager, cdiv
 from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from paceline.core.policies import POLICIES
 from paceline.core.queues import RequestQueue, effective_priority, rank_function
 from paceline.core.spec_adaptive import Candidate, Speculator, decode_to_verify
+from paceline.core.time_slice import preempt_used_slices
 from paceline.request import Request, RequestStatus
 from paceline.spec_config import SpeculativeConfig
 
@@ -35,6 +37,8 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, tokens served from the cache
     num_preemptions: int  # total, swap-outs included
     num_swaps: int  # total swap-outs
+    num_slice_preemptions: int = 0  # of num_preemptions, those a used time slice caused
+    num_recomputed_tokens: int = 0  # tokens run again because a recompute preemption dropped their KV
     num_host_blocks: int = 0
     num_used_host_blocks: int = 0
     num_cached_blocks: int = 0  # blocks findable by hash (free or in use)
@@ -80,16 +84,24 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, num_host_blocks,
                                  cache_config.enable_prefix_caching, cache_config.watermark)
-        self.rank = rank_function(config.scheduling_policy, config.priority_aging_s)
-        self.by_priority = config.scheduling_policy == "priority"
-        self.waiting = RequestQueue(self.rank)
-        self.swapped = RequestQueue(self.rank)
+        self.slicing = config.time_slice_tokens > 0 or config.time_slice_ms > 0
+        self.rank = rank_function(config.scheduling_policy, config.priority_aging_s, levels=self.slicing)
+        self.by_priority = config.scheduling_policy in ("priority", "fair")
+        self.fair = FairShare() if config.scheduling_policy == "fair" else None
+        if self.fair is not None:  # counters change as steps run: one queue per client, the least served first
+            self.waiting, self.swapped = FairQueue(self.fair, self.rank), FairQueue(self.fair, self.rank)
+            self.rank = self.waiting.rank
+        else:
+            self.waiting = RequestQueue(self.rank)
+            self.swapped = RequestQueue(self.rank)
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.policy = POLICIES[config.policy]()  # SchedulerConfig has checked the name
         self.num_preemptions = 0
         self.num_swaps = 0
         self.num_steps = 0
+        self.num_slice_preemptions = 0
+        self.num_recomputed_tokens = 0
         # max_step_ms: the model predicts, and step_time_scale corrects it; the caller that times the steps keeps
         # it (the engine: a high quantile of measured / predicted; a profile taken on an idle machine reads low)
         self.step_time = step_time
@@ -111,6 +123,8 @@ class Scheduler:
         if need > capacity:
             raise ValueError(f"request {rid!r} needs {need} tokens of KV cache but the whole cache holds {capacity}")
         self.requests[rid] = request
+        if self.fair is not None:
+            self.fair.arrive(request.client_id)
         self.waiting.push(request)
 
     @property
@@ -147,6 +161,8 @@ class Scheduler:
         self.kv.free(request)
         self.kv.forget(rid)
         del self.requests[rid]
+        if self.fair is not None:
+            self.fair.leave(request.client_id)
         request.status = FINISHED
         request.finish_reason = reason
         if now is not None:
@@ -183,6 +199,7 @@ class Scheduler:
             num_blocks=pool.num_blocks, num_used_blocks=pool.num_used, num_free_blocks=pool.num_free,
             kv_usage=pool.num_used / pool.num_blocks, prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits, num_preemptions=self.num_preemptions, num_swaps=self.num_swaps,
+            num_slice_preemptions=self.num_slice_preemptions, num_recomputed_tokens=self.num_recomputed_tokens,
             num_host_blocks=kv.host.num_blocks, num_used_host_blocks=used_host,
             num_cached_blocks=len(pool.cached), num_evictions=pool.num_evictions, num_steps=self.num_steps,
             spec_decode_num_drafts=self.spec_num_drafts, spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
@@ -196,6 +213,8 @@ class Scheduler:
         step = Step(now, self.config.max_num_batched_tokens, SchedulerOutput(now=now))
         if self.config.max_step_ms > 0:
             step.shape = BatchShape()
+        if self.slicing:
+            preempt_used_slices(self, step)
         self.policy(self, step)
         if self.spec is not None:
             self.add_speculation(step)
@@ -210,6 +229,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
         """Advance what each scheduled request computed, append sampled tokens, apply stop checks, free the
         finished. Returns the requests that got a token or finished, in schedule order."""
+        if self.fair is not None:
+            self.fair.charge(output)
         changed = []
         sampled = result.token_ids
         kv = self.kv
@@ -429,6 +450,7 @@ class Scheduler:
         else:
             # recompute: the KV goes, the tokens stay; full computed blocks remain findable in the cache
             self.kv.free(victim)
+            victim.dropped_kv_tokens = victim.num_computed_tokens
             victim.num_computed_tokens = 0
             victim.status = WAITING
             out.preempted_ids.append(victim.request_id)
@@ -444,6 +466,10 @@ class Scheduler:
             request = self.swapped.peek()
             if request.request_id in step.preempted:
                 return
+            # queued work that ranks first takes the seat; not under static, which admits only its batch's members
+            if self.waiting and self.config.policy != "static" and self.queued_before(self.waiting.peek(), request,
+                                                                                       step.now):
+                return
             n = chunk(request)
             if n <= 0 or not self.kv.can_swap_in(request, n, self.reserve()):
                 return
@@ -452,8 +478,19 @@ class Scheduler:
             step.out.swapped_in_ids.append(request.request_id)
             request.status = RUNNING
             self.running.append(request)
-            step.resumed.add(request.request_id)
+            self._resumed(step, request)
             self.add_scheduled(step, request, n)
+
+    def _resumed(self, step: Step, request: Request) -> None:
+        step.resumed.add(request.request_id)
+        request.slice_mark, request.slice_since = request.num_output_tokens, step.now  # a new residency
+
+    def queued_before(self, a: Request, b: Request, now: float) -> bool:
+        """Whether queued request a runs before queued request b (waiting vs swapped). Swapped requests come back
+        first unless outranked; with time slices or fair share the whole rank decides (level, counter)."""
+        if self.slicing or self.fair is not None:
+            return self.rank(a) < self.rank(b)
+        return self.by_priority and self.outranks(a, b, now)
 
     def outranks(self, a: Request, b: Request, now: float) -> bool:
         aging = self.config.priority_aging_s
@@ -464,9 +501,8 @@ class Scheduler:
         admitted = 0
         while self.waiting:
             request = self.waiting.peek()
-            if self.swapped:  # swapped requests resume before new admissions, unless outranked
-                if not (self.by_priority and self.outranks(request, self.swapped.peek(), step.now)):
-                    break
+            if self.swapped and not self.queued_before(request, self.swapped.peek(), step.now):
+                break  # swapped requests resume before new admissions, unless outranked
             if not self.admit(step, request, chunk):
                 break
             admitted += 1
@@ -493,9 +529,12 @@ class Scheduler:
         self.waiting.remove(request.request_id)
         kv.allocate(request, n, cached, self.reserve())
         kv.record_prefix_query(request.num_tokens, len(cached) * self.block_size)
+        if request.dropped_kv_tokens:  # readmitted after a recompute preemption: what the cache does not give back
+            self.num_recomputed_tokens += max(0, request.dropped_kv_tokens - num_computed)
+            request.dropped_kv_tokens = 0
         request.status = RUNNING
         self.running.append(request)
-        step.resumed.add(request.request_id)
+        self._resumed(step, request)
         self.add_scheduled(step, request, n)
         return True
 

@@ -102,7 +102,7 @@ class AsyncEngine:
     # ---- called from the event loop -------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, client_id: str = "") -> RequestStream:
         """Add a request; returns once the engine has taken it. Raises ValueError (bad request: the engine's
         plain message), QueueFullError or EngineStoppedError, and then nothing was added."""
         if not self._accepting:
@@ -115,7 +115,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
         added: concurrent.futures.Future = concurrent.futures.Future()
         arrival = time.monotonic()
-        self._submit(lambda: self._add(request_id, prompt, params, priority, arrival, added))
+        self._submit(lambda: self._add(request_id, prompt, params, priority, arrival, added, client_id))
         try:
             await asyncio.wrap_future(added)
         except BaseException:
@@ -179,7 +179,7 @@ class AsyncEngine:
         self._stop = True
 
     def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
-             arrival: float, added: concurrent.futures.Future) -> None:
+             arrival: float, added: concurrent.futures.Future, client_id: str = "") -> None:
         if not added.set_running_or_notify_cancel():  # the caller went away before we got here
             with self._lock:
                 self._streams.pop(request_id, None)
@@ -189,7 +189,8 @@ class AsyncEngine:
                 num_waiting = self.engine.stats().num_waiting
                 if num_waiting >= self.max_waiting:
                     raise QueueFullError(num_waiting)
-            self.engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival)
+            self.engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival,
+                                    client_id=client_id)
         except Exception as e:  # ValueError for bad input, QueueFullError; either way nothing was added
             with self._lock:
                 self._streams.pop(request_id, None)

@@ -148,7 +148,7 @@ class Engine:
                                        seed=config.seed, tensor_parallel_size=tp, pipeline_parallel_size=pp)
         else:
             model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, device=self.device, dtype=dtype,
-                                            quantization=config.quantization)
+                                            quantization=config.quantization, wide_linears=config.wide_linears)
             self.runner = ModelRunner(model, self.arch, self.num_blocks, cache.block_size,
                                       num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
                                       seed=config.seed)
@@ -220,7 +220,7 @@ class Engine:
             Path(__file__).with_name("runner.py"), Path(__file__).resolve().parents[1] / "sim" / "profile.py"]
         h = hashlib.sha256()
         for part in (str(model.resolve()), stat.st_size, stat.st_mtime_ns, self.config.dtype, self.config.quantization,
-                     self.device, self.block_size, self.num_blocks, self.max_model_len, torch.__version__,
+                     self.config.wide_linears, self.device, self.block_size, self.num_blocks, self.max_model_len, torch.__version__,
                      torch.get_num_threads(), platform.processor(), os.cpu_count()):
             h.update(f"{part}\0".encode())
         for src in sources:
@@ -247,7 +247,7 @@ class Engine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
+                    priority: int = 0, arrival_time: float | None = None, client_id: str = "") -> Request:
         if request_id in self._text:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenize_prompt(prompt)
@@ -266,7 +266,7 @@ class Engine:
         if params.min_tokens > params.max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})")
         request = Request(request_id, prompt_ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                          priority=priority, eos_token_id=self.eos_token_id)
+                          priority=priority, eos_token_id=self.eos_token_id, client_id=client_id)
         self._text[request_id] = _TextState(
             IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens),
             StopStringMatcher(params.stop, include_stop_str_in_output=params.include_stop_str_in_output))

@@ -53,6 +53,8 @@ class EngineMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Preemptions (recompute or swap).")
+        self.slice_preemptions = counter("num_time_slice_preemptions", "Of the preemptions, those a used time slice caused.")
+        self.recomputed_tokens = counter("num_recomputed_tokens", "Tokens computed again after a recompute preemption.")
         # speculative decoding, as vLLM names it: acceptance rate = accepted / draft tokens
         self.spec_drafts = counter("spec_decode_num_drafts", "Decodes that carried proposed tokens.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens verified.")
@@ -143,6 +145,8 @@ class EngineMetrics:
         # the scheduler keeps running totals; counters take the increase since the last look
         for name, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
                               ("num_preemptions", self.preemptions), ("spec_decode_num_drafts", self.spec_drafts),
+                              ("num_slice_preemptions", self.slice_preemptions),
+                              ("num_recomputed_tokens", self.recomputed_tokens),
                               ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
                               ("spec_decode_num_accepted_tokens", self.spec_accepted)):
             value = getattr(stats, name, 0)

@@ -348,7 +348,7 @@ class OpenAIServing:
     # -- submitting --------------------------------------------------------------------------------------------
 
     async def submit(self, base_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int,
-                     prompt_param: str) -> list[RequestStream]:
+                     prompt_param: str, client_id: str = "") -> list[RequestStream]:
         """One engine request per (prompt, choice), all added or none (a failure aborts those already added)."""
         subs = []
         for p, prompt in enumerate(prompts):
@@ -359,7 +359,7 @@ class OpenAIServing:
                 subs.append((f"{base_id}-{p}-{i}", prompt,
                              dataclasses.replace(params, n=1, seed=seed, structured=structured)))
         results = await asyncio.gather(
-            *(self.async_engine.add_request(rid, prompt, sp, priority) for rid, prompt, sp in subs),
+            *(self.async_engine.add_request(rid, prompt, sp, priority, client_id) for rid, prompt, sp in subs),
             return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -397,7 +397,7 @@ class OpenAIServing:
                                 **(body.chat_template_kwargs or {}))
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(base_id, [prompt_ids], params, body.priority, "messages")
+        streams = await self.submit(base_id, [prompt_ids], params, body.priority, "messages", client_of(request, body))
         meta = {"id": base_id, "created": int(time.time()), "model": body.model or self.model_name}
         top = body.top_logprobs or 0
         if body.stream:
@@ -424,7 +424,7 @@ class OpenAIServing:
             if (isinstance(p, str) and not p.strip()) or (isinstance(p, list) and not p):
                 raise bad_request("prompt must not be empty", param="prompt")
         base_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(base_id, prompts, params, body.priority, "prompt")
+        streams = await self.submit(base_id, prompts, params, body.priority, "prompt", client_of(request, body))
         meta = {"id": base_id, "created": int(time.time()), "model": body.model or self.model_name}
         prompt_of = [p for p in range(len(prompts)) for _ in range(params.n)]
         # echo: the prompt's text leads each choice (token prompts are decoded as the model would print them)
@@ -601,6 +601,18 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
             s.abort()
 
 
+MAX_CLIENT_ID_CHARS = 256
+
+
+def client_of(request: Request, body: Any) -> str:
+    """Whose request, for --scheduling-policy fair: the X-Client-Id header (a gateway's), else the body's `user`."""
+    client = request.headers.get("x-client-id") or body.user or ""
+    if len(client) > MAX_CLIENT_ID_CHARS:
+        raise bad_request(f"the client id (X-Client-Id or user) is {len(client)} characters long; at most "
+                          f"{MAX_CLIENT_ID_CHARS} are allowed", param="user")
+    return client
+
+
 async def wait_for_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -619,6 +631,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "model": (EngineConfig, "model"),
     "dtype": (EngineConfig, "dtype"),
     "quantization": (EngineConfig, "quantization"),
+    "wide_linears": (EngineConfig, "wide_linears"),
     "seed": (EngineConfig, "seed"),
     "block_size": (CacheConfig, "block_size"),
     "kv_cache_memory_gb": (CacheConfig, "kv_cache_memory_gb"),
@@ -637,6 +650,8 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_batch_wait_ms": (SchedulerConfig, "max_batch_wait_ms"),
     "max_waiting_requests": (SchedulerConfig, "max_waiting_requests"),
     "max_step_ms": (SchedulerConfig, "max_step_ms"),
+    "time_slice_tokens": (SchedulerConfig, "time_slice_tokens"),
+    "time_slice_ms": (SchedulerConfig, "time_slice_ms"),
     "step_profile": (EngineConfig, "step_profile"),
     "speculative_config": (EngineConfig, "speculative_config"),
     "tensor_parallel_size": (EngineConfig, "tensor_parallel_size"),
@@ -672,6 +687,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
          choices=["auto", "float32", "bfloat16", "float16"])
     flag("quantization", "int4: hold the layers' weights as 4-bit codes (CPU; a Q4_0/Q4_1 GGUF as stored)",
          choices=["none", "int4"])
+    flag("wide_linears", "what steps of more than 8 tokens run on a CPU without native bf16: fp32 weight copies, or "
+         "int8 (faster prefill, lower quality: docs/performance.md)", choices=["auto", "fp32", "int8"])
     flag("seed", "seed for requests that give none", type=int)
     flag("max_num_batched_tokens", "token budget of one step", type=int)
     flag("max_num_seqs", "most requests in one step", type=int)
@@ -682,7 +699,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("swap_space_gb", "host memory for swapped-out KV blocks, GiB", old="--swap-space", type=float)
     flag("enable_prefix_caching", "reuse the KV of shared prompt prefixes", action=argparse.BooleanOptionalAction)
     flag("scheduler", "batch-building policy", choices=SCHEDULERS, type=scheduler_name)
-    flag("scheduling_policy", "order of the waiting queue", choices=SCHEDULING_POLICIES)
+    flag("scheduling_policy", "order of the waiting queue; fair: fair share between clients (the `user` field or "
+         "X-Client-Id header) within a priority level", choices=SCHEDULING_POLICIES)
     flag("preemption_mode", "how running requests give up their KV", choices=PREEMPTION_MODES)
     flag("long_prefill_token_threshold", "most tokens one prompt may take per step (0: off)", type=int)
     flag("max_num_partial_prefills", "prompts mid-prefill at once (0: unlimited)", type=int)
@@ -691,6 +709,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("max_waiting_requests", "waiting requests beyond which the server answers 503 (0: unlimited)", type=int)
     flag("max_step_ms", "stall-free: cut prompt chunks so each step's predicted time stays under this; set it "
          "below your TBT SLO (0: off)", type=float)
+    flag("time_slice_tokens", "preempt a decoding request after this many output tokens (doubling per demotion) "
+         "when queued work waits for its seat (0: off)", type=int)
+    flag("time_slice_ms", "the same in ms of residency (0: off)", type=float)
     flag("step_profile", "profile (paceline profile) that --max-step-ms predicts with; default: a quick "
          "profile at start-up")
     flag("speculative_config", 'speculative decoding, JSON as vLLM: {"method": "ngram", "num_speculative_tokens": K, '

@@ -53,6 +53,9 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode, choices=PREEMPTION_MODES)
     g.add_argument("--priority-aging-s", type=float, default=0.0)
     g.add_argument("--max-batch-wait-ms", type=float, default=0.0)
+    g.add_argument("--time-slice-tokens", type=int, default=0,
+                   help="preempt a decoding request after this many output tokens when queued work waits (0: off)")
+    g.add_argument("--time-slice-ms", type=float, default=0.0, help="the same in ms of residency (0: off)")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as the server takes it, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                         "a proposal is accepted with the workload's spec_acceptance")
@@ -99,7 +102,8 @@ def deployment_from_args(args: argparse.Namespace):
                             max_model_len=max_len, long_prefill_token_threshold=args.long_prefill_token_threshold,
                             max_num_partial_prefills=args.max_num_partial_prefills, preemption_mode=args.preemption_mode,
                             priority_aging_s=args.priority_aging_s, max_batch_wait_ms=args.max_batch_wait_ms,
-                            max_step_ms=args.max_step_ms)
+                            max_step_ms=args.max_step_ms, time_slice_tokens=args.time_slice_tokens,
+                            time_slice_ms=args.time_slice_ms)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         swap_space_gb=args.swap_space_gb, enable_prefix_caching=args.enable_prefix_caching)
     from paceline.spec_config import SpeculativeConfig
@@ -120,7 +124,7 @@ def _simulate(args: argparse.Namespace) -> None:
         sim = dep.simulator()
     except ValueError as e:
         sys.exit(f"error: {e}")
-    result = sim.run(reqs)
+    result = sim.run(reqs, in_flight_caps=workload.in_flight_caps())
     run = sim_run_dict(result, system=args.scheduler, workload=workload.name, rate=args.rate,
                        ttft_slo=args.ttft_slo / 1e3 if args.ttft_slo else None,
                        tbt_slo=args.tbt_slo / 1e3 if args.tbt_slo else None)
@@ -202,7 +206,8 @@ def _capacity(args: argparse.Namespace) -> None:
         sys.exit(f"error: {e}")
 
     def probe(rate: float) -> dict:
-        return summarize(dep.simulator().run(generate(workload, rate, args.num_requests, args.seed)))
+        return summarize(dep.simulator().run(generate(workload, rate, args.num_requests, args.seed),
+                                             in_flight_caps=workload.in_flight_caps()))
 
     cache: dict[float, dict] = {}
     start = args.start_rate or args.rate

@@ -57,6 +57,9 @@ def sim_run_dict(result: SimResult, *, system: str = "simulated", workload: str 
            "num_steps": len(result.steps), "num_preemptions": sum(r.num_preemptions for r in result.requests),
            "num_replicas": result.num_replicas, "wall_s": result.wall_s,
            "pipeline_bubble_fraction": result.bubble_fraction}
+    # what a server's /metrics would have counted (a measured run's summary has it from the scrapes)
+    sim["preemption_counts"] = {**result.preemptions,
+                                "per_s": result.preemptions.get("preemptions", 0) / max(result.makespan, 1e-9)}
     return run_dict(system, workload, rate, run, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
                     stall_threshold_s=STALL_FACTOR * med if med else None, extra={"simulation": sim, **(extra or {})})
 

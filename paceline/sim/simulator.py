@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from paceline.bench.metrics import RequestRecord
@@ -66,6 +66,7 @@ class SimResult:
     wall_s: float  # real seconds the simulation took
     num_replicas: int
     bubble_fraction: float | None = None  # pipeline parallel: idle share of stage-time while steps were in flight
+    preemptions: dict[str, float] = field(default_factory=dict)  # the schedulers' counts, as /metrics names them
 
     @property
     def finished(self) -> list[RequestRecord]:
@@ -156,8 +157,15 @@ class Simulator:
         self.max_request_tokens = min(scheduler_config.max_model_len, num_blocks * cache_config.block_size)
         self.event_log: list[tuple[float, int, str]] | None = None  # (time, kind, id), when a test asks for it
 
-    def run(self, workload: list[SimRequest], shared_prefix_tokens: int = 0) -> SimResult:
+    def run(self, workload: list[SimRequest], shared_prefix_tokens: int = 0,
+            in_flight_caps: dict[str, int] | None = None) -> SimResult:
+        """in_flight_caps: client -> most requests in flight, as the benchmark client keeps them: a capped
+        client's request arrives when one of its own finishes if it must, and not at all after the last arrival."""
         t_wall = time.perf_counter()
+        caps = in_flight_caps or {}
+        window_end = max((r.arrival for r in workload), default=0.0)
+        in_flight: dict[str, int] = {}
+        held: dict[str, list[SimRequest]] = {c: [] for c in caps}  # arrived, waiting for a slot, in arrival order
         heap: list[tuple[float, int, int, object]] = []
         seq = 0
         for r in workload:
@@ -175,15 +183,25 @@ class Simulator:
             while heap and heap[0][0] == now:
                 _, kind, _, payload = heapq.heappop(heap)
                 if kind == ARRIVAL:
+                    client = payload.client
+                    if client in caps and payload.arrival == now and in_flight.get(client, 0) >= caps[client]:
+                        held[client].append(payload)  # the client waits for one of its own to finish
+                        continue
                     rec = self._arrive(payload, shared_prefix_tokens, now)
                     records.append(rec)
                     if rec.error is None:
                         by_id[str(rec.index)] = rec
+                        in_flight[client] = in_flight.get(client, 0) + 1
                     if log is not None:
                         log.append((now, kind, str(rec.index)))
                 elif kind == STEP_DONE:
                     rep = self.replicas[payload]
-                    self._complete(rep, now, by_id)
+                    for client in self._complete(rep, now, by_id):
+                        in_flight[client] -= 1
+                        if held.get(client) and now <= window_end:  # its next request goes out now
+                            r = held[client].pop(0)
+                            heapq.heappush(heap, (now, ARRIVAL, seq, r))
+                            seq += 1
                     if log is not None:
                         log.append((now, kind, f"replica{rep.index}"))
                 else:
@@ -221,12 +239,18 @@ class Simulator:
         pipes = list({id(r.pipeline): r.pipeline for r in self.replicas if r.pipeline is not None}.values())
         stage_span = sum(len(p.stage_free) * (p.last_end - p.first_start) for p in pipes if p.first_start is not None)
         bubble = 1 - sum(p.busy_s for p in pipes) / stage_span if stage_span > 0 else None
-        return SimResult(records, steps, time.perf_counter() - t_wall, self.router_size, bubble)
+        stats = [rep.scheduler.stats() for rep in self.replicas]
+        preemptions = {"preemptions": sum(s.num_preemptions for s in stats),
+                       "time_slice_preemptions": sum(s.num_slice_preemptions for s in stats),
+                       "recomputed_tokens": sum(s.num_recomputed_tokens for s in stats)}
+        return SimResult(records, steps, time.perf_counter() - t_wall, self.router_size, bubble, preemptions)
 
     def _arrive(self, r: SimRequest, shared_prefix: int, now: float) -> RequestRecord:
         rid = str(r.index)
         # sent at its arrival: the simulated client has no network between it and the server
-        rec = RequestRecord(r.index, r.prompt_len, r.output_len, r.priority, scheduled_s=r.arrival, sent_s=r.arrival)
+        # sent when it arrives here: at its arrival, or later when its client waited for a slot
+        rec = RequestRecord(r.index, r.prompt_len, r.output_len, r.priority, scheduled_s=r.arrival, sent_s=now,
+                            client=r.client)
         if r.prompt_len + r.output_len > self.max_request_tokens:
             rec.error, rec.replica = REJECTED, -1
             return rec
@@ -238,12 +262,14 @@ class Simulator:
         n_shared = min(shared_prefix, r.prompt_len - 1)
         prompt = [SHARED_PREFIX_TOKEN] * n_shared + [1000 + r.index] * (r.prompt_len - n_shared)
         req = Request(rid, prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0),
-                      arrival_time=r.arrival, priority=r.priority)
+                      arrival_time=now, priority=r.priority, client_id=r.client)
         slot.scheduler.add_request(req)
         self.acceptance[rid] = r.acceptance
         return rec
 
-    def _complete(self, rep: _Replica, now: float, by_id: dict[str, RequestRecord]) -> None:
+    def _complete(self, rep: _Replica, now: float, by_id: dict[str, RequestRecord]) -> list[str]:
+        """Apply the step; returns the clients of the requests that finished."""
+        finished = []
         out = rep.in_flight
         assert out is not None
         if self.speculative is None:
@@ -264,6 +290,8 @@ class Simulator:
                 rec.usage_prompt_tokens, rec.usage_completion_tokens = len(req.prompt_token_ids), len(req.token_times)
                 rec.num_preemptions = req.num_preemptions
                 self.router.finished(rec.replica)
+                finished.append(rec.client)
+        return finished
 
     def _speculative_result(self, out: SchedulerOutput, duration: float) -> StepResult:
         result = StepResult(duration=duration)

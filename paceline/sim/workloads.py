@@ -16,6 +16,7 @@ class SimRequest:
     prompt_len: int
     output_len: int
     priority: int = 0
+    client: str = ""
     acceptance: float = 0.0  # the chance a proposed token is accepted (speculative decoding; the workload's)
 
 
@@ -26,8 +27,8 @@ def load_workload(name_or_path: str, max_model_len: int | None = None) -> Worklo
 
 def generate(spec: WorkloadSpec, rate: float | None, num_requests: int, seed: int = 0) -> list[SimRequest]:
     reqs = bench_generate(spec, rate=rate, num_requests=num_requests, seed=seed)
-    return [SimRequest(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, r.priority, spec.spec_acceptance)
-            for r in reqs]
+    return [SimRequest(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, r.priority, r.client,
+                       spec.spec_acceptance) for r in reqs]
 
 
 def requests_for(name_or_path: str, rate: float | None, num_requests: int, seed: int = 0,

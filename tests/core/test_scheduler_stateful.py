@@ -1,7 +1,9 @@
-"""Hypothesis state machine: random arrivals (lengths, priorities, shared prefixes, salts), steps with random
-sampled tokens, random aborts and early finishes, on a pool small enough to force preemption by recompute and
-by swap. Every step's output and the block accounting are checked (sched_util); at the end every request not
-aborted or stopped early has exactly its requested output, with every sampled token kept as sampled."""
+"""Hypothesis state machine: random arrivals (lengths, priorities, clients, shared prefixes, salts), steps with
+random sampled tokens, random aborts and early finishes, on a pool small enough to force preemption by recompute
+and by swap, under every scheduling order (fcfs, priority, fair) with and without time slices. Every step's
+output and the block accounting are checked (sched_util); at the end every request not aborted or stopped early
+has exactly its requested output, with every sampled token kept as sampled, and the queue drains within a bound
+(no starvation)."""
 from __future__ import annotations
 
 import os
@@ -28,7 +30,7 @@ def _toy_step_time(s) -> float:
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["stall-free", "stall-free", "prefill-first", "orca", "static"]),
-                scheduling=st.sampled_from(["fcfs", "priority"]),
+                scheduling=st.sampled_from(["fcfs", "priority", "fair"]),
                 mode=st.sampled_from(["recompute", "swap", "auto"]),
                 block_size=st.sampled_from([2, 4, 4, 8]),
                 num_blocks=st.integers(6, 16),
@@ -41,9 +43,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 wait_ms=st.sampled_from([0.0, 1500.0]),
                 step_ms=st.sampled_from([0.0, 0.0, 30.0]),
                 spec=st.sampled_from([None, None, (1, 1, True, "ngram"), (3, 2, False, "ngram"), (5, 3, True, "ngram"),
-                                      (3, 1, True, "draft_model")]))
+                                      (3, 1, True, "draft_model")]),
+                slice_tokens=st.sampled_from([0, 0, 1, 3]),
+                slice_ms=st.sampled_from([0.0, 0.0, 2000.0]))
     def setup(self, policy, scheduling, mode, block_size, num_blocks, budget, max_seqs, host_blocks, threshold,
-              partial, aging, wait_ms, step_ms, spec=None) -> None:
+              partial, aging, wait_ms, step_ms, spec=None, slice_tokens=0, slice_ms=0.0) -> None:
+        if policy == "static":
+            slice_tokens, slice_ms = 0, 0.0
         self.sched = make_scheduler(policy, budget=budget, max_seqs=max_seqs, num_blocks=num_blocks,
                                     block_size=block_size, host_blocks=host_blocks, scheduling_policy=scheduling,
                                     preemption_mode=mode, long_prefill_token_threshold=threshold,
@@ -52,7 +58,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                     step_time=_toy_step_time if step_ms and policy == "stall-free" else None,
                                     speculative=SpeculativeConfig(spec[3], num_speculative_tokens=spec[0], prompt_lookup_max=spec[1],
                                                                   adaptive=spec[2])
-                                    if spec else None)
+                                    if spec else None, time_slice_tokens=slice_tokens, time_slice_ms=slice_ms)
         self.capacity = num_blocks * block_size
         self.now = 0.0
         self.count = 0
@@ -61,8 +67,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.ended_early: set[str] = set()
 
     @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 40), priority=st.integers(0, 3),
-          prefix=st.sampled_from([None, 0, 1]), salt=st.sampled_from([None, None, "x"]), seed=st.integers(0, 999))
-    def arrive(self, prompt_len, max_tokens, priority, prefix, salt, seed) -> None:
+          prefix=st.sampled_from([None, 0, 1]), salt=st.sampled_from([None, None, "x"]), seed=st.integers(0, 999),
+          client=st.sampled_from(["", "a", "b"]))
+    def arrive(self, prompt_len, max_tokens, priority, prefix, salt, seed, client="") -> None:
         rng = random.Random(seed)
         prompt = [rng.randrange(100) for _ in range(prompt_len)]
         if prefix is not None:
@@ -73,7 +80,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.count += 1
         rid = f"r{self.count}"
         r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=self.now,
-                    priority=priority, cache_salt=salt)
+                    priority=priority, cache_salt=salt, client_id=client)
         self.sched.add_request(r)
         self.all[rid] = r
         self.sampled[rid] = []
@@ -136,17 +143,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         check_state(self.sched)
         for rid, r in self.all.items():
             assert r.output_token_ids == self.sampled[rid], f"{rid}: tokens lost or changed"
+        fair = self.sched.fair
+        if fair is not None:  # backlogged clients: exactly those with unfinished requests
+            per_client: dict[str, int] = {}
+            for r in self.sched.requests.values():
+                per_client[r.client_id] = per_client.get(r.client_id, 0) + 1
+            assert fair.unfinished == per_client
 
     def teardown(self) -> None:
         if not hasattr(self, "sched"):
             return
         rng = random.Random(0)
-        for _ in range(5000):
+        # no starvation: the work left (every token to compute, twice over for recompute, plus what time slices
+        # may preempt: each request O(log) times) drains within a bound linear in it
+        left = sum(r.num_tokens + r.sampling_params.max_tokens for r in self.sched.requests.values())
+        bound = 8 * left + 100
+        for _ in range(bound):
             if not self.sched.has_unfinished():
                 break
             self.run_step(rng)
             check_state(self.sched)
-        assert not self.sched.has_unfinished(), "requests never finished"
+        assert not self.sched.has_unfinished(), f"requests not finished within {bound} steps"
         for rid, r in self.all.items():
             assert r.status is RequestStatus.FINISHED
             assert r.output_token_ids == self.sampled[rid]
@@ -200,4 +217,56 @@ def test_found_by_a_longer_run_a_readmitted_request_that_looks_like_a_decode() -
     m.step(seed=0, steps=1)
     m.step(seed=0, steps=1)
     m.step(seed=0, steps=3)
+    m.teardown()
+
+
+def test_found_by_a_longer_run_a_static_batch_member_swapped_out_under_fair():
+    """A longer randomized run found this: under fair, a swapped-out member of a static batch waited for waiting
+    requests that rank first, but static admits only its members, so nothing ran again."""
+    m = SchedulerMachine()
+    m.setup(policy='static', wait_ms=0.0, mode='swap', slice_ms=0.0, max_seqs=6, num_blocks=14, spec=None, partial=0, slice_tokens=0, block_size=4, budget=36, aging=0.0, threshold=0, step_ms=0.0, scheduling='fair', host_blocks=4)
+    m.arrive(client='a', max_tokens=24, prefix=None, priority=0, prompt_len=14, salt=None, seed=128)
+    m.arrive(client='', max_tokens=12, prefix=None, priority=0, prompt_len=30, salt=None, seed=963)
+    m.end_one(how=None, pick=145872)
+    m.arrive(client='b', max_tokens=4, prefix=None, priority=2, prompt_len=24, salt=None, seed=274)
+    m.arrive(client='b', max_tokens=39, prefix=0, priority=0, prompt_len=19, salt=None, seed=505)
+    m.end_one(how='abort', pick=25)
+    m.end_one(how=None, pick=1446)
+    m.arrive(client='', max_tokens=15, prefix=None, priority=0, prompt_len=17, salt=None, seed=175)
+    m.end_one(how=None, pick=2745)
+    m.arrive(client='a', max_tokens=4, prefix=0, priority=1, prompt_len=16, salt='x', seed=722)
+    m.arrive(client='b', max_tokens=15, prefix=None, priority=2, prompt_len=19, salt=None, seed=107)
+    m.arrive(client='', max_tokens=13, prefix=0, priority=1, prompt_len=17, salt=None, seed=11)
+    m.arrive(client='b', max_tokens=15, prefix=None, priority=1, prompt_len=11, salt=None, seed=418)
+    m.end_one(how=None, pick=37860)
+    m.end_one(how=None, pick=274)
+    m.end_one(how='stop', pick=295152)
+    m.end_one(how=None, pick=11966)
+    m.arrive(client='', max_tokens=8, prefix=None, priority=2, prompt_len=11, salt=None, seed=720)
+    m.end_one(how=None, pick=342)
+    m.end_one(how='abort', pick=77)
+    m.arrive(client='', max_tokens=36, prefix=1, priority=1, prompt_len=23, salt=None, seed=248)
+    m.arrive(client='', max_tokens=29, prefix=1, priority=0, prompt_len=28, salt='x', seed=512)
+    m.arrive(client='a', max_tokens=4, prefix=None, priority=1, prompt_len=11, salt=None, seed=330)
+    m.arrive(client='a', max_tokens=13, prefix=None, priority=2, prompt_len=22, salt=None, seed=38)
+    m.end_one(how=None, pick=343)
+    m.end_one(how=None, pick=949)
+    m.arrive(client='a', max_tokens=6, prefix=None, priority=2, prompt_len=16, salt=None, seed=96)
+    m.arrive(client='a', max_tokens=19, prefix=1, priority=3, prompt_len=6, salt=None, seed=699)
+    m.arrive(client='a', max_tokens=17, prefix=None, priority=0, prompt_len=10, salt=None, seed=203)
+    m.end_one(how='abort', pick=11784)
+    m.arrive(client='', max_tokens=25, prefix=0, priority=3, prompt_len=29, salt='x', seed=25)
+    m.end_one(how=None, pick=654)
+    m.end_one(how=None, pick=917)
+    m.arrive(client='a', max_tokens=34, prefix=None, priority=0, prompt_len=15, salt=None, seed=275)
+    m.arrive(client='a', max_tokens=20, prefix=1, priority=3, prompt_len=5, salt=None, seed=452)
+    m.end_one(how=None, pick=14414)
+    m.arrive(client='', max_tokens=24, prefix=1, priority=1, prompt_len=10, salt='x', seed=282)
+    m.arrive(client='', max_tokens=19, prefix=None, priority=3, prompt_len=12, salt=None, seed=745)
+    m.arrive(client='a', max_tokens=38, prefix=1, priority=3, prompt_len=18, salt='x', seed=154)
+    m.end_one(how='stop', pick=107275)
+    m.end_one(how=None, pick=159)
+    m.arrive(client='b', max_tokens=10, prefix=0, priority=3, prompt_len=12, salt='x', seed=709)
+    m.end_one(how=None, pick=16)
+    m.end_one(how='abort', pick=1)
     m.teardown()

@@ -45,7 +45,7 @@ class FakeEngine:
         self.texts: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, client_id: str = "") -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
@@ -57,7 +57,8 @@ class FakeEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                              f"{self.max_model_len}")
         params.max_tokens = max_tokens
-        req = Request(request_id, ids, params, arrival_time or time.monotonic(), priority=priority, eos_token_id=0)
+        req = Request(request_id, ids, params, arrival_time or time.monotonic(), priority=priority, eos_token_id=0,
+                      client_id=client_id)
         self.waiting.append(req)
         self.texts[request_id] = ""
         return req

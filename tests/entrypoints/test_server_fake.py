@@ -238,3 +238,25 @@ def test_engine_builder_error_is_raised_to_the_caller():
 
     with pytest.raises(ValueError, match="no such model file"):
         AsyncEngine(build)
+
+
+def test_the_client_id_comes_from_the_x_client_id_header_or_the_user_field():
+    engine = FakeEngine()
+    seen = []
+    add = engine.add_request
+
+    def recording_add(*args, **kw):
+        request = add(*args, **kw)
+        seen.append(request.client_id)
+        return request
+    engine.add_request = recording_add
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    with make_client(engine) as c:
+        assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "user": "alice"}).status_code == 200
+        assert c.post("/v1/chat/completions", json=chat, headers={"X-Client-Id": "gw-7"}).status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "user": "alice"},
+                      headers={"X-Client-Id": "bob"}).status_code == 200  # a gateway's header wins
+        assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
+        message = error(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "user": "u" * 257}), 400, "user")
+        assert "257 characters" in message
+    assert seen == ["alice", "gw-7", "bob", ""]

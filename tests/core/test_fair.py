@@ -1,0 +1,202 @@
+"""Fair share between clients and time slices, in hand-built scenarios: counters charged with what steps ran,
+lifting of a newly backlogged client, admission of the least-served client, the most-served client's victim,
+priorities before fairness, demotion by a used slice, and the hysteresis that keeps two requests from trading
+places every step."""
+from __future__ import annotations
+
+import pytest
+
+from sched_util import make_request, make_scheduler, step
+
+from paceline.config import SchedulerConfig
+from paceline.core.fair import FairQueue, FairShare
+from paceline.core.queues import rank_function
+from paceline.request import RequestStatus
+
+
+def req(rid, prompt, max_tokens=8, client="", arrival=0.0, priority=0):
+    r = make_request(rid, prompt, max_tokens=max_tokens, arrival=arrival, priority=priority)
+    r.client_id = client
+    return r
+
+
+def run(sched, now, until, limit=500):
+    """Step until `until()` holds; returns the time of the last step."""
+    for _ in range(limit):
+        if until():
+            return now
+        now += 1.0
+        step(sched, now)
+    raise AssertionError("condition not reached")
+
+
+def test_counters_charge_prompt_tokens_once_and_decodes_twice():
+    sched = make_scheduler(scheduling_policy="fair", budget=64)
+    sched.add_request(req("a", 10, max_tokens=3, client="a"))
+    step(sched, 1.0)  # the 10-token prompt
+    assert sched.fair.counter("a") == 10
+    step(sched, 2.0)  # a decode weighs 2
+    assert sched.fair.counter("a") == 12
+    step(sched, 3.0)
+    assert sched.fair.counter("a") == 14 and not sched.has_unfinished()
+
+
+def test_a_newly_backlogged_client_is_lifted_to_the_lowest_backlogged_counter():
+    fair = FairShare()
+    fair.arrive("a")
+    fair.arrive("b")
+    fair.counters.update(a=100.0, b=40.0)
+    fair.arrive("c")  # new: lifted to min(100, 40), so idling banked nothing
+    assert fair.counter("c") == 40.0
+    fair.leave("c")
+    fair.counters["c"] = 70.0  # served more than b meanwhile: a return keeps its own, higher counter
+    fair.arrive("c")
+    assert fair.counter("c") == 70.0
+    for c in ("a", "b", "c"):
+        fair.leave(c)
+    fair.arrive("d")  # nobody backlogged: lifted to the highest counter
+    assert fair.counter("d") == 100.0
+
+
+def test_lifting_in_the_scheduler_uses_what_steps_charged():
+    sched = make_scheduler(scheduling_policy="fair", budget=64)
+    sched.add_request(req("a1", 20, max_tokens=30, client="a"))
+    now = run(sched, 0.0, lambda: sched.requests["a1"].num_output_tokens >= 5)
+    served = sched.fair.counter("a")
+    assert served == 20 + 2 * 4  # the prompt, then four decodes
+    sched.add_request(req("b1", 4, client="b", arrival=now))
+    assert sched.fair.counter("b") == served
+
+
+@pytest.mark.parametrize("policy, expected", [("fcfs", ["a1", "a2", "a3", "b1"]), ("fair", ["a1", "b1", "a2", "a3"])])
+def test_admission_picks_the_least_served_clients_oldest_request(policy, expected):
+    sched = make_scheduler(scheduling_policy=policy, budget=64, max_seqs=1)
+    for i in (1, 2, 3):
+        sched.add_request(req(f"a{i}", 6, max_tokens=4, client="a", arrival=0.0))
+    step(sched, 1.0)
+    sched.add_request(req("b1", 6, max_tokens=4, client="b", arrival=1.5))  # later than a2, a3
+    run(sched, 1.0, lambda: not sched.has_unfinished())
+    assert sorted(["a1", "a2", "a3", "b1"], key=lambda rid: first_scheduled[rid]) == expected
+
+
+first_scheduled: dict[str, float] = {}
+
+
+@pytest.fixture(autouse=True)
+def _record_first_scheduled(monkeypatch):
+    """Note each request's first scheduled time as the scheduler sets it (requests leave the scheduler when done)."""
+    from paceline.core import scheduler as mod
+    original = mod.Scheduler.add_scheduled
+    first_scheduled.clear()
+
+    def add_scheduled(self, st, request, n):
+        first_scheduled.setdefault(request.request_id, st.now)
+        return original(self, st, request, n)
+    monkeypatch.setattr(mod.Scheduler, "add_scheduled", add_scheduled)
+
+
+@pytest.mark.parametrize("policy, victim", [("fcfs", "b1"), ("fair", "a1")])
+def test_preemption_takes_the_most_served_clients_request(policy, victim):
+    sched = make_scheduler(scheduling_policy=policy, budget=64, num_blocks=12, block_size=4)
+    # both backlogged from the start; a's longer prompt makes it the more served, b1 is the later arrival
+    a1 = req("a1", 16, max_tokens=24, client="a", arrival=0.0)
+    b1 = req("b1", 4, max_tokens=24, client="b", arrival=0.1)
+    sched.add_request(a1)
+    sched.add_request(b1)
+    run(sched, 0.0, lambda: a1.num_preemptions + b1.num_preemptions > 0)
+    assert {"a1": a1, "b1": b1}[victim].num_preemptions == 1
+    run(sched, 100.0, lambda: not sched.has_unfinished())
+
+
+def test_priority_comes_before_fairness():
+    sched = make_scheduler(scheduling_policy="fair", budget=64, max_seqs=1)
+    sched.add_request(req("a1", 6, max_tokens=6, client="a"))
+    now = run(sched, 0.0, lambda: sched.requests["a1"].num_output_tokens >= 3)
+    sched.add_request(req("b1", 6, max_tokens=2, client="b", arrival=now, priority=5))
+    sched.add_request(req("a2", 6, max_tokens=2, client="a", arrival=now + 0.5, priority=0))
+    run(sched, now, lambda: not sched.has_unfinished())
+    assert first_scheduled["a2"] < first_scheduled["b1"]  # a is more served, but a2 outranks b1
+
+
+def test_fair_queue_hands_out_the_least_served_clients_best_request():
+    fair = FairShare()
+    q = FairQueue(fair, rank_function("fair"))
+    for rid, client, t in (("a1", "a", 0.0), ("a2", "a", 1.0), ("b1", "b", 2.0), ("c1", "c", 3.0)):
+        q.push(req(rid, 4, client=client, arrival=t))
+    fair.counters.update(a=5.0, b=1.0, c=3.0)
+    assert [r.request_id for r in q] == ["b1", "c1", "a1", "a2"]
+    assert q.pop().request_id == "b1"
+    fair.counters["a"] = 0.0
+    assert q.peek().request_id == "a1" and len(q) == 3
+    assert q.remove("a1").request_id == "a1" and "a1" not in q
+    assert [r.request_id for r in q.first(5)] == ["a2", "c1"]
+
+
+def _resident(sched) -> list[str]:
+    return [r.request_id for r in sched.running]
+
+
+def test_a_used_slice_preempts_and_demotes_and_a_resumed_request_keeps_its_tokens():
+    sched = make_scheduler(budget=64, max_seqs=1, time_slice_tokens=4, preemption_mode="swap", host_blocks=64)
+    r1, r2 = req("r1", 4, max_tokens=30, arrival=0.0), req("r2", 4, max_tokens=30, arrival=0.5)
+    sched.add_request(r1)
+    step(sched, 1.0)
+    sched.add_request(r2)
+    now = run(sched, 1.0, lambda: r1.num_preemptions == 1)
+    # r1 ran exactly its slice (4 output tokens), then gave its seat to r2 and went down one level
+    assert r1.num_output_tokens == 4 and r1.slice_level == 1 and r1.status is RequestStatus.SWAPPED
+    assert _resident(sched) == ["r2"] and sched.stats().num_slice_preemptions == 1
+    # r2 at level 0 is not cut before its own slice is used, though r1 waits (hysteresis)
+    now = run(sched, now, lambda: r2.num_preemptions == 1)
+    assert r2.num_output_tokens == 4 and r2.slice_level == 1 and _resident(sched) == ["r1"]
+    # r1 at level 1 has a slice twice as long
+    run(sched, now, lambda: r2.status is RequestStatus.RUNNING)
+    assert r1.num_output_tokens == 4 + 8 and r1.slice_level == 2
+    run(sched, now, lambda: not sched.has_unfinished())
+    assert r1.num_output_tokens == r2.num_output_tokens == 30
+    assert r1.num_preemptions <= 3 and r2.num_preemptions <= 3  # O(log) preemptions each, not 30 / 4
+
+
+def test_no_slice_preemption_while_a_seat_is_free_or_nothing_waits():
+    sched = make_scheduler(budget=64, max_seqs=2, time_slice_tokens=2)
+    sched.add_request(req("r1", 4, max_tokens=20))
+    sched.add_request(req("r2", 4, max_tokens=20, arrival=0.5))
+    run(sched, 0.0, lambda: not sched.has_unfinished())
+    assert sched.num_preemptions == 0
+
+
+def test_slices_in_milliseconds_and_recompute_counts_the_recomputed_tokens():
+    sched = make_scheduler(budget=64, max_seqs=1, time_slice_ms=2500, preemption_mode="recompute", caching=False)
+    r1, r2 = req("r1", 10, max_tokens=20), req("r2", 4, max_tokens=2, arrival=0.5)
+    sched.add_request(r1)
+    sched.add_request(r2)
+    now = run(sched, 0.0, lambda: r1.num_preemptions == 1)
+    assert now == 4.0  # admitted at 1, its 2.5 s slice used at 4
+    computed = r1.num_tokens - 1  # the KV it held: prompt and output but the last token
+    assert computed == 12
+    run(sched, now, lambda: not sched.has_unfinished())
+    assert sched.stats().num_recomputed_tokens == computed and r1.num_output_tokens == 20
+
+
+def test_fair_with_slices_gives_the_light_client_a_heavy_clients_seat():
+    sched = make_scheduler(scheduling_policy="fair", budget=64, max_seqs=2, time_slice_tokens=4,
+                           preemption_mode="swap", host_blocks=200)
+    for i in range(4):
+        sched.add_request(req(f"h{i}", 8, max_tokens=40, client="heavy", arrival=i * 0.1))
+    now = run(sched, 0.0, lambda: sched.fair.counter("heavy") > 100)
+    light = req("l1", 8, max_tokens=4, client="light", arrival=now)
+    sched.add_request(light)
+    # the heavy requests are at level 1 (8-token slices) but have run 4: the light client needs only that first
+    # slice used once it is the less served, which it is after one step (lifted to heavy's counter, it ties)
+    run(sched, now, lambda: light.is_finished, limit=7)
+    assert light.first_scheduled_time == now + 2 and sched.num_slice_preemptions >= 1
+
+
+def test_config_checks():
+    assert SchedulerConfig(scheduling_policy="fair").scheduling_policy == "fair"
+    with pytest.raises(ValueError, match="static"):
+        SchedulerConfig(policy="static", time_slice_tokens=8)
+    with pytest.raises(ValueError, match="time_slice_tokens"):
+        SchedulerConfig(time_slice_tokens=-1)
+    with pytest.raises(ValueError, match="time_slice_ms"):
+        SchedulerConfig(time_slice_ms=-1.0)
