@@ -192,13 +192,15 @@ inline void pv_slab(const float* const* p, const float* const* v, int n, int c, 
     for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc[r] + c + 8 * w, a[r][w]);
 }
 
-// slabs of W vectors (at most 12 accumulators), then single vectors for what is left of d
+// slabs of W vectors: 8-9 independent accumulators keep both FMA pipes busy (4-cycle latency) and leave
+// registers for the V vectors and the broadcast weight; then one slab for what is left of d
 template <int NR>
 inline void pv(const float* const* p, const float* const* v, int n, int d, const float* alpha, float* const* acc) {
-  constexpr int W = NR == 1 ? 8 : NR == 2 ? 4 : 2;
+  constexpr int W = NR == 1 ? 8 : NR == 2 ? 4 : 3;
   int c = 0;
   for (; c + 8 * W <= d; c += 8 * W) pv_slab<NR, W>(p, v, n, c, alpha, acc);
-  for (; c < d; c += 8) pv_slab<NR, 1>(p, v, n, c, alpha, acc);
+  for (; c + 16 <= d; c += 16) pv_slab<NR, 2>(p, v, n, c, alpha, acc);
+  if (c < d) pv_slab<NR, 1>(p, v, n, c, alpha, acc);
 }
 #endif
 
@@ -323,10 +325,29 @@ void attend(const float* q, int64_t q_stride, float* out, int64_t H, int G, int 
     }
 }
 
-// q [T, H, D] float32; caches [num_blocks, block_size, KVH, D] (float32 or bfloat16); block_tables [S, max_blocks]
-// int32; seqs [S, 3] int32 rows (first flat row, number of tokens, position of the first token) -> [T, H, D] float32
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& seqs, double scale) {
+// this step's K/V rows [T, KVH, D] (any row stride) into their cache slots, widened or rounded to the cache's dtype
+template <typename T>
+void write_slots(const at::Tensor& x, T* cache, const int64_t* slots, int64_t row_elems) {
+  const int64_t t = x.size(0), stride = x.stride(0);
+  if (x.scalar_type() == at::kFloat) {
+    const float* src = x.data_ptr<float>();
+    for (int64_t i = 0; i < t; ++i) {
+      T* dst = cache + slots[i] * row_elems;
+      for (int64_t e = 0; e < row_elems; ++e) dst[e] = T(src[i * stride + e]);
+    }
+  } else {
+    TORCH_CHECK(x.scalar_type() == c10::CppTypeToScalarType<T>::value, "new K/V must be float32 or the cache's dtype");
+    const T* src = x.data_ptr<T>();
+    for (int64_t i = 0; i < t; ++i) std::memcpy(cache + slots[i] * row_elems, src + i * stride, sizeof(T) * row_elems);
+  }
+}
+
+// Writes this step's k/v [T, KVH, D] into slots [T] (int64) of the caches, then: q [T, H, D] float32; caches
+// [num_blocks, block_size, KVH, D] (float32, bfloat16 or float16); block_tables [S, max_blocks] int32; seqs [S, 3]
+// int32 rows (first flat row, number of tokens, position of the first token) -> [T, H, D] float32
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                           const at::Tensor& seqs, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float32 [T, H, D] with contiguous rows");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -339,6 +360,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t H = q.size(1), d = q.size(2), kvh = k_cache.size(2), bs = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == d && H % kvh == 0, "head shapes do not match");
   const int G = int(H / kvh);
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == kvh &&
+              v.size(1) == kvh && k.size(2) == d && v.size(2) == d && k.stride(2) == 1 && k.stride(1) == d &&
+              v.stride(2) == 1 && v.stride(1) == d, "new K/V must be [T, kv_heads, head_dim] with contiguous rows");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == q.size(0),
+              "slots must be contiguous int64 [T]");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < q.size(0); ++i)
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < k_cache.size(0) * bs, "slot ", sl[i], " is outside the cache");
   auto out = at::empty({q.size(0), H, d}, q.options());
   const int S = int(seqs.size(0)), max_blocks = int(block_tables.size(1));
   const int32_t* sq = seqs.data_ptr<int32_t>();
@@ -369,13 +398,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
              s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
     }
   };
+  auto write_and_run = [&](auto* kc, auto* vc) {
+    write_slots(k, kc, sl, kvh * d);
+    write_slots(v, vc, sl, kvh * d);
+    run(kc, vc);
+  };
   if (k_cache.scalar_type() == at::kFloat) {
-    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+    write_and_run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   } else if (k_cache.scalar_type() == at::kBFloat16) {
-    run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+    write_and_run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(k_cache.scalar_type() == at::kHalf, "caches must be float32, bfloat16 or float16");
-    run(k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>());
+    write_and_run(k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>());
   }
   return out;
 }
@@ -383,7 +417,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }  // namespace
 
 TORCH_LIBRARY(NAMESPACE, m) {
-  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seqs, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "Tensor block_tables, Tensor seqs, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("paged_attention", &paged_attention); }
 """
@@ -445,7 +480,7 @@ def enabled() -> bool:
 
 
 def load() -> Callable | None:
-    """The op `(q, k_cache, v_cache, block_tables, seqs, scale) -> out`, building it first if needed; None when it
+    """The op `(q, k, v, k_cache, v_cache, slots, block_tables, seqs, scale) -> out`, building it first if needed; None when it
     is switched off or cannot be built here (the reason is logged once)."""
     if not enabled():
         return None

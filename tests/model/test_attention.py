@@ -184,15 +184,21 @@ def test_kernel_matches_dense_at_model_shapes(kvh, h, d, bs):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_reads_half_precision_caches(dtype):
-    """A bfloat16 / float16 cache is widened inside the op: the same answer as the reference on the rounded K/V."""
+@pytest.mark.parametrize("new_dtype", [torch.float32, "cache"])
+def test_kernel_reads_half_precision_caches(dtype, new_dtype):
+    """A bfloat16 / float16 cache is widened inside the op, and this step's K/V are rounded into it (float32 ones
+    from a wide step, or already in the cache's dtype): the same answer as the reference on the rounded K/V."""
     shape = [(20, 17), (90, 1), (5, 1)]
-    seqs, ks, vs, qs = _random_step(shape, 3, 9, 64, 16, seed=3, dtype=dtype)
-    out, _, _ = _run(seqs, ks, vs, qs, kernel=True, bs=16, cache_dtype=dtype)
+    seqs, ks, vs, qs = _random_step(shape, 3, 9, 64, 16, seed=3)
+    if new_dtype == "cache":
+        ks, vs = [k.to(dtype) for k in ks], [v.to(dtype) for v in vs]
+    out, k_cache, _ = _run(seqs, ks, vs, qs, kernel=True, bs=16, cache_dtype=dtype)
     row = 0
     for s, k, v, q in zip(seqs, ks, vs, qs):
-        ref = dense_attention_reference(q, k.float(), v.float(), s.start, 64 ** -0.5)
+        ref = dense_attention_reference(q, k.to(dtype).float(), v.to(dtype).float(), s.start, 64 ** -0.5)
         torch.testing.assert_close(out[row:row + s.num_tokens], ref, atol=2e-5, rtol=1e-4)
+        last = s.start + s.num_tokens - 1
+        assert torch.equal(k_cache[s.block_table[last // 16], last % 16], k[last].to(dtype))
         row += s.num_tokens
 
 
@@ -215,7 +221,10 @@ def test_kernel_rejects_a_bad_sequence_table():
     if not KERNEL:
         pytest.skip("the C++ attention kernel cannot be built here")
     op = attention_kernel.load()
-    q = torch.zeros(2, 6, 8)
+    q, kv = torch.zeros(2, 6, 8), torch.zeros(2, 2, 8)
     cache = torch.zeros(4, BS, 2, 8)
+    table, slots = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 1])
     with pytest.raises(RuntimeError, match="does not fit"):  # 2 tokens at position 20 need 6 blocks, the table has 2
-        op(q, cache, cache, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([[0, 2, 20]], dtype=torch.int32), 1.0)
+        op(q, kv, kv, cache, cache, slots, table, torch.tensor([[0, 2, 20]], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(q, kv, kv, cache, cache, torch.tensor([0, 4 * BS]), table, torch.tensor([[0, 2, 0]], dtype=torch.int32), 1.0)
