@@ -32,6 +32,7 @@ class RequestRecord:
     first_scheduled_s: float | None = None
     num_preemptions: int = 0
     replica: int = 0
+    model: str | None = None  # which model served it (a several-model workload); None: the endpoint's
 
     @property
     def ok(self) -> bool:

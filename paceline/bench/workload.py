@@ -16,6 +16,9 @@ YAML shape (every key optional except where noted):
       - {fraction: 0.8, priority: 10, prompt_tokens: {...}, output_tokens: {...}}
     trace: path/to/trace.csv            # arrival_s,prompt_tokens,output_tokens[,priority]; relative to the yaml
     max_model_len: 8192                 # prompt + output are clipped to it
+    models:                             # mixed traffic over a several-model server: each request names one
+      - {name: smol-fp32, fraction: 0.5}
+      - {name: smol-int4, fraction: 0.5}
 """
 from __future__ import annotations
 
@@ -109,6 +112,16 @@ class PriorityClass:
 
 
 @dataclass
+class ModelShare:
+    name: str
+    fraction: float
+
+    def __post_init__(self) -> None:
+        if not self.name or not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"a model share needs a name and a fraction in (0, 1], got {self.name!r}, {self.fraction}")
+
+
+@dataclass
 class WorkloadSpec:
     name: str = "custom"
     arrival: Arrival = field(default_factory=Arrival)
@@ -117,8 +130,11 @@ class WorkloadSpec:
     classes: list[PriorityClass] = field(default_factory=list)
     trace: str | None = None  # CSV path, used by arrival kind "trace" and length kind "trace"
     max_model_len: int = 8192
+    models: list[ModelShare] = field(default_factory=list)  # empty: every request goes to the endpoint's model
 
     def __post_init__(self) -> None:
+        if self.models and not math.isclose(sum(m.fraction for m in self.models), 1.0, abs_tol=1e-6):
+            raise ValueError(f"model fractions must sum to 1, got {sum(m.fraction for m in self.models)}")
         if self.classes and not math.isclose(sum(c.fraction for c in self.classes), 1.0, abs_tol=1e-6):
             raise ValueError(f"priority class fractions must sum to 1, got {sum(c.fraction for c in self.classes)}")
         if self.max_model_len < 2:
@@ -135,6 +151,7 @@ class RequestSpec:
     prompt_tokens: int
     output_tokens: int
     priority: int = 0
+    model: str | None = None  # None: the endpoint's model
 
 
 @dataclass
@@ -225,10 +242,15 @@ def generate(spec: WorkloadSpec, *, rate: float | None = None, num_requests: int
     else:
         priority = [spec.classes[k].priority if spec.classes else 0 for k in which]
 
+    models: list[str | None] = [None] * n
+    if spec.models:  # its own stream too: adding a model mix changes no arrival, length or priority
+        fractions = np.array([m.fraction for m in spec.models])
+        picks = np.random.default_rng([seed, 4]).choice(len(spec.models), size=n, p=fractions / fractions.sum())
+        models = [spec.models[k].name for k in picks]
     out = []
     for i in range(n):
         p, o = clip_to_context(int(prompt[i]), int(output[i]), spec.max_model_len)
-        out.append(RequestSpec(i, float(arrivals[i]), p, o, int(priority[i])))
+        out.append(RequestSpec(i, float(arrivals[i]), p, o, int(priority[i]), models[i]))
     return out
 
 
@@ -283,7 +305,8 @@ def _length_from(d: dict | None, default: LengthDist | None = None) -> LengthDis
 
 
 def spec_from_dict(d: dict, base_dir: Path | None = None) -> WorkloadSpec:
-    known = {"name", "arrival", "prompt_tokens", "output_tokens", "classes", "trace", "max_model_len", "description"}
+    known = {"name", "arrival", "prompt_tokens", "output_tokens", "classes", "trace", "max_model_len", "description",
+             "models"}
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"unknown workload keys: {', '.join(sorted(unknown))}")
@@ -302,6 +325,7 @@ def spec_from_dict(d: dict, base_dir: Path | None = None) -> WorkloadSpec:
         classes=classes,
         trace=trace,
         max_model_len=int(d.get("max_model_len", 8192)),
+        models=[ModelShare(str(m["name"]), float(m["fraction"])) for m in d.get("models") or []],
     )
 
 
