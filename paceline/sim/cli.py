@@ -62,6 +62,8 @@ def _output_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-dir", default=None,
                    help="write results.json (the summary, every request's timeline, every step), results.md and PNGs")
     g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--html", default=None, metavar="PATH",
+                   help="write the run as one HTML page drawn by the dashboard's charts ('auto': OUTPUT_DIR/report.html)")
     # the older spellings: the JSON alone to a file, the PNGs alone to a folder
     g.add_argument("--out", default=None, help=argparse.SUPPRESS)
     g.add_argument("--plots", default=None, help=argparse.SUPPRESS)
@@ -129,11 +131,35 @@ def _simulate(args: argparse.Namespace) -> None:
         print(f"wrote {out}/results.json, results.md")
     if args.out:
         write_json(Path(args.out), payload)
+    if args.html:
+        page = (out or Path(".")) / "report.html" if args.html == "auto" else Path(args.html)
+        print(f"wrote {write_html(result, run, md, page, args)}")
     plot_dir = Path(args.plots) if args.plots else out if out and not args.no_plots else None
     if plot_dir:
         from paceline.bench.plots import all_plots  # matplotlib: the [bench] extra
         for p in all_plots([run], plot_dir, s["tbt_slo_s"]):
             print(f"wrote {p}")
+
+
+def write_html(result, run: dict, md: str, path: Path, args: argparse.Namespace) -> Path:
+    """The simulated run as the dashboard draws a server's: one row per replica, on the simulated clock."""
+    from paceline.bench import html_report
+
+    steps = []
+    for i, s in enumerate(result.steps):
+        steps.append(html_report.step_dict(
+            f"replica {s.replica}", i + 1, t=s.start, dur=s.duration, pred=s.duration, decode=s.num_decode_tokens,
+            prefill=s.num_prefill_tokens, reqs=s.num_requests, running=s.num_running, waiting=s.num_waiting,
+            swapped=s.num_swapped, kv_used=s.num_used_blocks, kv_free=s.num_free_blocks, preempted=s.num_preempted))
+    latency: dict[str, dict] = {}
+    info: dict[str, dict] = {}
+    for name in sorted({s["model"] for s in steps}):
+        recs = [r for r in result.requests if f"replica {r.replica}" == name]
+        latency[name] = html_report.latency_of(recs, name)
+        info[name] = {"model": name, "policy": args.scheduler, "max_step_ms": args.max_step_ms,
+                             "max_num_batched_tokens": args.max_num_batched_tokens}
+    return html_report.write(path, f"paceline simulate: {run['workload']} at {args.rate} req/s", md, steps, latency,
+                             info, note=f"{_device_name(args)}; simulated time")
 
 
 def _device_name(args: argparse.Namespace) -> str:

@@ -38,6 +38,13 @@ class StepRecord:
     num_decode_tokens: int
     num_prefill_tokens: int
     num_requests: int
+    # the scheduler's state once the step is chosen, as the server's step log records it (the static report)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_used_blocks: int = 0
+    num_free_blocks: int = 0
+    num_preempted: int = 0  # preemptions this step's choice made
 
 
 REJECTED = "rejected: longer than the context or the KV cache"
@@ -68,6 +75,7 @@ class _Replica:
     in_flight: SchedulerOutput | None = None
     in_flight_duration: float = 0.0
     poll_pending: bool = False
+    preemptions_seen: int = 0
 
 
 class Simulator:
@@ -133,7 +141,13 @@ class Simulator:
                 shape = batch_shape(out)
                 d = cost(shape)
                 rep.busy, rep.in_flight, rep.in_flight_duration = True, out, d
-                steps.append(StepRecord(rep.index, now, d, shape.num_decodes, shape.num_prefill_tokens, shape.num_requests))
+                sched = rep.scheduler
+                pool = sched.kv.pool
+                preempted = sched.num_preemptions - rep.preemptions_seen
+                rep.preemptions_seen = sched.num_preemptions
+                steps.append(StepRecord(rep.index, now, d, shape.num_decodes, shape.num_prefill_tokens, shape.num_requests,
+                                        len(sched.running), len(sched.waiting), len(sched.swapped), pool.num_used,
+                                        pool.num_free, preempted))
                 heapq.heappush(heap, (now + d, STEP_DONE, seq, rep.index))
                 seq += 1
         stuck = [rep.index for rep in self.replicas if rep.scheduler.has_unfinished()]
