@@ -42,17 +42,20 @@ class _BoundEngine:
 class ModelRouter:
     """What build_app calls in place of one OpenAIServing: resolve, chat, completions, the model list."""
 
-    def __init__(self, async_engine: Any, residency: Residency, settings: Any = None) -> None:
-        """settings: the ServerSettings every model's OpenAIServing gets (build_app sets them)."""
-        from paceline.entrypoints.server import OpenAIServing
-
-        self._serving_cls = OpenAIServing
-        self.async_engine, self.residency, self.settings = async_engine, residency, settings
+    def __init__(self, async_engine: Any, residency: Residency) -> None:
+        self.async_engine, self.residency = async_engine, residency
+        self._serving_cls: Any = None
+        self.settings: Any = None
         self.model_names = residency.names
         self.default_model = self.model_names[0]
         self.created = int(time.time())
         self._servings: dict[str, Any] = {}
         residency.on_unload.append(lambda name: self._servings.pop(name, None))
+
+    def bind(self, serving_cls: type, settings: Any) -> None:
+        """build_app's OpenAIServing class and ServerSettings, which every model's serving is built with (passed in,
+        not imported: the server module imports this one)."""
+        self._serving_cls, self.settings = serving_cls, settings
 
     # -- routing -----------------------------------------------------------------------------------------------
 

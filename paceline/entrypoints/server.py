@@ -164,7 +164,7 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
     settings = settings or ServerSettings()
     engine = async_engine.engine
     if router is not None:
-        router.settings = settings
+        router.bind(OpenAIServing, settings)  # each model gets the one-model serving, with these settings
     api = router if router is not None else OpenAIServing(async_engine, settings)
 
     @asynccontextmanager
