@@ -24,6 +24,9 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-config", default="mistral-7b", help="bundled name (mistral-7b, llama-3-8b, llama-2-7b, llama-3-70b, qwen2-72b) or config.json path")
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--pp-microbatches", type=int, default=None,
+                   help="virtual engines per replica whose steps overlap in the pipeline (default: --pp; 1: the "
+                        "stages run one after another)")
     g.add_argument("--step-overhead-ms", type=float, default=2.0, help="roofline: CPU time per step")
     g.add_argument("--efficiency", action="append", default=[], metavar="CLASS=F",
                    help="roofline: fraction of peak for gemm | attn_prefill | attn_decode | elementwise (repeatable)")
@@ -96,7 +99,8 @@ def deployment_from_args(args: argparse.Namespace):
                             max_step_ms=args.max_step_ms)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         swap_space_gb=args.swap_space_gb, enable_prefix_caching=args.enable_prefix_caching)
-    dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization)
+    dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization,
+                     getattr(args, "pp_microbatches", None))
     return dep, workload
 
 
@@ -117,10 +121,13 @@ def _simulate(args: argparse.Namespace) -> None:
                        tbt_slo=args.tbt_slo / 1e3 if args.tbt_slo else None)
     s, m = run["summary"], run["simulation"]
     print(f"{workload.name} at {args.rate} req/s, {args.replicas} x {_device_name(args)}, {args.scheduler} "
-          f"budget {args.max_num_batched_tokens}, {sim.num_blocks} KV blocks per replica")
+          f"budget {args.max_num_batched_tokens}, {sim.num_blocks} KV blocks per replica"
+          + (f" per virtual engine x {sim.pipeline_microbatches}" if sim.pipeline_microbatches > 1 else ""))
     print(f"{s['completed']}/{s['num_requests']} requests finished ({s['failed']} rejected) in {s['duration_s']:.1f} "
           f"simulated s ({m['wall_s']:.2f} s wall); {m['num_steps']} steps, median decode step "
-          f"{m['median_decode_step_s'] * 1e3:.1f} ms; {m['num_preemptions']} preemptions\n")
+          f"{m['median_decode_step_s'] * 1e3:.1f} ms; {m['num_preemptions']} preemptions"
+          + (f"; pipeline bubble {m['pipeline_bubble_fraction']:.3f}" if m["pipeline_bubble_fraction"] is not None
+             else "") + "\n")
     md = run_markdown(run) + "\n\n" + distribution_table(s)
     print(md)
     payload = {**run, "steps": [asdict(x) for x in result.steps]}
