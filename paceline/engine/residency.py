@@ -20,6 +20,8 @@ import concurrent.futures
 import gc
 import logging
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -246,6 +248,10 @@ def _build_engine(config: EngineConfig) -> tuple[Engine, float]:
     """On the loader thread, one torch thread: the Engine without its step-time model, and the max_step_ms that
     _install gives it once it has a profile."""
     step_ms, config.scheduler.max_step_ms = config.scheduler.max_step_ms, 0.0
+    try:  # the lowest CPU priority for this thread alone: the streams of loaded models keep their cores first
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux: the load just competes evenly
+        pass
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
