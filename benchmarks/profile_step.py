@@ -66,7 +66,7 @@ def install(timers: Timers, runner) -> None:
     import paceline.engine.runner as runner_mod
     import paceline.model.llama as llama
 
-    for cls in [c for c in (getattr(llama, n, None) for n in ("Linear", "Int4Linear")) if c is not None]:
+    for cls in [c for c in (getattr(llama, n, None) for n in ("Linear", "Int4Linear", "Int8Linear")) if c is not None]:
         if not getattr(cls, "_profiled", False):
             cls.__call__ = (lambda orig: lambda self, *a, **kw: TIMERS[0].wrap(orig, "linears")(self, *a, **kw))(cls.__call__)
             cls._profiled = True

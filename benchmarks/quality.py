@@ -1,8 +1,9 @@
-"""What each numeric mode costs in quality on the bundled model: fp32, bf16 and int4 (the Q4_1 file's own codes).
+"""What each numeric mode costs in quality on the bundled model: fp32, bf16 and int4 (the Q4_1 file's own codes),
+with the wide steps in float32 or int8.
 
     flock -x /tmp/paceline-cpu.lock /work/main/.venv/bin/python benchmarks/quality.py
 
-Held-out text: the last --tokens tokens of benchmarks/data/corpus.txt (Python documentation prose), cut into
+Held-out text: the last --tokens tokens of paceline/bench/data/corpus.txt (Python documentation prose), cut into
 --window-token windows; nothing in paceline was tuned on it (the benchmarks draw prompts from the whole corpus, but
 only for their lengths and timing). Each window is prefilled whole through the engine's own runner (the kernels
 that serve), and again in 8-token chunks: on a CPU without native bf16 math a step of more than 8 tokens runs its
@@ -30,11 +31,15 @@ sys.path.insert(0, str(ROOT))
 from paceline.config import CacheConfig, EngineConfig  # noqa: E402
 from paceline.engine.engine import Engine  # noqa: E402
 
+# "+ int8 wide": the steps of more than 8 tokens run int8 linears (paceline/model/llama.py Int8Linear) instead of
+# float32 copies of the weights
 MODES = {"fp32": {"dtype": "float32", "quantization": "none"},
-         "bf16": {"dtype": "bfloat16", "quantization": "none"},
-         "int4": {"dtype": "bfloat16", "quantization": "int4"}}
+         "bf16": {"dtype": "bfloat16", "quantization": "none", "wide_linears": "fp32"},
+         "int4": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32"},
+         "bf16 + int8 wide": {"dtype": "bfloat16", "quantization": "none", "wide_linears": "int8"},
+         "int4 + int8 wide": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "int8"}}
 NARROW = 8  # tokens per step of the second pass: the decode path's width
-CORPUS = ROOT / "benchmarks" / "data" / "corpus.txt"
+CORPUS = ROOT / "paceline" / "bench" / "data" / "corpus.txt"
 
 
 def held_out_windows(engine: Engine, num_tokens: int, window: int) -> list[list[int]]:
@@ -66,6 +71,8 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="GGUF or HF folder (default: the bundled SmolLM2-135M Q4_1)")
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens from the end of the corpus")
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
+    ap.add_argument("--whole-only", action="store_true", help="skip the 8-token-chunk pass (the narrow path)")
     ap.add_argument("--output", default=None, help="default benchmarks/results/quality-<time>.json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -73,11 +80,12 @@ def main() -> int:
     reference: list[torch.Tensor] | None = None
     windows: list[list[int]] | None = None
     rows = []
-    for mode, kw in MODES.items():
+    for mode in ["fp32"] + [m for m in args.modes.split(",") if m != "fp32"]:  # fp32 first: the reference
+        kw = MODES[mode]
         engine = Engine(EngineConfig(model=args.model, tbt_goal_ms=0, cache=CacheConfig(kv_cache_memory_gb=0.1), **kw))
         if windows is None:
             windows = held_out_windows(engine, args.tokens, args.window)
-        for chunk in (None, NARROW):
+        for chunk in (None,) if args.whole_only else (None, NARROW):
             t0 = time.perf_counter()
             logits = logits_of(engine, windows, chunk)
             elapsed = time.perf_counter() - t0

@@ -101,6 +101,11 @@ class EngineConfig:
     # auto: the engine picks by device and file (see engine.numeric_mode): bfloat16, int4 on CPU for a 4-bit GGUF
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (bfloat16 under int4)
     quantization: str = "auto"  # auto | none | int4: the layers' linear weights as 4-bit codes (CPU, bfloat16)
+    # what the wide steps' linears run (a bfloat16/int4 model on a CPU without native bf16 math runs steps of more
+    # than 8 tokens in float32): fp32 copies of the weights, or int8 (per-channel weights, per-row dynamic
+    # activations, where torch has the x86 quantized engine); auto: paceline.model.llama.AUTO_WIDE_LINEARS, chosen
+    # by quality and speed (benchmarks/summaries/int8_wide.md)
+    wide_linears: str = "auto"  # auto | fp32 | int8
     device: str = "auto"  # auto: cuda when present, else cpu
     served_model_name: str | None = None
     seed: int = 0  # seed of the generator used by requests that give none
@@ -124,6 +129,8 @@ class EngineConfig:
             SpeculativeConfig.parse(self.speculative_config)
         if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
+        if self.wide_linears not in ("auto", "fp32", "int8"):
+            raise ValueError(f"wide_linears must be auto, fp32 or int8, got {self.wide_linears!r}")
         if self.dtype == "auto" and self.quantization == "int4":
             self.dtype = "bfloat16"
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -148,7 +148,7 @@ class Engine:
                                        seed=config.seed, tensor_parallel_size=tp, pipeline_parallel_size=pp)
         else:
             model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, device=self.device, dtype=dtype,
-                                            quantization=config.quantization)
+                                            quantization=config.quantization, wide_linears=config.wide_linears)
             self.runner = ModelRunner(model, self.arch, self.num_blocks, cache.block_size,
                                       num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
                                       seed=config.seed)
@@ -216,7 +216,7 @@ class Engine:
             Path(__file__).with_name("runner.py"), Path(__file__).resolve().parents[1] / "sim" / "profile.py"]
         h = hashlib.sha256()
         for part in (str(model.resolve()), stat.st_size, stat.st_mtime_ns, self.config.dtype, self.config.quantization,
-                     self.device, self.block_size, self.num_blocks, self.max_model_len, torch.__version__,
+                     self.config.wide_linears, self.device, self.block_size, self.num_blocks, self.max_model_len, torch.__version__,
                      torch.get_num_threads(), platform.processor(), os.cpu_count()):
             h.update(f"{part}\0".encode())
         for src in sources:

@@ -634,6 +634,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "model": (EngineConfig, "model"),
     "dtype": (EngineConfig, "dtype"),
     "quantization": (EngineConfig, "quantization"),
+    "wide_linears": (EngineConfig, "wide_linears"),
     "seed": (EngineConfig, "seed"),
     "block_size": (CacheConfig, "block_size"),
     "kv_cache_memory_gb": (CacheConfig, "kv_cache_memory_gb"),
@@ -690,6 +691,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
          choices=["auto", "float32", "bfloat16", "float16"])
     flag("quantization", "int4: hold the layers' weights as 4-bit codes (CPU; a Q4_0/Q4_1 GGUF as stored)",
          choices=["none", "int4"])
+    flag("wide_linears", "what steps of more than 8 tokens run on a CPU without native bf16: fp32 weight copies, or "
+         "int8 (faster prefill, lower quality: docs/performance.md)", choices=["auto", "fp32", "int8"])
     flag("seed", "seed for requests that give none", type=int)
     flag("max_num_batched_tokens", "token budget of one step", type=int)
     flag("max_num_seqs", "most requests in one step", type=int)

@@ -10,13 +10,14 @@ Load-time choices that keep a step's op count low (batch-1 decode on CPU is boun
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paceline.model.arch import ModelArch
-from paceline.model.attention import AttnMetadata, paged_attention
+from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
 
 def cpu_has_bf16_math() -> bool:
@@ -36,15 +37,15 @@ class Linear:
     has the op inductor uses for frozen linears: measured here 2-4x faster than F.linear (MKL) for fp32 at
     3..2048 rows and ~2x for bf16 matrix-vector products. Elsewhere it is plain F.linear.
 
-    `wide`, when set, is a float32 copy of the weight that serves float32 inputs: on a CPU without native bf16
-    math the model runs steps with many rows in float32 (see LlamaModel's wide_rows)."""
+    `wide`, when set, is the copy of the weight that serves float32 inputs (float32 or Int8Linear): on a CPU
+    without native bf16 math the model runs steps with many rows in float32 (see LlamaModel's wide_above)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.weight, self.bias, self.dtype = weight, bias, weight.dtype
         self.packed = self._pack(weight, bias) if pack else None
         if self.packed is not None:
             self.weight = None  # the packed copy replaces the plain one
-        self.wide: Linear | None = None  # a float32 copy for float32 inputs (make_linear's wide=True)
+        self.wide: Linear | Int8Linear | None = None  # serves float32 inputs (make_linear's wide)
 
     @staticmethod
     def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -64,6 +65,129 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+WEIGHT_LEVELS = 127  # int8 weights use -127..127
+
+
+class Int8Linear:
+    """y = x W^T (+ b) for float32 x, with W held as int8 per output channel (symmetric, one float scale per row)
+    and x quantized at every call (dynamic quantization, 7 bits: see reduce_range), run by torch's x86 quantized
+    engine (fbgemm). Opt-in: it costs quality (benchmarks/summaries/int8_wide.md).
+
+    This serves the wide steps (many rows, where compute bounds the step): an int8 matmul does several times
+    the multiply-adds per instruction of a float32 one. Measured on this VM (AVX2, 2 threads), against the
+    prepacked float32 Linear: [576 -> 3072] at 512 rows 11.9 -> 6.6 ms, [1536 -> 576] 6.4 -> 3.7 ms, the LM
+    head [576 -> 49152] at 32 rows 15.2 -> 6.8 ms; at 1-8 rows there is nothing to gain (memory bounds them).
+
+    The engine's own activation quantization is per tensor (one scale and zero point over every row), which
+    would let one row with large values coarsen every other request's rows in the batch. So each row is first
+    divided by its largest magnitude and one anchor row [1, -1, 0, ...] is added: the tensor then always spans
+    exactly [-1, 1], each row is quantized on its own scale, and a row's result does not depend on which other
+    rows share its step; the output rows are multiplied back.
+
+    reduce_range: activations use 7 of their 8 bits. Without AVX512-VNNI, fbgemm's u8 x s8 kernel adds pairs of
+    products in 16 bits, which 8-bit activations can saturate (2 x 255 x 127 > 32767); 7 bits cannot.
+
+    input_absmax (SmoothQuant, Xiao et al. 2023): a transformer's activations have a few input channels far larger
+    than the rest, which a per-row scale then spends most of its 7 bits on (measured on the bundled model: 3-7 %
+    error per linear, perplexity +13 %). Given each input channel's largest magnitude on calibration tokens, the
+    channel is divided by s = sqrt(absmax_x / absmax_w) and the weight's column multiplied by it: the product is
+    unchanged, and activations and weights share the range."""
+
+    REDUCE_RANGE = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 input_absmax: torch.Tensor | None = None):
+        w = weight.float()
+        self.inv_smooth = None
+        if input_absmax is not None:
+            smooth = (input_absmax.float().clamp_min(1e-5) / w.abs().amax(0).clamp_min(1e-5)).sqrt()
+            w = w * smooth
+            self.inv_smooth = 1.0 / smooth
+        scale = (w.abs().amax(1) / WEIGHT_LEVELS).clamp_min(1e-12).double()
+        with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; linear_prepack takes one
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        with _x86_quantized_engine():
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if bias is None else bias.float()
+        self.dtype = torch.float32
+        self.in_features = w.shape[1]
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        """A CPU weight and a torch build with the x86/fbgemm quantized engine (elsewhere: the float32 copy)."""
+        engines = torch.backends.quantized.supported_engines
+        return weight.device.type == "cpu" and ("x86" in engines or "fbgemm" in engines)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        m = rows.shape[0]
+        scaled = rows.new_zeros(m + 1, self.in_features)
+        body = scaled[:m]
+        if self.inv_smooth is not None:
+            torch.mul(rows, self.inv_smooth, out=body)
+        else:
+            body.copy_(rows)
+        peak = body.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
+        body.div_(peak)
+        scaled[m, 0], scaled[m, 1] = 1.0, -1.0  # the anchor: the tensor's range is [-1, 1] whatever the rows
+        y = torch.ops.quantized.linear_dynamic(scaled, self.packed, self.REDUCE_RANGE)[:m].mul_(peak)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class _x86_quantized_engine:
+    """Pack under the x86 (or fbgemm) quantized engine, whatever the process-wide choice is: the packed weight
+    carries its engine, so linear_dynamic runs it the same way later."""
+
+    def __enter__(self):
+        self.before = torch.backends.quantized.engine
+        engines = torch.backends.quantized.supported_engines
+        if self.before not in ("x86", "fbgemm"):
+            torch.backends.quantized.engine = "x86" if "x86" in engines else "fbgemm"
+
+    def __exit__(self, *exc):
+        torch.backends.quantized.engine = self.before
+
+
+# What the wide steps' linears run (LlamaModel's wide_linears): "fp32", float32 copies of the weights; "int8",
+# Int8Linear where the x86 quantized engine exists. "auto" is AUTO_WIDE_LINEARS (benchmarks/summaries/int8_wide.md:
+# quality and speed of both).
+WIDE_LINEARS = ("auto", "fp32", "int8")
+AUTO_WIDE_LINEARS = "fp32"
+
+
+class Calibrating(Linear):
+    """A float32 Linear that records the largest magnitude of each input channel it sees, and keeps its weight:
+    the stand-in for an Int8Linear until LlamaModel has run its calibration tokens (see Int8Linear)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
+        super().__init__(weight.float().contiguous(), None if bias is None else bias.float(), pack)
+        self.source = (weight, bias)
+        self.input_absmax: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        seen = x.detach().reshape(-1, x.shape[-1]).abs().amax(0).float()
+        self.input_absmax = seen if self.input_absmax is None else torch.maximum(self.input_absmax, seen)
+        return super().__call__(x)
+
+    def int8(self) -> "Int8Linear | Linear":
+        try:
+            return Int8Linear(*self.source, input_absmax=self.input_absmax)
+        except (RuntimeError, AttributeError):  # a torch build whose quantized ops are gone: float32 serves
+            return Linear(self.source[0].float().contiguous(), None if self.source[1] is None else
+                          self.source[1].float(), True)
+
+
+def wide_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, kind: str) -> "Linear | Calibrating":
+    """The copy of a weight that serves the wide (float32) steps: float32, or for "int8" a Calibrating stand-in
+    that LlamaModel turns into an Int8Linear."""
+    if kind == "int8" and Int8Linear.supports(weight):
+        return Calibrating(weight, bias, pack)
+    return Linear(weight.float().contiguous(), None if bias is None else bias.float(), pack)
 
 
 # A bfloat16 model on a CPU without native bf16 math runs steps of more tokens than this in float32. There a bf16
@@ -103,17 +227,18 @@ class Int4Linear:
 
     DENSE_ABOVE = 8
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, wide: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, wide: str | None = None):
         codes, scale, lo = int4_codes(weight)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         self.scales_zeros = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(dtype)
         self.bias = bias
         n, k = codes.shape
         dequantized = (lo[..., None] + codes.view(n, -1, INT4_GROUP) * scale[..., None]).view(n, k)
-        # wide: the dense copy is float32 and serves the float32 steps the model runs for many rows; else bf16
-        dense_dtype = torch.float32 if wide else dtype
-        self.dense = Linear(dequantized.to(dense_dtype).contiguous(), None if bias is None else bias.to(dense_dtype),
-                            pack=True)
+        # wide: the dense copy serves the float32 steps the model runs for many rows (float32 or int8); else bf16
+        if wide:
+            self.dense = wide_linear(dequantized, bias, True, wide)
+        else:
+            self.dense = Linear(dequantized.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack=True)
 
     @staticmethod
     def supports(weight: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -128,16 +253,17 @@ class Int4Linear:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, quantization: str,
-                dtype: torch.dtype, wide: bool = False) -> "Linear | Int4Linear":
+                dtype: torch.dtype, wide: str | None = None) -> "Linear | Int4Linear":
+    """wide: None, or what serves the model's float32 (wide) steps: "fp32" or "int8" (see wide_linear)."""
     if quantization == "int4":
         if not Int4Linear.supports(weight, dtype):
             raise ValueError(f"int4 quantization needs a CPU, dtype bfloat16 and input sizes that are multiples "
                              f"of {INT4_GROUP}; got {weight.device.type}, {dtype} and {weight.shape[1]}")
         return Int4Linear(weight, None if bias is None else bias.to(dtype), dtype, wide)
-    # the float32 copy comes from the checkpoint's weight, not from its rounding to the run dtype
+    # the wide copy comes from the checkpoint's weight, not from its rounding to the run dtype
     lin = Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack)
     if wide and dtype != torch.float32:
-        lin.wide = Linear(weight.float().contiguous(), None if bias is None else bias.float(), pack)
+        lin.wide = wide_linear(weight, bias, pack, wide)
     return lin
 
 
@@ -184,7 +310,7 @@ def _permute_heads(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tens
 
 class LlamaLayer(nn.Module):
     def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor], pack: bool = True, quantization: str = "none",
-                 dtype: torch.dtype | None = None, wide: bool = False):
+                 dtype: torch.dtype | None = None, wide: str | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
@@ -225,7 +351,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, arch: ModelArch, layers: list[dict[str, torch.Tensor]], embed: torch.Tensor, norm: torch.Tensor,
                  lm_head: torch.Tensor | None, max_positions: int | None = None, pack: bool = True,
-                 quantization: str = "none", wide_above: int | str | None = "auto"):
+                 quantization: str = "none", wide_above: int | str | None = "auto", wide_linears: str = "auto"):
         super().__init__()
         self.arch = arch
         self.quantization = quantization
@@ -235,7 +361,14 @@ class LlamaModel(nn.Module):
         # Steps with more than `wide_above` tokens run in float32 (None: never), reading float32 copies of the
         # layer weights; the KV cache, the LM head and small steps stay in the run dtype.
         self.wide_above = wide_above if embed.dtype != torch.float32 else None
-        wide = self.wide_above is not None
+        if wide_linears not in WIDE_LINEARS:
+            raise ValueError(f"wide_linears must be one of {', '.join(WIDE_LINEARS)}, got {wide_linears!r}")
+        if wide_linears == "auto":
+            wide_linears = AUTO_WIDE_LINEARS
+        if wide_linears == "int8" and not Int8Linear.supports(embed):
+            wide_linears = "fp32"  # no x86 quantized engine (or not a CPU): float32 copies serve
+        # what the wide steps' linears run: None when there are no wide steps
+        self.wide_linears = wide = wide_linears if self.wide_above is not None else None
         # the LM head (and the embedding it may share) stays in the run dtype: GGUFs keep it at 6-8 bits
         self.layers = nn.ModuleList(LlamaLayer(arch, w, pack, quantization, embed.dtype, wide) for w in layers)
         self.norm32 = norm.float() if wide else None
@@ -243,9 +376,40 @@ class LlamaModel(nn.Module):
         self.register_buffer("norm", norm)
         self.lm_head = Linear(embed if lm_head is None else lm_head, None, pack)  # tied: shares the embedding
         if wide:  # logits of many rows (a batch of decodes) in float32 too: several times faster than bf16 here
-            self.lm_head.wide = Linear((embed if lm_head is None else lm_head).float(), None, pack)
+            self.lm_head.wide = wide_linear(embed if lm_head is None else lm_head, None, pack, wide)
         self.max_positions = max_positions or arch.max_position_embeddings
         self.register_buffer("rope", rope_table(arch, self.max_positions, embed.device))
+        if wide == "int8":
+            self._calibrate_int8()
+
+    CALIBRATION_TOKENS = 128
+
+    def _wide_slots(self) -> list[tuple[object, str]]:
+        """(owner, attribute) of every copy that serves wide steps."""
+        slots = []
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                slots.append((lin, "dense" if isinstance(lin, Int4Linear) else "wide"))
+        return slots + [(self.lm_head, "wide")]
+
+    @torch.inference_mode()
+    def _calibrate_int8(self) -> None:
+        """Run CALIBRATION_TOKENS fixed pseudo-random token ids as one wide prefill through the float32 stand-ins,
+        then replace each by an Int8Linear smoothed with the input magnitudes it saw. Random ids stand in for
+        text: the large channels come from the weights (they are the same for any input), which is what the
+        smoothing needs; the held-out quality (benchmarks/quality.py) is the check that this holds."""
+        n, bs = min(max(self.CALIBRATION_TOKENS, self.wide_above + 1), self.max_positions), 16
+        ids = torch.randint(0, self.arch.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+        blocks = (n + bs - 1) // bs
+        kv = torch.zeros(len(self.layers), 2, blocks, bs, self.arch.num_kv_heads, self.arch.head_dim,
+                         dtype=self.dtype, device=self.device)
+        meta = build_metadata([SeqSlice(0, n, list(range(blocks)))], bs, self.device)
+        hidden = self.forward(ids.to(self.device), torch.arange(n, device=self.device), meta, kv)
+        self.compute_logits(hidden)
+        for owner, attr in self._wide_slots():
+            stand_in = getattr(owner, attr)
+            if isinstance(stand_in, Calibrating):
+                setattr(owner, attr, stand_in.int8())
 
     @property
     def device(self) -> torch.device:
@@ -259,7 +423,7 @@ class LlamaModel(nn.Module):
     def from_weights(cls, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32, max_positions: int | None = None,
                      pack: bool = True, quantization: str = "none",
-                     wide_above: int | str | None = "auto") -> "LlamaModel":
+                     wide_above: int | str | None = "auto", wide_linears: str = "auto") -> "LlamaModel":
         """Build from Hugging Face-named tensors; a missing tensor is a ValueError naming it.
 
         pack=False keeps plain F.linear weights (no oneDNN prepacking). quantization="int4" holds the layers'
@@ -267,7 +431,9 @@ class LlamaModel(nn.Module):
         Q4_1 GGUF's codes are recovered before any rounding to the run dtype.
 
         wide_above: steps with more tokens than this run in float32 ("auto": WIDE_ABOVE for a bfloat16/float16
-        model on a CPU without native bf16 math, else never; None: never)."""
+        model on a CPU without native bf16 math, else never; None: never). wide_linears: what those steps' linears
+        run, "fp32" (float32 copies of the weights) or "int8" (Int8Linear, where torch has the x86 quantized
+        engine); "auto": AUTO_WIDE_LINEARS."""
         rope_inv_freq(arch)  # reject unsupported rope scaling before any work
         if quantization not in ("none", "int4"):
             raise ValueError(f"quantization must be 'none' or 'int4', got {quantization!r}")
@@ -312,7 +478,7 @@ class LlamaModel(nn.Module):
         else:
             lm_head = put(weights["lm_head.weight"])
         return cls(arch, layers, embed, put(get("model.norm.weight")), lm_head, max_positions, pack, quantization,
-                   wide_above)
+                   wide_above, wide_linears)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:

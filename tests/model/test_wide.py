@@ -36,7 +36,7 @@ def test_wide_prefill_matches_bf16_and_float32(tiny, quantization):
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = _runner(tiny, hf, torch.float32).prefill_logits(ids)
     narrow = _runner(tiny, hf, quantization=quantization, wide_above=None)
-    wide = _runner(tiny, hf, quantization=quantization, wide_above=4)
+    wide = _runner(tiny, hf, quantization=quantization, wide_above=4, wide_linears="fp32")  # int8: test_int8.py
     if quantization == "int4":
         assert isinstance(wide.model.layers[0].qkv, Int4Linear)
         assert wide.model.layers[0].qkv.dense.dtype == torch.float32
@@ -53,7 +53,7 @@ def test_wide_prefill_matches_bf16_and_float32(tiny, quantization):
 
 def test_wide_step_mixing_a_chunk_with_decodes_equals_each_alone(tiny, hf_llama):
     """A prompt chunk and decodes in one wide step give each the logits it gets in its own wide step."""
-    runner = _runner(tiny, hf_llama, wide_above=4)
+    runner = _runner(tiny, hf_llama, wide_above=4, wide_linears="fp32")
     g = torch.Generator().manual_seed(2)
     a = torch.randint(0, 96, (20,), generator=g).tolist()  # the chunk: tokens 8..19 of a, after 0..7
     b, c = torch.randint(0, 96, (9,), generator=g).tolist(), torch.randint(0, 96, (13,), generator=g).tolist()
@@ -78,10 +78,13 @@ def test_bundled_model_wide_bf16_stays_close_to_float32():
     ids = ckpt.tokenizer.encode("The history of the printing press begins in East Asia, where woodblock "
                                 "printing spread long before movable type reached Europe. In the fifteenth century")
     f32 = ModelRunner(LlamaModel.from_weights(ckpt.arch, ckpt.weights), ckpt.arch, 16, 16).prefill_logits(ids)
-    for quantization in ("none", "int4"):
+    for quantization, wide_linears in (("none", "fp32"), ("int4", "fp32"), ("int4", "int8")):
         model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, dtype=torch.bfloat16, quantization=quantization,
-                                        wide_above=4)
+                                        wide_above=4, wide_linears=wide_linears)
         got = ModelRunner(model, ckpt.arch, 16, 16, dtype=torch.bfloat16).prefill_logits(ids, chunk=16)
         agree = (got.argmax(-1) == f32.argmax(-1)).float().mean()
         cos = torch.nn.functional.cosine_similarity(got, f32, dim=-1)
-        assert agree >= 0.9 and cos.min() > 0.99, (quantization, agree, cos.min())
+        if wide_linears == "int8":  # opt-in: its 8-bit activations cost quality (benchmarks/summaries/int8_wide.md)
+            assert agree >= 0.85 and cos.median() > 0.98, (agree, cos.median())
+        else:
+            assert agree >= 0.9 and cos.min() > 0.99, (quantization, wide_linears, agree, cos.min())
