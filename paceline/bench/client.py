@@ -36,6 +36,7 @@ class Endpoint:
     temperature: float = 0.0
     extra_body: dict = field(default_factory=dict)
     timeout_s: float = 600.0
+    model_urls: dict[str, str] = field(default_factory=dict)  # a model served elsewhere (one server per model)
 
     def __post_init__(self) -> None:
         if self.api not in ("completions", "chat"):
@@ -96,9 +97,11 @@ async def discover_model(client: httpx.AsyncClient, url: str) -> str:
 async def send_one(client: httpx.AsyncClient, ep: Endpoint, model: str, spec: RequestSpec, prompt: list[int] | str,
                    rec: RequestRecord, t0: float, on_tokens=None) -> None:
     path = "/v1/chat/completions" if ep.api == "chat" else "/v1/completions"
+    model = spec.model or model  # a several-model workload names each request's model
+    url = ep.model_urls.get(model, ep.url).rstrip("/")
     rec.sent_s = time.perf_counter() - t0
     try:
-        async with client.stream("POST", ep.url + path, json=request_body(ep, model, spec, prompt)) as resp:
+        async with client.stream("POST", url + path, json=request_body(ep, model, spec, prompt)) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {body[:200]}"
@@ -166,7 +169,8 @@ async def run_async(ep: Endpoint, requests: list[RequestSpec], prompts: list[lis
     timeout = httpx.Timeout(ep.timeout_s, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = ep.model or await discover_model(client, ep.url)
-        records = [RequestRecord(r.index, r.prompt_tokens, r.output_tokens, r.priority, r.arrival_s, client=r.client)
+        records = [RequestRecord(r.index, r.prompt_tokens, r.output_tokens, r.priority, r.arrival_s, client=r.client,
+                                 model=r.model)
                    for r in requests]
         slots = {c: asyncio.Semaphore(n) for c, n in (in_flight_caps or {}).items()}
         window_end = max((r.arrival_s for r in requests), default=0.0)

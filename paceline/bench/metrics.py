@@ -33,6 +33,7 @@ class RequestRecord:
     num_preemptions: int = 0
     replica: int = 0
     client: str = ""  # the workload class's client (sent as `user`)
+    model: str | None = None  # which model served it (a several-model workload); None: the endpoint's
 
     @property
     def ok(self) -> bool:

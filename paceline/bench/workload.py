@@ -23,6 +23,9 @@ YAML shape (every key optional except where noted):
     prompt_style: text                  # text: a corpus passage; quote: the passage, then its start again, so the
                                         # answer goes on quoting the prompt (what speculative decoding gains on)
     spec_acceptance: 0.1                # simulator only: the chance a prompt-lookup proposal is accepted on it
+    models:                             # mixed traffic over a several-model server: each request names one
+      - {name: smol-fp32, fraction: 0.5}
+      - {name: smol-int4, fraction: 0.5}
 """
 from __future__ import annotations
 
@@ -121,6 +124,16 @@ class PriorityClass:
 
 
 @dataclass
+class ModelShare:
+    name: str
+    fraction: float
+
+    def __post_init__(self) -> None:
+        if not self.name or not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"a model share needs a name and a fraction in (0, 1], got {self.name!r}, {self.fraction}")
+
+
+@dataclass
 class WorkloadSpec:
     name: str = "custom"
     arrival: Arrival = field(default_factory=Arrival)
@@ -132,11 +145,15 @@ class WorkloadSpec:
     prompt_style: str = "text"
     spec_acceptance: float = 0.0
 
+    models: list[ModelShare] = field(default_factory=list)  # empty: every request goes to the endpoint's model
+
     def __post_init__(self) -> None:
         if self.prompt_style not in PROMPT_STYLES:
             raise ValueError(f"prompt_style must be one of {', '.join(PROMPT_STYLES)}, got {self.prompt_style!r}")
         if not 0.0 <= self.spec_acceptance <= 1.0:
             raise ValueError(f"spec_acceptance must be in [0, 1], got {self.spec_acceptance}")
+        if self.models and not math.isclose(sum(m.fraction for m in self.models), 1.0, abs_tol=1e-6):
+            raise ValueError(f"model fractions must sum to 1, got {sum(m.fraction for m in self.models)}")
         if self.classes and not math.isclose(sum(c.fraction for c in self.classes), 1.0, abs_tol=1e-6):
             raise ValueError(f"priority class fractions must sum to 1, got {sum(c.fraction for c in self.classes)}")
         if self.max_model_len < 2:
@@ -158,6 +175,7 @@ class RequestSpec:
     output_tokens: int
     priority: int = 0
     client: str = ""
+    model: str | None = None  # None: the endpoint's model
 
 
 @dataclass
@@ -249,10 +267,15 @@ def generate(spec: WorkloadSpec, *, rate: float | None = None, num_requests: int
         priority = [spec.classes[k].priority if spec.classes else 0 for k in which]
     client = [spec.classes[k].client if spec.classes else "" for k in which]
 
+    models: list[str | None] = [None] * n
+    if spec.models:  # its own stream too: adding a model mix changes no arrival, length or priority
+        fractions = np.array([m.fraction for m in spec.models])
+        picks = np.random.default_rng([seed, 4]).choice(len(spec.models), size=n, p=fractions / fractions.sum())
+        models = [spec.models[k].name for k in picks]
     out = []
     for i in range(n):
         p, o = clip_to_context(int(prompt[i]), int(output[i]), spec.max_model_len)
-        out.append(RequestSpec(i, float(arrivals[i]), p, o, int(priority[i]), client[i]))
+        out.append(RequestSpec(i, float(arrivals[i]), p, o, int(priority[i]), client[i], models[i]))
     return out
 
 
@@ -308,7 +331,8 @@ def _length_from(d: dict | None, default: LengthDist | None = None) -> LengthDis
 
 def spec_from_dict(d: dict, base_dir: Path | None = None) -> WorkloadSpec:
     known = {"name", "arrival", "prompt_tokens", "output_tokens", "classes", "trace", "max_model_len", "description",
-             "prompt_style", "spec_acceptance"}
+             "prompt_style", "spec_acceptance",
+             "models"}
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"unknown workload keys: {', '.join(sorted(unknown))}")
@@ -330,6 +354,7 @@ def spec_from_dict(d: dict, base_dir: Path | None = None) -> WorkloadSpec:
         max_model_len=int(d.get("max_model_len", 8192)),
         prompt_style=d.get("prompt_style", "text"),
         spec_acceptance=float(d.get("spec_acceptance", 0.0)),
+        models=[ModelShare(str(m["name"]), float(m["fraction"])) for m in d.get("models") or []],
     )
 
 

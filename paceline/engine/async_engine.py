@@ -102,9 +102,11 @@ class AsyncEngine:
     # ---- called from the event loop -------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0, client_id: str = "") -> RequestStream:
+                          priority: int = 0, client_id: str = "",
+                          model: str | None = None) -> RequestStream:
         """Add a request; returns once the engine has taken it. Raises ValueError (bad request: the engine's
-        plain message), QueueFullError or EngineStoppedError, and then nothing was added."""
+        plain message), QueueFullError or EngineStoppedError, and then nothing was added. `model`: which model of
+        a MultiEngine runs it (an Engine serves one and takes none)."""
         if not self._accepting:
             raise EngineStoppedError("the server is shutting down")
         loop = asyncio.get_running_loop()
@@ -115,7 +117,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
         added: concurrent.futures.Future = concurrent.futures.Future()
         arrival = time.monotonic()
-        self._submit(lambda: self._add(request_id, prompt, params, priority, arrival, added, client_id))
+        self._submit(lambda: self._add(request_id, prompt, params, priority, arrival, added, client_id, model))
         try:
             await asyncio.wrap_future(added)
         except BaseException:
@@ -133,6 +135,19 @@ class AsyncEngine:
         async with stream:
             async for out in stream:
                 yield out
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the engine thread between two steps, where the engine may be changed; its result or error."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn())
+                except BaseException as e:
+                    done.set_exception(e)
+        self._submit(command)
+        return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
         """Free the request now: the engine thread applies it before its next step."""
@@ -179,7 +194,7 @@ class AsyncEngine:
         self._stop = True
 
     def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
-             arrival: float, added: concurrent.futures.Future, client_id: str = "") -> None:
+             arrival: float, added: concurrent.futures.Future, client_id: str = "", model: str | None = None) -> None:
         if not added.set_running_or_notify_cancel():  # the caller went away before we got here
             with self._lock:
                 self._streams.pop(request_id, None)
@@ -189,8 +204,9 @@ class AsyncEngine:
                 num_waiting = self.engine.stats().num_waiting
                 if num_waiting >= self.max_waiting:
                     raise QueueFullError(num_waiting)
+            routed = {"model": model} if model is not None else {}
             self.engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival,
-                                    client_id=client_id)
+                                    client_id=client_id, **routed)
         except Exception as e:  # ValueError for bad input, QueueFullError; either way nothing was added
             with self._lock:
                 self._streams.pop(request_id, None)

@@ -214,6 +214,8 @@ class SamplingFields(Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsRequest | None = None
+    # Ollama's: how long the model stays loaded after this request ("5m", seconds, 0, or negative for ever)
+    keep_alive: str | int | float | None = None
 
     @property
     def include_usage(self) -> bool:

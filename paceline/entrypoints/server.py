@@ -159,15 +159,22 @@ class BearerAuth:
 # ---- the app ----------------------------------------------------------------------------------------------------
 
 def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
-              settings: ServerSettings | None = None) -> FastAPI:
+              settings: ServerSettings | None = None, router: Any = None) -> FastAPI:
+    """router: several models (entrypoints/multi_serving.py's ModelRouter), routed by each request's `model`."""
     settings = settings or ServerSettings()
     engine = async_engine.engine
-    api = OpenAIServing(async_engine, settings)
+    if router is not None:
+        router.bind(OpenAIServing, settings)  # each model gets the one-model serving, with these settings
+    api = router if router is not None else OpenAIServing(async_engine, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if router is not None:
+            router.start()
         yield
         await async_engine.shutdown()
+        if router is not None:
+            await router.close()
 
     app = FastAPI(title="paceline", version=__version__, lifespan=lifespan)
 
@@ -201,6 +208,8 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
+        if router is not None:
+            return router.models_list()
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": api.created, "owned_by": "paceline", "root": engine.model_name,
              "parent": None, "max_model_len": engine.max_model_len} for name in api.model_names]}
@@ -211,11 +220,12 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
 
     @app.post("/tokenize", responses=ERROR_RESPONSES, response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> Any:
-        api.check_model(body.model)
+        serving = await api.resolve(body.model)
+        engine = serving.engine
         if (body.messages is None) == (body.prompt is None):
             raise bad_request("give either prompt or messages", param="prompt")
         if body.messages is not None:
-            text = api.chat_prompt(body.messages, body.add_generation_prompt)
+            text = serving.chat_prompt(body.messages, body.add_generation_prompt)
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -224,7 +234,7 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
 
     @app.post("/detokenize", responses=ERROR_RESPONSES, response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest) -> Any:
-        api.check_model(body.model)
+        engine = (await api.resolve(body.model)).engine
         vocab = _vocab_size(engine)
         bad = next((t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)), None)
         if bad is not None:
@@ -243,7 +253,7 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
         return await api.completions(request, body)
 
     if settings.dashboard and metrics is not None and metrics.step_log is not None:  # drain() ends its feeds
-        add_dashboard_routes(app, [metrics.step_log], settings.api_key, is_open=lambda: async_engine._accepting)
+        add_dashboard_routes(app, getattr(metrics, "step_logs", None) or [metrics.step_log], settings.api_key, is_open=lambda: async_engine._accepting)
 
     inner: Any = app
     if settings.api_key:
@@ -321,6 +331,11 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.model_names)}",
                            param="model", code="model_not_found")
 
+    async def resolve(self, model: str | None) -> OpenAIServing:
+        """The serving for `model` (a ModelRouter picks among several; here there is one)."""
+        self.check_model(model)
+        return self
+
     def chat_prompt(self, messages: list, add_generation_prompt: bool = True, **template_vars: Any) -> str:
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
@@ -359,7 +374,7 @@ class OpenAIServing:
                 subs.append((f"{base_id}-{p}-{i}", prompt,
                              dataclasses.replace(params, n=1, seed=seed, structured=structured)))
         results = await asyncio.gather(
-            *(self.async_engine.add_request(rid, prompt, sp, priority, client_id) for rid, prompt, sp in subs),
+            *(self.async_engine.add_request(rid, prompt, sp, priority, client_id=client_id) for rid, prompt, sp in subs),
             return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -671,7 +686,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         if old:
             parser.add_argument(old, dest=name, default=None, help=argparse.SUPPRESS, **kw)
 
-    flag("model", "GGUF file or Hugging Face folder (default: the bundled SmolLM2-135M-Instruct)")
+    flag("model", "GGUF file or Hugging Face folder (default: the bundled SmolLM2-135M-Instruct); repeat as "
+         "NAME=PATH to serve several models", action="append")
+    from paceline.entrypoints.multi_serving import add_multi_model_args
+    add_multi_model_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
@@ -754,6 +772,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         if value is not None:
             given[section][field] = value
     names = getattr(args, "served_model_name", None)
+    if isinstance(given[EngineConfig].get("model"), list):  # --model is repeatable: one model here is the last
+        from paceline.engine.model_specs import parse_model_flag
+        spec = parse_model_flag(given[EngineConfig]["model"][-1])
+        given[EngineConfig]["model"] = spec.path
+        if "=" in args.model[-1] and spec.path != args.model[-1]:
+            given[EngineConfig]["served_model_name"] = spec.name
     if names:
         given[EngineConfig]["served_model_name"] = names[0]
     return EngineConfig(**given[EngineConfig], cache=CacheConfig(**given[CacheConfig]),
@@ -767,21 +791,27 @@ def run_server(args: argparse.Namespace) -> None:
         config = engine_config_from_args(args)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    # built on the engine thread: torch must run its parallel ops from one thread only (see AsyncEngine)
-    async_engine = AsyncEngine(lambda: Engine(config))
+    from paceline.entrypoints.multi_serving import build_multi, model_specs_from_args
+    specs, router = model_specs_from_args(args), None
+    if specs is not None:  # several models, one step loop (entrypoints/multi_serving.py)
+        async_engine, router, metrics = build_multi(config, specs, args)
+    else:
+        # built on the engine thread: torch must run its parallel ops from one thread only (see AsyncEngine)
+        async_engine = AsyncEngine(lambda: Engine(config))
+        metrics = EngineMetrics(async_engine.engine.model_name, step_log=not getattr(args, "no_dashboard", False))
+        async_engine.on_step = metrics.on_step  # read per call; an idle call before this only skips zero gauges
     engine = async_engine.engine
-    metrics = EngineMetrics(engine.model_name, step_log=not getattr(args, "no_dashboard", False))
-    async_engine.on_step = metrics.on_step  # read per call; an idle call before this only skips zero gauges
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                               served_model_names=tuple(args.served_model_name or ()), limits=limits_from_args(args),
                               dashboard=not getattr(args, "no_dashboard", False))
-    app = build_app(async_engine, metrics, settings)
+    app = build_app(async_engine, metrics, settings, router)
     sched = config.scheduler
-    log.info("serving %s on http://%s:%d  KV cache %d tokens (%d blocks x %d); token budget %d per step, "
-             "at most %d requests per step; scheduler %s, %s order, preemption %s; max model len %d",
-             engine.model_name, args.host, args.port, engine.num_blocks * engine.block_size, engine.num_blocks,
-             engine.block_size, sched.max_num_batched_tokens, sched.max_num_seqs, sched.policy,
-             sched.scheduling_policy, sched.preemption_mode, engine.max_model_len)
+    if router is None:
+        log.info("serving %s on http://%s:%d  KV cache %d tokens (%d blocks x %d); token budget %d per step, "
+                 "at most %d requests per step; scheduler %s, %s order, preemption %s; max model len %d",
+                 engine.model_name, args.host, args.port, engine.num_blocks * engine.block_size, engine.num_blocks,
+                 engine.block_size, sched.max_num_batched_tokens, sched.max_num_seqs, sched.policy,
+                 sched.scheduling_policy, sched.preemption_mode, engine.max_model_len)
     _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
                                    timeout_graceful_shutdown=args.graceful_shutdown_s + 5, lifespan="on"),
                     async_engine, args.graceful_shutdown_s).run()

@@ -1,0 +1,152 @@
+"""MultiEngine: one step loop over several models, each with its own Engine (runner, KV pool, scheduler).
+
+A step runs one model's batch: different weights cannot share a forward pass. Which model runs is decided here,
+once per step, from every model's streams at once (two engines in two processes would instead both compute at
+the same time and share the cores badly):
+
+1. A model whose streams have waited at least half the TBT goal since its last step is at risk: the one that has
+   waited longest runs. This is what keeps one model's decodes from starving behind another model's prompts or
+   priorities: each stream's gap is bounded by one step of every other busy model.
+2. Otherwise the model holding the most urgent request (lowest priority value) runs; between equals, the one
+   that has waited longest. With equal priorities this alternates the busy models step by step, so every stream
+   keeps a steady TBT.
+
+While k models have running streams, a stream waits for k steps between two of its tokens, so each model's
+step-time target (`max_step_ms`, which cuts prompt chunks) is its own target divided by k.
+
+With one model busy the pick is skipped: the single-model path costs one dict walk per step.
+MultiEngine is not thread-safe; AsyncEngine calls it from its engine thread only, as it does an Engine.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from paceline.config import EngineConfig
+from paceline.engine.engine import Engine, RequestOutput
+from paceline.sampling import SamplingParams
+
+
+@dataclass
+class MultiStats:
+    """The sums AsyncEngine reads (num_waiting against max_waiting_requests)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+
+
+class MultiEngine:
+    def __init__(self, config: EngineConfig, engines: dict[str, Engine] | None = None) -> None:
+        self.config = config  # the server's settings; AsyncEngine reads config.scheduler.max_waiting_requests
+        self.engines: dict[str, Engine] = {}
+        self._step_ms: dict[str, float] = {}  # each model's own max_step_ms, before the division by busy models
+        self._owner: dict[str, str] = {}  # request id -> model
+        self._since: dict[str, float] = {}  # model -> when its streams started waiting for the loop
+        self.risk_s = config.tbt_goal_ms / 2000.0 if config.tbt_goal_ms > 0 else 0.1
+        self.last_model: str | None = None
+        self.last_step = None
+        for name, engine in (engines or {}).items():
+            self.add_model(name, engine)
+
+    # ---- models in and out (engine thread) ----------------------------------------------------------------------
+
+    def add_model(self, name: str, engine: Engine) -> None:
+        if name in self.engines:
+            raise ValueError(f"model {name!r} is already loaded")
+        self.engines[name] = engine
+        self._step_ms[name] = engine.config.scheduler.max_step_ms
+
+    def remove_model(self, name: str) -> Engine:
+        """Take an idle model out of the loop; the caller drops the Engine to free its memory."""
+        engine = self.engines.get(name)
+        if engine is None:
+            raise ValueError(f"model {name!r} is not loaded")
+        if engine.has_unfinished():
+            raise ValueError(f"model {name!r} still has requests in flight")
+        del self.engines[name]
+        self._step_ms.pop(name, None)
+        self._since.pop(name, None)
+        return engine
+
+    def is_idle(self, name: str) -> bool:
+        engine = self.engines.get(name)
+        return engine is None or not engine.has_unfinished()
+
+    # ---- the Engine interface AsyncEngine drives ----------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None, model: str | None = None, client_id: str = "") -> Any:
+        if model is None:
+            if len(self.engines) != 1:
+                raise ValueError("name the model: this server serves several")
+            model = next(iter(self.engines))
+        engine = self.engines.get(model)
+        if engine is None:
+            raise ValueError(f"model {model!r} is not loaded")
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        was_idle = not engine.has_unfinished()
+        request = engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time,
+                                     client_id=client_id)
+        self._owner[request_id] = model
+        if was_idle:  # its streams' clock starts at this arrival, not at the model's last step long ago
+            self._since[model] = request.arrival_time
+        return request
+
+    def abort(self, request_id: str) -> None:
+        model = self._owner.get(request_id)
+        if model is not None and model in self.engines:
+            self.engines[model].abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.engines.values())
+
+    def stats(self) -> MultiStats:
+        total = MultiStats()
+        for e in self.engines.values():
+            s = e.stats()
+            total.num_running += s.num_running
+            total.num_waiting += s.num_waiting
+            total.num_swapped += s.num_swapped
+        return total
+
+    def step(self) -> list[RequestOutput]:
+        busy = [name for name, e in self.engines.items() if e.has_unfinished()]
+        if not busy:
+            self.last_model, self.last_step = None, None
+            return []
+        name = busy[0] if len(busy) == 1 else self.pick(busy, time.monotonic())
+        engine = self.engines[name]
+        if len(busy) > 1 or engine.config.scheduler.max_step_ms != self._step_ms[name]:
+            self._share_step_target(busy)
+        outputs = engine.step()
+        self._since[name] = time.monotonic()
+        self.last_model, self.last_step = name, engine.last_step
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outputs
+
+    # ---- the policy -----------------------------------------------------------------------------------------------
+
+    def pick(self, busy: list[str], now: float) -> str:
+        """The model whose batch runs next (see the module docstring)."""
+        def key(name: str) -> tuple:
+            waited = now - self._since.get(name, now)
+            if waited >= self.risk_s:
+                return (0, -waited)
+            return (1, best_priority(self.engines[name]), -waited)
+        return min(busy, key=key)
+
+    def _share_step_target(self, busy: list[str]) -> None:
+        streaming = sum(1 for name in busy if self.engines[name].scheduler.running) or 1
+        for name in busy:
+            config = self.engines[name].config.scheduler
+            if self._step_ms[name] > 0:
+                config.max_step_ms = self._step_ms[name] / streaming
+
+
+def best_priority(engine: Engine) -> int:
+    """The lowest priority value among a model's unfinished requests (lower runs first, as in vLLM)."""
+    return min((r.priority for r in engine.scheduler.requests.values()), default=0)

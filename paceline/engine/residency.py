@@ -1,0 +1,306 @@
+"""Which models are in memory: load on demand off the step loop, evict the least recently used idle model, keep-alive.
+
+Lives on the server's event loop; the engine thread only ever sees a finished Engine added to, or an idle one taken
+out of, its MultiEngine (both between two steps, through AsyncEngine.call).
+
+A load runs on one loader thread with torch limited to one thread there: torch's OpenMP keeps a team of workers
+per thread that ever ran a parallel op, and a second team would make libgomp count more workers than cores and
+stop spin-waiting on the engine thread for good (see AsyncEngine). One thread also leaves the other core to the
+streams of the models already loaded. The loader skips the start-up step-time profile (it would time one
+thread); the engine thread installs the cached profile of that exact setup if there is one, else the model
+serves without a step-time target until a start-up load (which profiles) has cached it.
+
+Memory is counted as each model's weights plus its KV pool (and host swap pool): measured once loaded, estimated
+from the file's header before its first load.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paceline.config import EngineConfig
+from paceline.engine.engine import Engine
+from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
+from paceline.engine.multi import MultiEngine
+
+log = logging.getLogger("paceline.residency")
+
+REAP_INTERVAL_S = 0.5
+
+
+class UnknownModelError(KeyError):
+    """No model of that name is configured (the server answers 404)."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(name)
+        self.message = f"The model `{name}` does not exist. Served: {', '.join(known)}"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NoRoomError(RuntimeError):
+    """The model cannot be loaded now: every loaded model is busy or pinned (the server answers 503, Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ModelLoadError(RuntimeError):
+    """The model's files could not be loaded (the server answers 500 and tries again on the next request)."""
+
+
+@dataclass
+class ModelSlot:
+    spec: ModelSpec
+    state: str = "unloaded"  # unloaded | loading | loaded
+    engine: Engine | None = None
+    nbytes: int = 0  # measured once loaded; 0: not known yet
+    in_flight: int = 0  # requests holding it (between acquire and release)
+    last_used: float = 0.0
+    keep_alive: float = FOREVER  # seconds idle before unloading; a request's keep_alive replaces it
+    loading: asyncio.Future | None = None
+    num_loads: int = 0
+    load_s: float = 0.0  # duration of the last load
+
+
+class Residency:
+    def __init__(self, async_engine: Any, multi: MultiEngine, specs: list[ModelSpec], base: EngineConfig,
+                 max_loaded: int = 0, memory_budget_bytes: int = 0) -> None:
+        self.async_engine, self.multi, self.base = async_engine, multi, base
+        self.max_loaded, self.budget = max_loaded, memory_budget_bytes
+        self.slots: dict[str, ModelSlot] = {s.name: ModelSlot(s, keep_alive=s.keep_alive) for s in specs}
+        for name, engine in multi.engines.items():  # loaded at start-up
+            slot = self.slots[name]
+            slot.state, slot.engine, slot.nbytes, slot.num_loads = "loaded", engine, engine_bytes(engine), 1
+            slot.last_used = time.monotonic()
+        self._lock = asyncio.Lock()  # one load or eviction decision at a time
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paceline-loader")
+        self._reaper: asyncio.Task | None = None
+        self.on_unload: list[Any] = []  # callbacks(name): the server drops what it built on that Engine
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.slots)
+
+    def start(self) -> None:
+        """Start unloading models whose keep-alive ran out (call on the running event loop)."""
+        if self._reaper is None:
+            self._reaper = asyncio.ensure_future(self._reap_forever())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+    # ---- requests ------------------------------------------------------------------------------------------------
+
+    async def acquire(self, name: str, keep_alive: float | None = None) -> Engine:
+        """The model's Engine, loaded first if need be; the model stays loaded until release(name)."""
+        slot = self.slots.get(name)
+        if slot is None:
+            raise UnknownModelError(name, self.names)
+        slot.in_flight += 1
+        try:
+            if keep_alive is not None:
+                slot.keep_alive = keep_alive
+            if slot.state != "loaded":
+                if slot.loading is None:
+                    slot.loading = asyncio.ensure_future(self._load(slot))
+                # shielded: a client that leaves must not cancel a load that others may be waiting for
+                await asyncio.shield(slot.loading)
+            slot.last_used = time.monotonic()
+            assert slot.engine is not None
+            return slot.engine
+        except BaseException:
+            self.release(name)
+            raise
+
+    def release(self, name: str) -> None:
+        slot = self.slots[name]
+        slot.in_flight -= 1
+        slot.last_used = time.monotonic()
+
+    # ---- loading and unloading -----------------------------------------------------------------------------------
+
+    async def _load(self, slot: ModelSlot) -> None:
+        name = slot.spec.name
+        try:
+            async with self._lock:
+                if slot.state == "loaded":
+                    return
+                config = slot.spec.engine_config(self.base)
+                need = slot.nbytes or await asyncio.to_thread(_estimate, config)
+                await self._make_room(slot, need)
+                slot.state = "loading"
+                t0 = time.perf_counter()
+                loop = asyncio.get_running_loop()
+                try:
+                    engine, step_ms = await loop.run_in_executor(self._loader, _build_engine, config)
+                    await self.async_engine.call(lambda: _install(self.multi, name, engine, step_ms))
+                except Exception as e:
+                    slot.state = "unloaded"
+                    log.exception("loading model %s failed", name)
+                    raise ModelLoadError(f"model {name} could not be loaded: {e}") from e
+                slot.engine, slot.state, slot.nbytes = engine, "loaded", engine_bytes(engine)
+                slot.num_loads += 1
+                slot.load_s = time.perf_counter() - t0
+                slot.last_used = time.monotonic()
+                log.info("model %s loaded in %.2f s (%.0f MiB)", name, slot.load_s, slot.nbytes / 2**20)
+        finally:
+            slot.loading = None
+
+    def _fits(self, need: int, exclude: ModelSlot) -> tuple[bool, str]:
+        loaded = [s for s in self.slots.values() if s.state != "unloaded" and s is not exclude]
+        if self.max_loaded and len(loaded) >= self.max_loaded:
+            return False, f"{len(loaded)} models are loaded (--max-loaded-models {self.max_loaded})"
+        used = sum(s.nbytes for s in loaded)
+        if self.budget and used + need > self.budget:
+            return False, (f"it needs {need / 2**20:.0f} MiB and {used / 2**20:.0f} of the "
+                           f"{self.budget / 2**20:.0f} MiB budget are in use")
+        return True, ""
+
+    async def _make_room(self, slot: ModelSlot, need: int) -> None:
+        name = slot.spec.name
+        if self.budget and need > self.budget:
+            raise NoRoomError(f"model {name} needs {need / 2**20:.0f} MiB, more than the whole memory budget of "
+                              f"{self.budget / 2**20:.0f} MiB", retry_after_s=60)
+        while True:
+            fits, why = self._fits(need, slot)
+            if fits:
+                return
+            victims = sorted((s for s in self.slots.values() if s.state == "loaded" and s is not slot
+                              and not s.spec.pinned and s.in_flight == 0), key=lambda s: s.last_used)
+            if not victims:
+                raise NoRoomError(f"model {name} cannot be loaded now: {why}, and none of them is idle and unpinned; "
+                                  "retry later")
+            if not await self._unload(victims[0]):
+                raise NoRoomError(f"model {name} cannot be loaded now: {why}; retry later")
+
+    async def _unload(self, slot: ModelSlot) -> bool:
+        """Take an idle model out of the loop and free it; False if it turned out busy."""
+        name = slot.spec.name
+        try:
+            await self.async_engine.call(lambda: self.multi.remove_model(name))
+        except ValueError as e:
+            log.info("not unloading %s: %s", name, e)
+            return False
+        slot.engine, slot.state = None, "unloaded"
+        for callback in self.on_unload:
+            callback(name)
+        gc.collect()  # the KV pool and weights go now, not at some later collection
+        log.info("model %s unloaded (%.0f MiB freed)", name, slot.nbytes / 2**20)
+        return True
+
+    async def unload(self, name: str) -> bool:
+        """Unload a model now if it is idle (keep_alive 0, or an operator's call)."""
+        async with self._lock:
+            slot = self.slots[name]
+            if slot.state != "loaded" or slot.in_flight:
+                return False
+            return await self._unload(slot)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            now = time.monotonic()
+            for slot in list(self.slots.values()):
+                if (slot.state == "loaded" and slot.in_flight == 0 and not slot.spec.pinned
+                        and not math.isinf(slot.keep_alive) and now - slot.last_used >= slot.keep_alive):
+                    try:
+                        await self.unload(slot.spec.name)
+                    except Exception:
+                        log.exception("unloading %s failed", slot.spec.name)
+
+    # ---- what /v1/models shows -----------------------------------------------------------------------------------
+
+    def cards(self) -> list[dict]:
+        out = []
+        for name, slot in self.slots.items():
+            engine = slot.engine
+            out.append({"id": name, "state": slot.state, "pinned": slot.spec.pinned,
+                        "max_model_len": engine.max_model_len if engine is not None else None,
+                        "memory_bytes": slot.nbytes or None,
+                        "keep_alive_s": None if math.isinf(slot.keep_alive) else slot.keep_alive})
+        return out
+
+
+def _estimate(config: EngineConfig) -> int:
+    try:
+        return estimate_bytes(config)
+    except Exception as e:  # the load itself will say what is wrong with the file
+        log.debug("no size estimate for %s: %s", config.model, e)
+        return 0
+
+
+def _build_engine(config: EngineConfig) -> tuple[Engine, float]:
+    """On the loader thread, one torch thread: the Engine without its step-time model, and the max_step_ms that
+    _install gives it once it has a profile."""
+    step_ms, config.scheduler.max_step_ms = config.scheduler.max_step_ms, 0.0
+    try:  # the lowest CPU priority for this thread alone: the streams of loaded models keep their cores first
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux: the load just competes evenly
+        pass
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return Engine(config), step_ms
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _install(multi: MultiEngine, name: str, engine: Engine, step_ms: float) -> None:
+    """On the engine thread: the cached step-time profile of this setup (never a new one: that would stall every
+    other model's streams for seconds), then the model joins the loop."""
+    if step_ms > 0:
+        from paceline.core.step_time import ProfiledCostModel
+
+        path = engine.config.step_profile or engine._profile_cache_path()
+        try:
+            engine.scheduler.step_time = ProfiledCostModel.load(path).step_time
+            engine.config.scheduler.max_step_ms = step_ms
+        except (OSError, ValueError, KeyError):
+            log.warning("model %s: no cached step-time profile at %s, so it serves without a step-time target; "
+                        "load it once at start-up (load: eager) to profile it", name, path)
+    multi.add_model(name, engine)
+
+
+def engine_bytes(engine: Engine) -> int:
+    """Bytes of every tensor the engine's model and runner hold (weights, KV pool, host swap pool), each storage
+    once."""
+    seen_ptrs: set[int] = set()
+    seen_objs: set[int] = set()
+    total = 0
+    stack: list[Any] = [engine.runner.model, engine.runner.kv_cache, engine.runner.host_cache]
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen_objs:
+            continue
+        seen_objs.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            try:
+                storage = obj.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # an opaque (e.g. oneDNN-packed) weight: its own memory
+                total += obj.numel() * obj.element_size()
+                continue
+            if storage.data_ptr() not in seen_ptrs:
+                seen_ptrs.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, torch.nn.Module) or type(obj).__module__.startswith("paceline.model"):
+            stack.extend(vars(obj).values())
+    return total

@@ -1,0 +1,156 @@
+"""MultiEngine: several models in one step loop; the model specs and keep-alive spellings; residency sizes."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
+from _tiny_checkpoints import tiny_checkpoint
+
+from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
+from paceline.engine.engine import Engine
+from paceline.engine.model_specs import (FOREVER, ModelSpec, estimate_bytes, load_models_config, parse_keep_alive,
+                                         parse_model_flag)
+from paceline.engine.multi import MultiEngine
+from paceline.engine.residency import engine_bytes
+from paceline.model.loader import write_hf_folder
+from paceline.sampling import SamplingParams
+
+PROMPTS = ["the cat sat on", "hello there, in the", "a b c d e f", "then the end"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for kind, seed in (("llama", 1), ("qwen2", 2)):
+        write_hf_folder(tiny_checkpoint(kind, seed=seed), root / kind)
+        out[kind] = str(root / kind)
+    return out
+
+
+def config(path: str, **kw) -> EngineConfig:
+    return EngineConfig(model=path, dtype="float32", tbt_goal_ms=0, served_model_name=kw.pop("name", None),
+                        cache=CacheConfig(num_blocks=64, block_size=4, swap_space_gb=0),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=16, **kw))
+
+
+def run_all(engine, requests: list[tuple[str, str, str | None]], max_tokens: int = 12) -> tuple[dict, list]:
+    """Add every (id, prompt, model) at once, step to the end; the token ids per id and the order models ran."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for rid, prompt, model in requests:
+        kw = {"model": model} if model is not None else {}
+        engine.add_request(rid, prompt, params, **kw)
+    tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    order = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        order.append(getattr(engine, "last_model", None))
+    return tokens, order
+
+
+def test_greedy_outputs_per_model_equal_single_model(tiny_dirs):
+    single = {}
+    for kind, path in tiny_dirs.items():
+        single[kind], _ = run_all(Engine(config(path)), [(f"{kind}-{i}", p, None) for i, p in enumerate(PROMPTS)])
+    multi = MultiEngine(config(None), {kind: Engine(config(path, name=kind)) for kind, path in tiny_dirs.items()})
+    # interleaved arrivals; chunked prefill (16-token budget) and decodes of both models share the loop
+    requests = [(f"{kind}-{i}", p, kind) for i, p in enumerate(PROMPTS) for kind in tiny_dirs]
+    got, order = run_all(multi, requests)
+    for kind in tiny_dirs:
+        assert {k: v for k, v in got.items() if k.startswith(kind)} == single[kind]
+    assert set(order) == set(tiny_dirs)
+    assert not multi.has_unfinished() and multi._owner == {}
+
+
+def test_busy_models_alternate_step_by_step(tiny_dirs):
+    multi = MultiEngine(config(None), {kind: Engine(config(path, name=kind)) for kind, path in tiny_dirs.items()})
+    _, order = run_all(multi, [("a", "x y", "llama"), ("b", "x y", "qwen2")], max_tokens=10)
+    both = order[:2 * 10]  # while both have streams, neither runs twice in a row
+    assert all(a != b for a, b in zip(both, both[1:])), order
+
+
+def test_priority_first_but_waiting_streams_are_not_starved(tiny_dirs):
+    multi = MultiEngine(config(None), {kind: Engine(config(path, name=kind, scheduling_policy="priority"))
+                                       for kind, path in tiny_dirs.items()})
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    multi.add_request("low", "a b", params, priority=5, model="qwen2")
+    multi.add_request("high", "a b", params, priority=0, model="llama")
+    multi.risk_s = math.inf  # nothing is ever at risk: strict priority
+    picks = [multi.pick(["llama", "qwen2"], 0.0) for _ in range(3)]
+    assert picks == ["llama"] * 3
+    multi.risk_s = 0.05  # the low-priority model's streams waited past the risk: it runs
+    multi._since = {"llama": 1.0, "qwen2": 0.97}
+    assert multi.pick(["llama", "qwen2"], 1.0) == "llama"
+    assert multi.pick(["llama", "qwen2"], 1.2) == "qwen2"
+
+
+def test_unknown_model_and_duplicate_id_are_plain_errors(tiny_dirs):
+    multi = MultiEngine(config(None), {"a": Engine(config(tiny_dirs["llama"], name="a")),
+                                       "b": Engine(config(tiny_dirs["qwen2"], name="b"))})
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="not loaded"):
+        multi.add_request("r", "hi", params, model="c")
+    with pytest.raises(ValueError, match="name the model"):
+        multi.add_request("r", "hi", params)
+    multi.add_request("r", "hi", params, model="a")
+    with pytest.raises(ValueError, match="already in use"):
+        multi.add_request("r", "hi", params, model="b")
+    with pytest.raises(ValueError, match="in flight"):
+        multi.remove_model("a")
+    multi.abort("r")
+    multi.step()
+    assert isinstance(multi.remove_model("a"), Engine) and list(multi.engines) == ["b"]
+
+
+def test_estimate_is_close_to_what_a_loaded_model_holds(tiny_dirs):
+    cfg = config(tiny_dirs["llama"])
+    estimate = estimate_bytes(cfg)
+    measured = engine_bytes(Engine(config(tiny_dirs["llama"])))
+    assert 0.8 * measured <= estimate <= 1.25 * measured, (estimate, measured)
+
+
+@pytest.mark.parametrize("value, seconds", [("5m", 300.0), ("30s", 30.0), ("1h30m", 5400.0), (10, 10.0), ("0", 0.0),
+                                            (-1, FOREVER), ("-1m", FOREVER), ("250ms", 0.25), (2.5, 2.5)])
+def test_keep_alive_as_ollama_spells_it(value, seconds):
+    assert parse_keep_alive(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "", True, None, "m5"])
+def test_bad_keep_alive_is_a_plain_error(value):
+    with pytest.raises(ValueError, match="keep_alive"):
+        parse_keep_alive(value)
+
+
+def test_model_flags_and_config_file(tmp_path):
+    assert parse_model_flag("smol=/models/smol.gguf") == ModelSpec("smol", "/models/smol.gguf")
+    assert parse_model_flag("/models/smol.gguf").name == "smol"
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text("models:\n  - {name: a, path: /x, dtype: float32, pinned: true}\n"
+                   "  - {name: b, quantization: int4, keep_alive: 5m, load: lazy, kv_cache_memory_gb: 0.5}\n")
+    a, b = load_models_config(cfg)
+    assert (a.name, a.path, a.dtype, a.pinned, a.keep_alive) == ("a", "/x", "float32", True, FOREVER)
+    assert (b.path, b.quantization, b.keep_alive, b.load) == (None, "int4", 300.0, "lazy")
+    base = EngineConfig(cache=CacheConfig(kv_cache_memory_gb=2.0))
+    eb = b.engine_config(base)
+    assert (eb.quantization, eb.dtype, eb.cache.kv_cache_memory_gb, eb.served_model_name) == ("int4", "bfloat16", 0.5, "b")
+    assert base.cache.kv_cache_memory_gb == 2.0  # each model its own copy
+    for text, message in (("models: []", "non-empty"), ("models:\n  - {name: a, color: red}", "unknown keys"),
+                          ("models:\n  - {name: a}\n  - {name: a}", "two models are named"),
+                          ("models:\n  - {name: a, load: sometimes}", "eager or lazy"), ("{: :", "not valid YAML")):
+        cfg.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_models_config(cfg)
