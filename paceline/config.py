@@ -68,6 +68,7 @@ class SchedulerConfig:
     priority_aging_s: float = 0.0  # 0: off; else a waiting request gains one priority level per this many seconds
     max_batch_wait_ms: float = 0.0  # static policy: how long to wait for a batch to fill
     max_waiting_requests: int = 0  # 0: unlimited; the server answers 503 beyond it
+    max_queue_delay_s: float = 0.0  # 0: off; else 503 for a request predicted to wait longer, or that waited longer
     # 0: off; else the stall-free scheduler cuts prompt chunks so the predicted step time stays under it (needs a step-time model).
     # None: not given; a scheduler alone takes 0, an EngineConfig derives it from its tbt_goal_ms (stall-free only)
     max_step_ms: float | None = None
@@ -88,6 +89,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_queue_delay_s < 0:
+            raise ValueError(f"max_queue_delay_s must be >= 0, got {self.max_queue_delay_s}")
         if self.max_step_ms < 0:
             raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
         if self.max_step_ms > 0 and self.policy != "stall-free":

@@ -67,6 +67,10 @@ class ModelRunner:
             # so that attention's decode groups (runs of similar lengths) pad little
             order = sorted(out.scheduled, key=lambda s: (s.num_tokens == 1, s.start if s.num_tokens == 1 else 0))
             logits, sampled = self._forward(order)
+            # a NaN or inf row (a broken weight, an overflow) would sample garbage silently: fail the step instead,
+            # and the engine finds the row's request (engine/faults.py); one sum per row is cheap next to sampling
+            if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
+                raise ValueError("the model produced non-finite logits (NaN or inf)")
             rows = [row for s in sampled for row in verify_rows(s)]  # one, or k + 1 for k proposals
             tokens, logprobs = self.sampler(logits, rows)
             i = 0
