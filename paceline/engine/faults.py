@@ -32,7 +32,7 @@ STAGES = ("sampler", "nan", "detokenize", "stop", "crash")
 _MARKED = re.compile(re.escape(MARKER) + r"([a-z]+)")
 
 
-def run_isolated(runner: Any, out: SchedulerOutput, error: BaseException) -> tuple[StepResult, dict[str, str]]:
+def run_isolated(runner: Any, out: SchedulerOutput, error: Exception) -> tuple[StepResult, dict[str, str]]:
     """The step `out` raised `error`: run its requests one by one. Returns the merged result of those that ran and
     {request id: message} of those that failed alone. Raises `error` when isolation cannot help: the step swapped
     blocks (running them again could copy blocks the failed attempt already reused), or every request fails alone
