@@ -302,8 +302,13 @@ def usage(choices: list[Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+# line breaks to str.splitlines (which httpx, and so the official openai client, splits SSE lines with) that
+# json.dumps(ensure_ascii=False) leaves raw: a model printing one would cut an event in two
+_SPLITLINES_ONLY = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':')).translate(_SPLITLINES_ONLY)}\n\n"
 
 
 class OpenAIServing:
@@ -482,15 +487,16 @@ class OpenAIServing:
         queue (or fails before any token) is a plain 503 / 500 rather than a 200 stream that breaks."""
         if self.async_engine.admission is None:
             return
+        waits = [asyncio.ensure_future(s.started()) for s in streams]
         try:
-            await asyncio.gather(*(s.started() for s in streams))
-        except Exception as e:
+            await asyncio.gather(*waits)
+        except BaseException as e:  # an error, or cancelled (the client left): nothing of it streams
+            for w in waits:
+                w.cancel()
             for s in streams:
                 s.abort()
-            raise self._map_error(e, "prompt") from None
-        except BaseException:  # cancelled: the client left
-            for s in streams:
-                s.abort()
+            if isinstance(e, Exception):
+                raise self._map_error(e, "prompt") from None
             raise
 
     async def _chat_stream(self, streams: list[RequestStream], meta: dict, include_usage: bool,

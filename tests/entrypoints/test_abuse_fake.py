@@ -126,3 +126,14 @@ def labelled(c: TestClient, name: str, label: str, value: str) -> float:
 
 def rejected(c: TestClient, reason: str) -> float:
     return labelled(c, "paceline:request_rejected_total", "reason", reason)
+
+
+def test_sse_events_survive_every_line_splitter():
+    """A model may print U+2028, U+2029 or NEL; httpx (the openai client's transport) splits lines on them."""
+    from httpx._decoders import LineDecoder
+
+    from paceline.entrypoints.server import sse
+
+    obj = {"text": "a\u2028b\u2029c\x85d\x1ce\nf\rg"}
+    lines = [line for line in LineDecoder().decode(sse(obj)) if line]
+    assert len(lines) == 1 and json.loads(lines[0][len("data: "):]) == obj
