@@ -44,6 +44,7 @@ class Book:
     unexpected_5xx: list[str] = field(default_factory=list)
     corrupted: list[str] = field(default_factory=list)
     gaps: dict[str, list[float]] = field(default_factory=lambda: {"clean": [], "abuse": []})
+    rejected_s: list[float] = field(default_factory=list)  # how long a well-behaved request waited for its 503
 
     def add(self, phase: str, kind: str, outcome: str) -> None:
         self.outcomes[(phase, kind, outcome)] += 1
@@ -74,11 +75,14 @@ async def well_behaved(client: httpx.AsyncClient, book: Book, phase: str, refs: 
     body = {"prompt": PREFIX + q, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     text, times, finish, usage, done = "", [], None, None, False
+    sent = time.monotonic()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 await r.aread()
                 outcome = f"http {r.status_code}"
+                if r.status_code == 503:
+                    book.rejected_s.append(time.monotonic() - sent)
                 book.add(phase, "good", outcome)
                 if r.status_code >= 500 and r.status_code != 503:
                     book.unexpected_5xx.append(f"good: {r.status_code} {r.text[:200]}")
@@ -325,6 +329,8 @@ async def main_async(args: argparse.Namespace, pid: int | None) -> dict:
                    if rss_end and rss_after_clean else None},
         "tbt_ms": {p: {"n": len(g), "p50": _ms(percentile(g, 50)), "p99": _ms(percentile(g, 99))}
                    for p, g in book.gaps.items()},
+        "rejected_503_ms": {"n": len(book.rejected_s), "p50": _ms(percentile(book.rejected_s, 50)),
+                            "p99": _ms(percentile(book.rejected_s, 99)), "max": _ms(max(book.rejected_s, default=None))},
         "server_counters": {k: v for k, v in m.items() if k.startswith(("paceline:request_success_total",
                                                                         "paceline:request_rejected_total"))},
         "samples": samples,
