@@ -76,7 +76,8 @@ class FaultInjector:
 
     def install(self) -> FaultInjector:
         engine, runner = self.engine, self.engine.runner
-        add, execute, forward, step = engine.add_request, runner.execute, runner._forward, engine.step
+        add, execute, step = engine.add_request, runner.execute, engine.step
+        forward = getattr(runner, "_forward", None)  # the single-process runner's; parallel runners: no nan stage
 
         def add_request(request_id: str, prompt: Any, params: Any, *args: Any, **kw: Any) -> Any:
             request = add(request_id, prompt, params, *args, **kw)
@@ -112,7 +113,9 @@ class FaultInjector:
                 raise EngineCrash(f"injected engine-thread crash by {crash[0]}")
             return step()
 
-        engine.add_request, runner.execute, runner._forward, engine.step = add_request, execute_hook, forward_hook, step_hook
+        engine.add_request, runner.execute, engine.step = add_request, execute_hook, step_hook
+        if forward is not None:
+            runner._forward = forward_hook
         log.warning("fault injection is ON (%s): prompts holding %s<stage> fail on purpose", FAULT_ENV, MARKER)
         return self
 
