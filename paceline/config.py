@@ -73,6 +73,7 @@ class SchedulerConfig:
     # is 2**L times the first, so a long generation is preempted O(log length) times
     time_slice_tokens: int = 0
     time_slice_ms: float = 0.0
+    max_queue_delay_s: float = 0.0  # 0: off; else 503 for a request predicted to wait longer, or that waited longer
     # 0: off; else the stall-free scheduler cuts prompt chunks so the predicted step time stays under it (needs a step-time model).
     # None: not given; a scheduler alone takes 0, an EngineConfig derives it from its tbt_goal_ms (stall-free only)
     max_step_ms: float | None = None
@@ -93,6 +94,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_queue_delay_s < 0:
+            raise ValueError(f"max_queue_delay_s must be >= 0, got {self.max_queue_delay_s}")
         if self.max_step_ms < 0:
             raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
         if self.time_slice_tokens < 0:

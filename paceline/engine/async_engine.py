@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from paceline.engine.admission import AdmissionControl, QueueDelayError
 from paceline.sampling import SamplingParams
 
 log = logging.getLogger("paceline.async_engine")
@@ -36,6 +37,13 @@ class EngineStepError(RuntimeError):
     """A step raised; every request in flight at that moment ends with this error."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (its sampler row, detokenizer, stop strings); the others went on."""
+
+
+MAX_FAILED_STEPS = 3  # steps in a row that fail for every request: the engine is broken, not a request
+
+
 class RequestStream:
     """The deltas of one request, in order. Iterate it; leaving `async with` before the end aborts it."""
 
@@ -43,6 +51,17 @@ class RequestStream:
         self.engine, self.request_id, self.loop = engine, request_id, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        self._first: Any = None  # the first item, when started() looked at it
+
+    async def started(self) -> None:
+        """Wait for the first delta (the request ran) or raise its error, consuming nothing: a server can then
+        answer a request that never ran (expired in the queue, failed on its first token) with a plain HTTP error
+        instead of a stream that starts and breaks."""
+        if self._first is None and not self.finished:
+            self._first = await self.queue.get()
+        if isinstance(self._first, BaseException):
+            self.finished = True
+            raise self._first
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -50,7 +69,10 @@ class RequestStream:
     async def __anext__(self) -> Any:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        if self._first is not None:
+            item, self._first = self._first, None
+        else:
+            item = await self.queue.get()
         if isinstance(item, BaseException):
             self.finished = True  # the engine thread already dropped it
             raise item
@@ -90,6 +112,10 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self._idle = threading.Event()
+        self.admission: AdmissionControl | None = None  # --max-queue-delay-s, set once the engine is built
+        self.on_reject: Callable[[str], None] | None = None  # on_reject(reason) for every 503 of overload
+        self._num_waiting = 0  # the engine thread's count after its last step, read by the arrival check
+        self._dead: BaseException | None = None  # what killed the engine thread
         built: concurrent.futures.Future = concurrent.futures.Future()
         if self.engine is not None:
             built.set_result(self.engine)
@@ -98,6 +124,8 @@ class AsyncEngine:
         self._thread.start()
         self.engine = built.result()  # re-raises the builder's error
         self.max_waiting = getattr(self.engine.config.scheduler, "max_waiting_requests", 0) or 0
+        delay = getattr(self.engine.config.scheduler, "max_queue_delay_s", 0.0) or 0.0
+        self.admission = AdmissionControl(delay) if delay > 0 else None
 
     # ---- called from the event loop -------------------------------------------------------------------------
 
@@ -107,17 +135,29 @@ class AsyncEngine:
         """Add a request; returns once the engine has taken it. Raises ValueError (bad request: the engine's
         plain message), QueueFullError or EngineStoppedError, and then nothing was added. `model`: which model of
         a MultiEngine runs it (an Engine serves one and takes none)."""
+        if self._dead is not None:
+            raise EngineStoppedError(f"the engine stopped after an internal error ({self._dead!r}); the server "
+                                     "must be restarted")
         if not self._accepting:
             raise EngineStoppedError("the server is shutting down")
+        arrival = time.monotonic()
+        if self.admission is not None:
+            try:  # here, not on the engine thread: a rejection must not wait for the step in flight
+                self.admission.check(self._num_waiting, arrival)
+            except QueueDelayError as e:
+                self._rejected(e.reason)
+                raise
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
-        with self._lock:
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:  # under the lock with the death check: no add is queued after the dead thread's last look
+            if self._dead is not None:
+                raise EngineStoppedError("the engine stopped after an internal error; the server must be restarted")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        added: concurrent.futures.Future = concurrent.futures.Future()
-        arrival = time.monotonic()
-        self._submit(lambda: self._add(request_id, prompt, params, priority, arrival, added, client_id, model))
+            self._num_waiting += 1  # until the next step recounts: a burst sees itself
+            self._submit(lambda: self._add(request_id, prompt, params, priority, arrival, added, client_id, model))
         try:
             await asyncio.wrap_future(added)
         except BaseException:
@@ -182,7 +222,14 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self._dead is None
+
+    def _rejected(self, reason: str) -> None:
+        if self.on_reject is not None:
+            try:
+                self.on_reject(reason)
+            except Exception:
+                log.exception("metrics update failed")
 
     # ---- the engine thread ----------------------------------------------------------------------------------
 
@@ -200,9 +247,12 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             return
         try:
+            if self._dead is not None:
+                raise EngineStoppedError("the engine stopped after an internal error; the server must be restarted")
             if self.max_waiting:
                 num_waiting = self.engine.stats().num_waiting
                 if num_waiting >= self.max_waiting:
+                    self._rejected("queue_full")
                     raise QueueFullError(num_waiting)
             routed = {"model": model} if model is not None else {}
             self.engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival,
@@ -236,28 +286,70 @@ class AsyncEngine:
             except BaseException as e:
                 built.set_exception(e)
                 return
+        try:
+            self._loop()
+        except BaseException as e:  # a bug in the loop itself: never leave a client hanging on a dead thread
+            log.critical("the engine thread died: %r; /health now answers 503 and every request ends with an "
+                         "error", e, exc_info=True)
+            with self._lock:
+                self._dead = e
+            self._accepting = False
+            self._apply_commands()  # adds queued before the death fail (_add checks _dead), aborts are harmless
+            self._fail_all(EngineStoppedError(f"the engine stopped after an internal error: {e!r}"))
+        finally:
+            self._idle.set()
+
+    def _loop(self) -> None:
+        failed_steps = 0
         while True:
             self._wake.clear()
             self._apply_commands()
             if self._stop:
                 break
+            if self.admission is not None:
+                self._expire_waiting()
             if not self.engine.has_unfinished():
+                self._num_waiting = _num_waiting(self.engine)
                 self._observe([], False)  # gauges reflect aborts applied while idle
                 self._idle.set()
+                # with a queue-delay limit the thread also wakes to expire requests (none wait while idle)
                 self._wake.wait()
                 continue
             self._idle.clear()
             try:
                 outputs = self.engine.step()
             except Exception as e:
-                log.exception("engine step failed; failing every request in flight")
+                failed_steps += 1
+                log.exception("engine step failed (%d in a row); failing every request in flight", failed_steps)
                 self._fail_all(EngineStepError(f"the engine failed while running this request: {e}"))
+                if failed_steps >= MAX_FAILED_STEPS:
+                    raise RuntimeError(f"{failed_steps} engine steps in a row failed; last: {e!r}") from e
                 time.sleep(0.01)  # a failure that repeats must not spin a core
                 continue
+            failed_steps = 0
+            self._num_waiting = _num_waiting(self.engine)
+            if self.admission is not None:
+                self.admission.observe(outputs, time.monotonic())
             self._observe(outputs, True)
             self._dispatch(outputs)
         self._fail_all(EngineStoppedError("the server shut down"))
-        self._idle.set()
+
+    def _expire_waiting(self) -> None:
+        """--max-queue-delay-s: requests that waited too long without running leave with a 503 (admission.py)."""
+        expired = self.admission.expired(self.engine, time.monotonic())
+        if not expired:
+            return
+        error = self.admission.expired_error()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for rid in expired:
+            self._abort(rid)
+            self._rejected(error.reason)
+            with self._lock:
+                stream = self._streams.pop(rid, None)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, error))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
 
     def _observe(self, outputs: list, stepped: bool) -> None:
         if self.on_step is None:
@@ -276,7 +368,9 @@ class AsyncEngine:
                     continue
                 if out.finished:
                     del self._streams[out.request_id]
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+                error = getattr(out, "error", None)
+                item = RequestFailedError(f"the request failed inside the engine: {error}") if error else out
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in by_loop.items():
             # one wake-up of the event loop per step, however many requests it served
             _call_soon(loop, _put_all, items)
@@ -291,6 +385,13 @@ class AsyncEngine:
             by_loop.setdefault(stream.loop, []).append((stream.queue, error))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
+
+
+def _num_waiting(engine: Any) -> int:
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "num_waiting"):
+        return scheduler.num_waiting
+    return engine.stats().num_waiting
 
 
 def _was_rejected(added: concurrent.futures.Future) -> bool:

@@ -16,6 +16,7 @@ import torch
 from paceline.config import EngineConfig
 from paceline.core.outputs import TokenLogprobs
 from paceline.core.scheduler import Scheduler
+from paceline.engine.faults import run_isolated
 from paceline.engine.runner import ModelRunner
 from paceline.model.llama import LlamaModel
 from paceline.model.loader import DTYPES, cache_root, default_model_path, load_checkpoint
@@ -43,6 +44,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     request: Request
+    error: str | None = None  # the request failed inside the engine (finish_reason "error"); the others went on
 
 
 # under max_step_ms the engine tracks this quantile of measured / predicted step time, not its mean: on a shared
@@ -295,7 +297,13 @@ class Engine:
         num_decode = sched_out.num_decode_tokens
         num_prefill = sched_out.num_batched_tokens - num_decode
         predicted = sched_out.predicted_step_s * self.scheduler.step_time_scale  # the scale moves after this step
-        result = self.runner.execute(sched_out)
+        try:
+            result = self.runner.execute(sched_out)
+            failed: dict[str, str] = {}
+        except Exception as e:  # one request's row may have done it: find it, fail it alone (engine/faults.py)
+            result, failed = run_isolated(self.runner, sched_out, e)
+        for rid, message in failed.items():
+            outputs.append(self._error_output(rid, message))
         if sched_out.predicted_step_s > 0 and num_prefill > 0:
             # only steps with a prompt chunk count: the limit sized those, and decode-only steps, predicted
             # differently well, would pull the scale toward their own error
@@ -307,7 +315,11 @@ class Engine:
         for request in updated:
             if request.request_id in result.logprobs:
                 self._text[request.request_id].pending_logprobs.append(result.logprobs[request.request_id])
-            outputs.append(self._delta(request))
+            try:
+                outputs.append(self._delta(request))
+            except Exception as e:  # its detokenizer or stop strings: this request's fault, not the step's
+                log.exception("request %s failed while turning tokens into text", request.request_id)
+                outputs.append(self._error_output(request.request_id, f"{type(e).__name__}: {e}", request))
         return outputs
 
     def _delta(self, request: Request) -> RequestOutput:
@@ -336,6 +348,19 @@ class Engine:
         return RequestOutput(request.request_id, new_ids, new_text, state.text, request.is_finished,
                              request.finish_reason, request.stop_reason, logprobs, request.num_prompt_tokens,
                              request.num_output_tokens, request.num_cached_tokens, request)
+
+    def _error_output(self, request_id: str, message: str, request: Request | None = None) -> RequestOutput:
+        """End a request that failed inside the engine: its blocks are freed now, its stream gets the error."""
+        request = request or self.scheduler.get_request(request_id)
+        if self.scheduler.get_request(request_id) is not None:
+            self.scheduler.finish_request(request_id, "error", time.monotonic())
+        state = self._text.pop(request_id, None)
+        if request is None:  # unknown here: nothing to free, still an answer for its stream
+            request = Request(request_id, [0], SamplingParams(), time.monotonic())
+        request.finish_reason = "error"
+        return RequestOutput(request_id, [], "", state.text if state else "", True, "error", None, [],
+                             request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens, request,
+                             error=message)
 
     def _final_output(self, request: Request) -> RequestOutput:
         state = self._text.pop(request.request_id, None)

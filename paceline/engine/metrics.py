@@ -24,7 +24,8 @@ ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.
 REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 240.0,
                    480.0, 960.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: failed inside the engine, the others went on
+REJECT_REASONS = ("queue_full", "queue_delay_predicted", "queue_delay_expired")
 
 
 class EngineMetrics:
@@ -68,6 +69,10 @@ class EngineMetrics:
         success = Counter(P + "request_success", "Finished requests by finish reason.",
                           labelnames=["model_name", "finished_reason"], registry=r)
         self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        rejected = Counter(P + "request_rejected", "Requests answered 503 for overload, by reason: the waiting "
+                           "queue was full, the predicted or the actual queueing delay passed --max-queue-delay-s.",
+                           labelnames=["model_name", "reason"], registry=r)
+        self.rejected = {reason: rejected.labels(model_name, reason) for reason in REJECT_REASONS}
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Gap between two consecutive output tokens.", ITL_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "Same samples as inter_token_latency_seconds.",
@@ -94,6 +99,11 @@ class EngineMetrics:
         self._last_stats: dict[str, float] = {}
         self._num_stalls = 0
         self._step_gaps: list[float] = []  # this step's TBT gaps, handed to the step log in one call
+
+    def observe_rejection(self, reason: str) -> None:
+        """Any thread: prometheus_client counters are thread-safe."""
+        if reason in self.rejected:
+            self.rejected[reason].inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -70,6 +70,10 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.propose(out)
             logits, sampled = self._forward(order)
+            # a NaN or inf row (a broken weight, an overflow) would sample garbage silently: fail the step instead,
+            # and the engine finds the row's request (engine/faults.py); one sum per row is cheap next to sampling
+            if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
+                raise ValueError("the model produced non-finite logits (NaN or inf)")
             rows = [row for s in sampled for row in verify_rows(s)]  # one, or k + 1 for k proposals
             tokens, logprobs = self.sampler(logits, rows)
             i = 0

@@ -24,7 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paceline import __version__
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
+from paceline.engine.admission import QueueDelayError
 from paceline.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
+from paceline.engine.faults import maybe_install
 from paceline.engine.metrics import EngineMetrics
 from paceline.entrypoints import tools
 from paceline.entrypoints.dashboard import add_dashboard_routes
@@ -166,6 +168,8 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics | None = None,
     if router is not None:
         router.bind(OpenAIServing, settings)  # each model gets the one-model serving, with these settings
     api = router if router is not None else OpenAIServing(async_engine, settings)
+    if metrics is not None and hasattr(metrics, "observe_rejection"):
+        async_engine.on_reject = metrics.observe_rejection  # 503s for overload, by reason
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -308,8 +312,13 @@ def usage(choices: list[Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+# line breaks to str.splitlines (which httpx, and so the official openai client, splits SSE lines with) that
+# json.dumps(ensure_ascii=False) leaves raw: a model printing one would cut an event in two
+_SPLITLINES_ONLY = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':')).translate(_SPLITLINES_ONLY)}\n\n"
 
 
 class OpenAIServing:
@@ -385,12 +394,14 @@ class OpenAIServing:
         raise self._map_error(errors[0], prompt_param)
 
     def _map_error(self, e: BaseException, prompt_param: str) -> BaseException:
-        if isinstance(e, QueueFullError):
+        if isinstance(e, (QueueFullError, QueueDelayError)):
             return APIError(503, str(e), type="server_error", code="server_overloaded",
                             headers={"Retry-After": str(max(e.retry_after_s, self.settings.retry_after_s))})
         if isinstance(e, EngineStoppedError):
             return APIError(503, str(e), type="server_error", code="server_shutting_down",
                             headers={"Retry-After": str(self.settings.retry_after_s)})
+        if not isinstance(e, (ValueError, APIError)):  # failed inside the engine: this request only
+            return APIError(500, str(e), type="server_error")
         if isinstance(e, ValueError):
             message = str(e)
             code = "context_length_exceeded" if "context length" in message else None
@@ -416,6 +427,7 @@ class OpenAIServing:
         meta = {"id": base_id, "created": int(time.time()), "model": body.model or self.model_name}
         top = body.top_logprobs or 0
         if body.stream:
+            await self.started(streams)
             return StreamingResponse(self._chat_stream(streams, meta, body.include_usage, top, body),
                                      media_type="text/event-stream")
         choices = await self._collect(request, streams, [0] * len(streams))
@@ -445,6 +457,7 @@ class OpenAIServing:
         # echo: the prompt's text leads each choice (token prompts are decoded as the model would print them)
         echo = [(p if isinstance(p, str) else self.engine.tokenizer.decode(p)) if body.echo else "" for p in prompts]
         if body.stream:
+            await self.started(streams)
             return StreamingResponse(self._completion_stream(streams, prompt_of, meta, body.include_usage,
                                                              body.logprobs, echo), media_type="text/event-stream")
         choices = await self._collect(request, streams, prompt_of)
@@ -481,8 +494,25 @@ class OpenAIServing:
             return None
         exc = work.exception()
         if exc is not None:
-            raise APIError(500, str(exc), type="server_error")
+            raise self._map_error(exc, "prompt")
         return choices
+
+    async def started(self, streams: list[RequestStream]) -> None:
+        """Under --max-queue-delay-s a stream's headers wait for its first token, so a request that expires in the
+        queue (or fails before any token) is a plain 503 / 500 rather than a 200 stream that breaks."""
+        if self.async_engine.admission is None:
+            return
+        waits = [asyncio.ensure_future(s.started()) for s in streams]
+        try:
+            await asyncio.gather(*waits)
+        except BaseException as e:  # an error, or cancelled (the client left): nothing of it streams
+            for w in waits:
+                w.cancel()
+            for s in streams:
+                s.abort()
+            if isinstance(e, Exception):
+                raise self._map_error(e, "prompt") from None
+            raise
 
     async def _chat_stream(self, streams: list[RequestStream], meta: dict, include_usage: bool,
                            top: int, body: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -664,6 +694,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "priority_aging_s": (SchedulerConfig, "priority_aging_s"),
     "max_batch_wait_ms": (SchedulerConfig, "max_batch_wait_ms"),
     "max_waiting_requests": (SchedulerConfig, "max_waiting_requests"),
+    "max_queue_delay_s": (SchedulerConfig, "max_queue_delay_s"),
     "max_step_ms": (SchedulerConfig, "max_step_ms"),
     "time_slice_tokens": (SchedulerConfig, "time_slice_tokens"),
     "time_slice_ms": (SchedulerConfig, "time_slice_ms"),
@@ -725,6 +756,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("priority_aging_s", "a waiting request gains one priority level per this many seconds (0: off)", type=float)
     flag("max_batch_wait_ms", "static scheduler: how long to wait for a batch to fill", type=float)
     flag("max_waiting_requests", "waiting requests beyond which the server answers 503 (0: unlimited)", type=int)
+    flag("max_queue_delay_s", "a request whose predicted or actual wait in the queue exceeds this many seconds gets "
+         "503 with Retry-After instead of waiting (0: off)", type=float)
     flag("max_step_ms", "stall-free: cut prompt chunks so each step's predicted time stays under this; set it "
          "below your TBT SLO (0: off)", type=float)
     flag("time_slice_tokens", "preempt a decoding request after this many output tokens (doubling per demotion) "
@@ -797,7 +830,7 @@ def run_server(args: argparse.Namespace) -> None:
         async_engine, router, metrics = build_multi(config, specs, args)
     else:
         # built on the engine thread: torch must run its parallel ops from one thread only (see AsyncEngine)
-        async_engine = AsyncEngine(lambda: Engine(config))
+        async_engine = AsyncEngine(lambda: maybe_install(Engine(config)))  # faults: only with PACELINE_FAULT_INJECTION=1
         metrics = EngineMetrics(async_engine.engine.model_name, step_log=not getattr(args, "no_dashboard", False))
         async_engine.on_step = metrics.on_step  # read per call; an idle call before this only skips zero gauges
     engine = async_engine.engine

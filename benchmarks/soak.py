@@ -1,0 +1,405 @@
+"""Soak: well-behaved streaming clients beside abusive ones, against a real server, then the books are checked.
+
+Two phases of --phase-s seconds each on the same server: `clean` (only well-behaved streams, Poisson at --rate)
+and `abuse` (the same streams plus abusers at --abuse-rate: clients that disconnect mid-stream, give up at once,
+never read, send broken or oversized HTTP, invalid bodies, n>1 with stop strings and priorities, and prompts that
+inject faults into the engine). Well-behaved streams are greedy with ignore_eos, so each must equal the reference
+taken alone at the start (the server should run float32, where batched equals alone).
+
+Reported: requests by outcome, unexpected 5xx (a 500 is expected only for an injected fault), lost or corrupted
+well-behaved responses, KV blocks still used and request gauges once idle (must be 0), the server's RSS over time
+(growth after the clean phase), p50/p99 TBT of the well-behaved streams in each phase.
+
+    python benchmarks/soak.py --start-server --phase-s 120 --rate 1.0 --abuse-rate 2.0 \\
+        -- --dtype float32 --max-queue-delay-s 5
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+
+PREFIX = ("You are a helpful assistant. Answer briefly and plainly, in one or two sentences, without lists. ")
+QUESTIONS = ["Why is the sky blue?", "What is a prime number?", "How do bees make honey?",
+             "What does a compiler do?", "Why do we have seasons?", "What is the capital of Italy?",
+             "How does a bicycle stay upright?", "What is photosynthesis?"]
+MAX_TOKENS = (16, 32, 48)
+FAULTS = ("sampler", "nan", "detokenize", "stop")
+
+
+@dataclass
+class Book:
+    outcomes: Counter = field(default_factory=Counter)  # (phase, kind, outcome) -> count
+    unexpected_5xx: list[str] = field(default_factory=list)
+    corrupted: list[str] = field(default_factory=list)
+    gaps: dict[str, list[float]] = field(default_factory=lambda: {"clean": [], "abuse": []})
+    rejected_s: list[float] = field(default_factory=list)  # how long a well-behaved request waited for its 503
+
+    def add(self, phase: str, kind: str, outcome: str) -> None:
+        self.outcomes[(phase, kind, outcome)] += 1
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+
+
+# ---- the well-behaved client ----------------------------------------------------------------------------------
+
+async def reference(client: httpx.AsyncClient) -> dict[str, str]:
+    refs = {}
+    for q in QUESTIONS:
+        r = await client.post("/v1/completions", json={"prompt": PREFIX + q, "max_tokens": max(MAX_TOKENS),
+                                                      "temperature": 0, "ignore_eos": True})
+        r.raise_for_status()
+        refs[q] = r.json()["choices"][0]["text"]
+    return refs
+
+
+async def well_behaved(client: httpx.AsyncClient, book: Book, phase: str, refs: dict[str, str],
+                       rng: random.Random) -> None:
+    q, max_tokens = rng.choice(QUESTIONS), rng.choice(MAX_TOKENS)
+    body = {"prompt": PREFIX + q, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    text, times, finish, usage, done = "", [], None, None, False
+    sent = time.monotonic()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                outcome = f"http {r.status_code}"
+                if r.status_code == 503:
+                    book.rejected_s.append(time.monotonic() - sent)
+                book.add(phase, "good", outcome)
+                if r.status_code >= 500 and r.status_code != 503:
+                    book.unexpected_5xx.append(f"good: {r.status_code} {r.text[:200]}")
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[6:])
+                if "error" in event:
+                    book.unexpected_5xx.append(f"good: stream error {event['error']['message'][:200]}")
+                    break
+                if event.get("usage"):
+                    usage = event["usage"]
+                for c in event["choices"]:
+                    if c["text"]:
+                        times.append(time.monotonic())
+                        text += c["text"]
+                    finish = c["finish_reason"] or finish
+    except httpx.HTTPError as e:
+        book.add(phase, "good", "transport error")
+        book.corrupted.append(f"{type(e).__name__}: {e}")
+        return
+    ok = done and finish == "length" and usage and usage["completion_tokens"] == max_tokens \
+        and refs[q].startswith(text)
+    book.add(phase, "good", "ok" if ok else "corrupted")
+    if not ok:
+        book.corrupted.append(f"{q!r} max_tokens={max_tokens} done={done} finish={finish} usage={usage} "
+                              f"text={text[:80]!r} ref={refs[q][:80]!r}")
+    book.gaps[phase].extend(b - a for a, b in zip(times, times[1:]))
+
+
+# ---- the abusers ----------------------------------------------------------------------------------------------
+
+async def raw_http(host: str, port: int, data: bytes, read_s: float = 5.0, read: bool = True) -> bytes:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        if not read:
+            return b""
+        out = b""
+        try:
+            while chunk := await asyncio.wait_for(reader.read(65536), read_s):
+                out += chunk
+        except asyncio.TimeoutError:
+            pass
+        return out
+    finally:
+        writer.close()
+
+
+def head(path: str, length: int | None, content_type: str = "application/json", extra: str = "") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: soak", f"Content-Type: {content_type}", "Connection: close"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + extra + "\r\n\r\n").encode()
+
+
+INVALID = [
+    {"prompt": "hi", "max_tokens": "ten"}, {"prompt": "hi", "n": 10_000}, {"prompt": "hi", "logprobs": 10**6},
+    {"prompt": "hi", "temperature": -1}, {"prompt": "", "max_tokens": 4}, {"prompt": "hi", "model": "nope"},
+    {"prompt": "hi", "stop": ["s"] * 10_000}, {"prompt": [[1] * 3] * 10_000}, {"prompt": "hi", "max_tokens": 10**12},
+    {"messages": "not a list"}, {"prompt": "hi", "priority": 10**9}, {"prompt": "hi", "echo": True},
+]
+
+
+async def abuser(client: httpx.AsyncClient, host: str, port: int, book: Book, rng: random.Random) -> None:
+    kind = rng.choice(["disconnect", "give_up", "slow_reader", "invalid", "broken_http", "too_large", "fault",
+                       "n_stop_priority"])
+    prompt = PREFIX + rng.choice(QUESTIONS)
+    try:
+        if kind == "disconnect":  # reads a few tokens, then leaves
+            async with client.stream("POST", "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                n = 0
+                async for line in r.aiter_lines():
+                    n += line.startswith("data: ")
+                    if n >= rng.randint(1, 6):
+                        break
+            outcome = f"left after tokens ({r.status_code})"
+        elif kind == "give_up":  # sends, then gives up before anything comes back
+            try:
+                await client.post("/v1/chat/completions", timeout=rng.uniform(0.01, 0.3), json={
+                    "messages": [{"role": "user", "content": prompt}], "max_tokens": 100})
+                outcome = "finished before giving up"
+            except httpx.TimeoutException:
+                outcome = "gave up"
+        elif kind == "slow_reader":  # a stream nobody reads for a while, then closed
+            body = json.dumps({"prompt": prompt, "max_tokens": 64, "ignore_eos": True, "stream": True}).encode()
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(head("/v1/completions", len(body)) + body)
+            await writer.drain()
+            await asyncio.sleep(rng.uniform(2, 8))
+            writer.close()
+            outcome = "closed unread"
+        elif kind == "invalid":
+            r = await client.post(rng.choice(["/v1/completions", "/v1/chat/completions"]), json=rng.choice(INVALID))
+            outcome = f"http {r.status_code}"
+            if r.status_code >= 500:
+                book.unexpected_5xx.append(f"invalid: {r.status_code} {r.text[:200]}")
+        elif kind == "broken_http":
+            data = rng.choice([head("/v1/completions", 100) + b'{"prompt": "x", "max',  # cut short
+                               head("/v1/completions", 9) + b"not json!",
+                               head("/v1/completions", 10, "text/plain") + b'{"a": "b"}',
+                               head("/v1/completions", 15) + b'{"prompt": "\xff\xfe"}',
+                               head("/v1/completions", 5000) + b"[" * 5000])
+            answer = await raw_http(host, port, data, read_s=2.0)
+            status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/") else "no answer"
+            outcome = f"http {status}"
+            if status.startswith("5"):
+                book.unexpected_5xx.append(f"broken_http: {answer[:200]!r}")
+        elif kind == "too_large":
+            r = await client.post("/v1/completions", content=b'{"prompt": "' + b"x" * (5 * 2**20) + b'"}',
+                                  headers={"content-type": "application/json"})
+            outcome = f"http {r.status_code}"
+        elif kind == "fault":
+            stage = rng.choice(FAULTS)
+            r = await client.post("/v1/completions", json={"prompt": f"{prompt} PACELINE_FAULT:{stage}",
+                                                           "max_tokens": 24, "ignore_eos": True,
+                                                           "stream": rng.random() < 0.5})
+            failed = r.status_code == 500 or (r.status_code == 200 and '"error"' in r.text)
+            outcome = "failed as injected" if failed else f"http {r.status_code} (not failed?)"
+        else:  # valid but heavy: n > 1, stop strings, a priority
+            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "n": 2,
+                                                           "temperature": 0.8, "stop": [".", "\n"],
+                                                           "priority": rng.randint(-5, 5)})
+            outcome = f"http {r.status_code}"
+            if r.status_code >= 500 and r.status_code != 503:
+                book.unexpected_5xx.append(f"n_stop_priority: {r.status_code} {r.text[:200]}")
+    except httpx.HTTPError as e:
+        outcome = f"transport {type(e).__name__}"
+    except OSError as e:
+        outcome = f"socket {type(e).__name__}"
+    book.add("abuse", kind, outcome)
+
+
+# ---- driving it ------------------------------------------------------------------------------------------------
+
+def rss_mb(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def metrics(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            label = s.labels.get("finished_reason") or s.labels.get("reason")
+            out[s.name + (f"{{{label}}}" if label else "")] = s.value
+    return out
+
+
+async def phase(name: str, url: str, seconds: float, rate: float, abuse_rate: float, refs: dict[str, str],
+                book: Book, rng: random.Random) -> None:
+    host, port = url.split("//")[1].split(":")
+    limits = httpx.Limits(max_connections=500, max_keepalive_connections=50)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        tasks = []
+        end = time.monotonic() + seconds
+
+        async def arrivals(r: float, make) -> None:
+            while (now := time.monotonic()) < end:
+                await asyncio.sleep(min(rng.expovariate(r), max(0.0, end - now)))
+                if time.monotonic() < end:
+                    tasks.append(asyncio.ensure_future(make()))
+
+        feeds = [arrivals(rate, lambda: well_behaved(client, book, name, refs, rng))]
+        if abuse_rate > 0:
+            feeds.append(arrivals(abuse_rate, lambda: abuser(client, host, int(port), book, rng)))
+        await asyncio.gather(*feeds)
+        await asyncio.gather(*tasks)
+
+
+async def sampler(url: str, pid: int | None, samples: list, stop: asyncio.Event, every_s: float) -> None:
+    t0 = time.monotonic()
+    while not stop.is_set():
+        try:
+            m = await asyncio.to_thread(metrics, url)
+            samples.append({"t": time.monotonic() - t0, "rss_mb": rss_mb(pid),
+                            "used_blocks": m.get("paceline:kv_cache_used_blocks"),
+                            "running": m.get("paceline:num_requests_running"),
+                            "waiting": m.get("paceline:num_requests_waiting")})
+        except httpx.HTTPError:
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def main_async(args: argparse.Namespace, pid: int | None) -> dict:
+    rng = random.Random(args.seed)
+    book = Book()
+    async with httpx.AsyncClient(base_url=args.url, timeout=300) as c:
+        refs = await reference(c)
+    samples: list = []
+    stop = asyncio.Event()
+    watch = asyncio.ensure_future(sampler(args.url, pid, samples, stop, args.sample_s))
+    t0 = time.monotonic()
+    await phase("clean", args.url, args.phase_s, args.rate, 0.0, refs, book, rng)
+    rss_after_clean = rss_mb(pid)
+    await phase("abuse", args.url, args.phase_s, args.rate, args.abuse_rate, refs, book, rng)
+    elapsed = time.monotonic() - t0
+    # idle: every gauge back to zero, every block free
+    deadline = time.monotonic() + 60
+    while True:
+        m = metrics(args.url)
+        idle = (m.get("paceline:num_requests_running", 0) == m.get("paceline:num_requests_waiting", 0)
+                == m.get("paceline:num_requests_swapped", 0) == 0 and m.get("paceline:kv_cache_used_blocks", 0) == 0)
+        if idle or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    stop.set()
+    await watch
+    rss_end = rss_mb(pid)
+    health = httpx.get(args.url + "/health", timeout=10).status_code
+    outcomes = [{"phase": p, "kind": k, "outcome": o, "count": n} for (p, k, o), n in sorted(book.outcomes.items())]
+    rss = [s["rss_mb"] for s in samples if s["rss_mb"] is not None]
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:], "elapsed_s": elapsed,
+        "requests": sum(book.outcomes.values()), "outcomes": outcomes,
+        "unexpected_5xx": len(book.unexpected_5xx), "unexpected_5xx_examples": book.unexpected_5xx[:10],
+        "good_ok": sum(n for (p, k, o), n in book.outcomes.items() if k == "good" and o == "ok"),
+        "good_total": sum(n for (p, k, o), n in book.outcomes.items() if k == "good"),
+        "corrupted": len(book.corrupted), "corrupted_examples": book.corrupted[:10],
+        "idle": {"used_blocks": m.get("paceline:kv_cache_used_blocks"),
+                 "running": m.get("paceline:num_requests_running"), "waiting": m.get("paceline:num_requests_waiting"),
+                 "swapped": m.get("paceline:num_requests_swapped")},
+        "health_after": health,
+        "rss_mb": {"after_clean": rss_after_clean, "end": rss_end, "max": max(rss) if rss else None,
+                   "growth_after_clean_pct": 100 * (rss_end - rss_after_clean) / rss_after_clean
+                   if rss_end and rss_after_clean else None},
+        "tbt_ms": {p: {"n": len(g), "p50": _ms(percentile(g, 50)), "p99": _ms(percentile(g, 99))}
+                   for p, g in book.gaps.items()},
+        "rejected_503_ms": {"n": len(book.rejected_s), "p50": _ms(percentile(book.rejected_s, 50)),
+                            "p99": _ms(percentile(book.rejected_s, 99)), "max": _ms(max(book.rejected_s, default=None))},
+        "server_counters": {k: v for k, v in m.items() if k.startswith(("paceline:request_success_total",
+                                                                        "paceline:request_rejected_total"))},
+        "samples": samples,
+    }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 1)
+
+
+def start_server(server_args: list[str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PACELINE_FAULT_INJECTION": "1"}
+    log = open(f"/tmp/paceline-soak-{port}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "paceline.entrypoints.server", "--port", str(port), *server_args],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server did not start; see {log.name}")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    server_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="a running server (with PACELINE_FAULT_INJECTION=1 for the faults)")
+    p.add_argument("--start-server", action="store_true", help="start `paceline serve` with the args after --")
+    p.add_argument("--phase-s", type=float, default=120.0, help="seconds of each phase (clean, then abuse)")
+    p.add_argument("--rate", type=float, default=1.0, help="well-behaved streams per second (Poisson)")
+    p.add_argument("--abuse-rate", type=float, default=2.0, help="abusive requests per second in the abuse phase")
+    p.add_argument("--sample-s", type=float, default=2.0, help="how often /metrics and the RSS are sampled")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="write the full JSON here")
+    args = p.parse_args(argv)
+    proc = None
+    if args.start_server:
+        proc, args.url = start_server(server_args)
+    if args.url is None:
+        raise SystemExit("give --url or --start-server")
+    try:
+        report = asyncio.run(main_async(args, proc.pid if proc else None))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=1)
+    summary = {k: v for k, v in report.items() if k not in ("samples", "outcomes")}
+    print(json.dumps(summary, indent=1))
+    for o in report["outcomes"]:
+        print(f"{o['phase']:6} {o['kind']:16} {o['outcome']:32} {o['count']}")
+
+
+if __name__ == "__main__":
+    main()

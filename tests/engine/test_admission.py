@@ -1,0 +1,70 @@
+"""Admission by queueing delay (engine/admission.py): the predicted wait from the recent start rate, and which
+waiting requests have expired. Pure bookkeeping with explicit times: no clock, no model."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from paceline.engine.admission import AdmissionControl, QueueDelayError
+from paceline.request import Request, RequestStatus
+from paceline.sampling import SamplingParams
+
+
+def first_delta(n_tokens: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(new_token_ids=[7] * n_tokens, num_output_tokens=n_tokens)
+
+
+def later_delta() -> SimpleNamespace:
+    return SimpleNamespace(new_token_ids=[7], num_output_tokens=5)
+
+
+def test_unknown_rate_admits_and_known_rate_predicts():
+    a = AdmissionControl(2.0, window_s=10.0)
+    a.check(num_ahead=1000, now=0.0)  # no starts seen yet: nothing to predict with, admit
+    for t in (1.0, 1.5, 2.0, 2.5):
+        a.observe([first_delta(), later_delta()], t)  # later deltas are not starts
+    a.observe([first_delta(3)], 3.0)  # speculative decoding: a first delta with several tokens is one start
+    rate = a.start_rate(3.0)
+    assert rate == pytest.approx(5 / 2.0)
+    assert a.predicted_wait(0, 3.0) == 0.0
+    assert a.predicted_wait(4, 3.0) == pytest.approx(5 / rate)
+    a.check(num_ahead=4, now=3.0)  # 2.0 s: at the limit, admitted
+    with pytest.raises(QueueDelayError) as e:
+        a.check(num_ahead=9, now=3.0)  # 4.0 s predicted
+    assert e.value.reason == "queue_delay_predicted" and e.value.retry_after_s == 2
+    assert "predicted wait of 4.0 s" in str(e.value)
+
+
+def test_old_starts_leave_the_window():
+    a = AdmissionControl(1.0, window_s=10.0)
+    for t in range(4):
+        a.observe([first_delta()], float(t))
+    assert a.start_rate(4.0) is not None
+    a.observe([], 30.0)
+    assert a.start_rate(30.0) is None  # nothing recent: unknown again, so admit
+    a.check(num_ahead=500, now=30.0)
+
+
+def test_expired_are_waiting_requests_that_never_ran():
+    def req(rid: str, arrival: float, status=RequestStatus.WAITING, first=None) -> Request:
+        r = Request(rid, [1, 2], SamplingParams(), arrival)
+        r.status, r.first_scheduled_time = status, first
+        return r
+
+    requests = {r.request_id: r for r in [
+        req("old", 0.0), req("young", 4.5),
+        req("preempted", 0.0, first=1.0),  # ran, streamed, was preempted back: never expired
+        req("running", 0.0, RequestStatus.RUNNING, first=0.1)]}
+    engine = SimpleNamespace(scheduler=SimpleNamespace(requests=requests))
+    a = AdmissionControl(3.0)
+    assert a.expired(engine, now=5.0) == ["old"]
+    assert a.expired(engine, now=5.01) == []  # swept a moment ago
+    assert a.expired(SimpleNamespace(), now=10.0) == []  # no paceline scheduler: only the arrival check
+    err = a.expired_error()
+    assert err.reason == "queue_delay_expired" and err.retry_after_s == 3
+
+
+def test_limit_must_be_positive():
+    with pytest.raises(ValueError, match="max_queue_delay_s"):
+        AdmissionControl(0.0)
