@@ -82,7 +82,18 @@ class Sampler:
             state = state.advance(rows[i].output_token_ids)
             self._grammars[so] = state
             states.append(state)
-        allowed = fill_masks(states, logits.shape[1]).to(logits.device)
+        allowed = fill_masks(states, logits.shape[1])
+        for j, (i, state) in enumerate(zip(constrained, states)):
+            r = rows[i]
+            if r.params.max_tokens is None:
+                continue
+            # near the end of max_tokens: force the grammar's shortest way to finish (see structured.py)
+            forced = state.budget_token(r.params.max_tokens - len(r.output_token_ids), r.eos_token_id)
+            if forced is not None and allowed[j, forced]:
+                allowed[j] = False
+                allowed[j, forced] = True
+                r.params.structured.cut_by_budget = True
+        allowed = allowed.to(logits.device)
         sub = logits[constrained].masked_fill(~allowed, _NEG_INF)
         # nothing allowed (the grammar is done but min_tokens bans EOS): let EOS through rather than draw garbage
         dead = torch.isinf(sub).all(dim=-1).nonzero().flatten().tolist()
@@ -163,6 +174,18 @@ class Sampler:
             k = rows[i].params.logprobs
             result[i] = TokenLogprobs(logprob=chosen[j], top=list(zip(top_i[j][:k], top_v[j][:k])))
         return result
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Raw log-softmax of each row: the given token's logprob and rank, and the top k (prompt logprobs)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=lp.device)[:, None]
+    chosen = lp.gather(1, ids)
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprobs(logprob=c, top=list(zip(ti, tv)), rank=rk)
+            for c, ti, tv, rk in zip(chosen.squeeze(1).tolist(), top_i, top_v, ranks)]
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
