@@ -1,71 +1,123 @@
-"""Decode-step time with the K/V gathers written three ways, interleaved on the same batches so machine noise
-hits each alike: a new tensor per gather, one reused GatherWorkspace, and the workspace plus decode groups (the
-default). Prints the median and minimum step time over --repeats rounds and the minor page faults per step.
+"""Step time with attention run two ways, interleaved on the same batches so machine noise hits both alike:
+gathers + SDPA per decode group (the eager path) and the C++ paged-attention op (attention_kernel.py).
+Prints, per batch, the median step ms and the median ms spent in attention (all layers) for each.
 
-    .venv/bin/python benchmarks/decode_attention.py --repeats 8
+    flock -x /tmp/paceline-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/decode_attention.py --repeats 5
+    flock -x /tmp/paceline-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/decode_attention.py --layer
 
-Shapes: decode batches at one context length, and batches mixing short and long contexts (which one padded
-group would pad to the longest).
+--layer times one layer's `paged_attention` alone (SmolLM2-135M's shapes, random float32 K/V in scattered
+blocks), best of --repeats (default there 15), and the largest difference between the two outputs.
+
+Shapes: decode batches at one context length and mixed ones, and prompt chunks over earlier context with and
+without decodes. (The workspace and decode-group figures in attention.py came from this script's earlier
+version, which compared those three gather variants; see git history.)
 """
 from __future__ import annotations
 
 import argparse
-import resource
+import os
 import time
 
 import torch
 
-import paceline.model.attention as attention
+import paceline.model.llama as llama
 from paceline.config import EngineConfig
 from paceline.engine.engine import Engine
-from paceline.sim.profile import GridPoint, build_output
+from paceline.engine.profile import GridPoint, build_output
+from paceline.model.attention import GatherWorkspace, SeqSlice, build_metadata, paged_attention
 
 SHAPES = {
-    "6 x 1900": [1900] * 6,
-    "16 x 1000": [1000] * 16,
-    "8 x 2000": [2000] * 8,
-    "32 x 500": [500] * 32,
-    "64 x 200": [200] * 64,
-    "16 x 300": [300] * 16,
-    "6 mixed 150..1900": [150, 250, 350, 450, 500, 1900],
-    "16 mixed 100..1900": [100 + 100 * i for i in range(15)] + [1900],
+    "decode b=1 ctx 150": GridPoint([], [150]),
+    "decode b=1 ctx 2000": GridPoint([], [2000]),
+    "decode b=6 ctx 1900": GridPoint([], [1900] * 6),
+    "decode b=32 ctx 100-200": GridPoint([], [100 + 3 * i for i in range(32)]),
+    "decode b=32 ctx 500": GridPoint([], [500] * 32),
+    "decode 16 mixed 100..1900": GridPoint([], [100 + 100 * i for i in range(15)] + [1900]),
+    "chunk 64 @1000 + 6 decodes": GridPoint([(1000, 64, False)], [150, 250, 350, 450, 500, 1900]),
+    "chunk 512 @1000": GridPoint([(1000, 512, False)], []),
+    "chunk 476 @1024 (end)": GridPoint([(1024, 476, True)], []),
+    "prefill 512 fresh": GridPoint([(0, 512, True)], []),
 }
+VARIANTS = {"gather + SDPA": "0", "C++ op": "1"}
+
+
+def one_layer(repeats: int, only: list[str]) -> None:
+    h, kvh, d, bs = 9, 3, 64, 16
+    ws = GatherWorkspace(bs * kvh * d, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    print(f"one layer, {h} query / {kvh} KV heads, head_dim {d}, float32; best of {repeats}")
+    for name, point in SHAPES.items():
+        if only and not any(o in name for o in only):
+            continue
+        shape = [(s, c) for s, c, _ in point.chunks] + [(ctx - 1, 1) for ctx in point.decode_contexts]
+        nb = sum(-(-(s + n) // bs) for s, n in shape) + 1
+        free = torch.randperm(nb, generator=g).tolist()  # scattered blocks, as after a while of serving
+        seqs = [SeqSlice(s, n, [free.pop() for _ in range(-(-(s + n) // bs))]) for s, n in shape]
+        kc, vc = torch.randn(nb, bs, kvh, d, generator=g), torch.randn(nb, bs, kvh, d, generator=g)
+        t = sum(n for _, n in shape)
+        q, k, v = torch.randn(t, h, d, generator=g), torch.randn(t, kvh, d, generator=g), torch.randn(t, kvh, d, generator=g)
+        best, outs = {}, {}
+        for kernel in (False, True):
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                meta = build_metadata(seqs, bs, workspace=ws, kernel=kernel)
+                outs[kernel] = paged_attention(q, k, v, kc, vc, meta, d ** -0.5)
+                times.append((time.perf_counter() - t0) * 1e3)
+            best[kernel] = min(times)
+        err = (outs[True] - outs[False]).abs().max().item()
+        print(f"{name:30s} gather + SDPA {best[False]:8.3f} ms   C++ op {best[True]:8.3f} ms   "
+              f"{best[False] / best[True]:5.2f}x   max |diff| {err:.1e}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="engine dtype (auto picks int4 for the bundled GGUF)")
+    ap.add_argument("--only", default="", help="comma-separated substrings of shape names")
+    ap.add_argument("--layer", action="store_true", help="time one layer's attention alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig())
-    runner, workspace = engine.runner, engine.runner.workspace
-    one_group = 1 << 62
-    variants = {  # name -> (workspace, group cost and size cap)
-        "new tensor per gather": (None, one_group, one_group),
-        "workspace, one group": (workspace, one_group, one_group),
-        "workspace + groups": (workspace, attention.GROUP_COST_POSITIONS, attention.GROUP_MAX_BYTES),
-    }
-    group_cost, group_bytes = attention.GROUP_COST_POSITIONS, attention.GROUP_MAX_BYTES
-    print(f"{'batch':20s}" + "".join(f"{v:>34s}" for v in variants))
-    for name, contexts in SHAPES.items():
-        out = build_output(GridPoint([], sorted(contexts)), engine.arch.vocab_size)
-        times: dict[str, list[float]] = {v: [] for v in variants}
-        faults: dict[str, int] = {v: 0 for v in variants}
+    if args.layer:
+        one_layer(max(args.repeats, 15), [s for s in args.only.split(",") if s])
+        return
+    engine = Engine(EngineConfig(dtype=args.dtype))
+    runner = engine.runner
+    attn_ms = [0.0]
+    orig = llama.paged_attention
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        o = orig(*a, **kw)
+        attn_ms[0] += (time.perf_counter() - t0) * 1e3
+        return o
+
+    llama.paged_attention = timed
+    print(f"dtype {args.dtype}, {args.threads} threads; cells: median step ms / median attention ms over "
+          f"{args.repeats} interleaved rounds")
+    print(f"{'batch':30s}" + "".join(f"{v:>24s}" for v in VARIANTS) + f"{'step speed-up':>16s}")
+    only = [s for s in args.only.split(",") if s]
+    for name, point in SHAPES.items():
+        if only and not any(o in name for o in only):
+            continue
+        out = build_output(point, engine.arch.vocab_size)
+        step: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        attn: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for _ in range(args.repeats):
-            for v, (ws, cost, cap) in variants.items():
-                runner.workspace, attention.GROUP_COST_POSITIONS, attention.GROUP_MAX_BYTES = ws, cost, cap
+            for v, flag in VARIANTS.items():
+                os.environ["PACELINE_ATTN_KERNEL"] = flag
                 runner.execute(out)  # warm: a grown workspace, a first-touch buffer
-                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                attn_ms[0] = 0.0
                 t0 = time.perf_counter()
                 runner.execute(out)
-                times[v].append((time.perf_counter() - t0) * 1e3)
-                faults[v] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-        attention.GROUP_COST_POSITIONS, attention.GROUP_MAX_BYTES = group_cost, group_bytes
-        cells = [f"{sorted(t)[len(t) // 2]:7.1f} / {min(t):6.1f} ms {faults[v] // args.repeats:7d} flt"
-                 for v, t in times.items()]
-        print(f"{name:20s}" + "".join(f"{c:>34s}" for c in cells))
-    print("each cell: median / min step ms over the rounds, minor page faults per step")
+                step[v].append((time.perf_counter() - t0) * 1e3)
+                attn[v].append(attn_ms[0])
+        med = {v: sorted(t)[len(t) // 2] for v, t in step.items()}
+        cells = [f"{med[v]:8.1f} / {sorted(attn[v])[len(attn[v]) // 2]:7.1f}" for v in VARIANTS]
+        a, b = VARIANTS
+        print(f"{name:30s}" + "".join(f"{c:>24s}" for c in cells) + f"{med[a] / med[b]:15.2f}x", flush=True)
+    os.environ.pop("PACELINE_ATTN_KERNEL", None)
 
 
 if __name__ == "__main__":

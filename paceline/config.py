@@ -112,6 +112,9 @@ class EngineConfig:
     # speculative decoding as vLLM spells it, a JSON string or dict: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": n, "prompt_lookup_min": m}; None: off. Parsed (and checked) by the engine.
     speculative_config: str | dict | None = None
+    # several processes for one model (vLLM's names): worker ranks spawned by the engine, gloo on CPU, NCCL on CUDA
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -129,6 +132,12 @@ class EngineConfig:
             self.quantization = "none"  # a dtype asked for by name: int4 computes in bfloat16 only
         if self.quantization == "int4" and self.dtype != "bfloat16":
             raise ValueError(f"int4 quantization computes in bfloat16; use dtype bfloat16 (or auto), not {self.dtype}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor and pipeline parallelism together are not supported yet: set one of them to 1")
         if self.tbt_goal_ms < 0:
             raise ValueError(f"tbt_goal_ms must be >= 0, got {self.tbt_goal_ms}")
         s = self.scheduler

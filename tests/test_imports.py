@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "paceline"
 # a module may import its own layer and those before it; bench and sim share one (sim reads bench's workloads and
 # reports through bench's measurement library; bench never imports sim, which the cycle check holds)
 LAYERS = {"config": 0, "request": 0, "sampling": 0, "spec_config": 0, "core": 1, "model": 2, "engine": 3, "bench": 4,
-          "sim": 4, "parallel": 4, "entrypoints": 5}
+          "sim": 4, "parallel": 3, "entrypoints": 5}
 
 
 def module_name(path: Path) -> str:

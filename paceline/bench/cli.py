@@ -23,6 +23,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", default=None, help="where JSON and PNGs go (default bench-results/<workload>-<time>)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--html", action="store_true",
+                   help="also write report.html: the run drawn by the dashboard's charts (steps from a paceline server)")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,6 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from paceline.bench import html_report
     from paceline.bench.client import Endpoint, run
     from paceline.bench.prompts import PromptSource, build_prompts, load_tokenizer
     from paceline.bench.report import environment, output_dir, run_dict, run_markdown, write_json
@@ -64,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     prompts = build_prompts(PromptSource(load_tokenizer(args.tokenizer)), requests, args.seed,
                             as_text=ep.prompt_format == "text")
     label = args.label or ep.url
+    steps_before = html_report.server_steps(ep.url) if args.html else None
     result = run(ep, requests, prompts, progress=not args.no_progress, deadline_s=args.deadline,
                  max_concurrency=args.max_concurrency, label=label)
     r = run_dict(label, spec.name, rate, result, ttft_slo=_ms(args.ttft_slo), tbt_slo=_ms(args.tbt_slo),
@@ -77,7 +81,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.no_plots:
         from paceline.bench import plots  # matplotlib: the [bench] extra
         plots.all_plots([r], out, _ms(args.tbt_slo))
-    print(f"\nwrote {out}/results.json, results.md" + ("" if args.no_plots else " and plots"))
+    if args.html:
+        steps, info = html_report.run_steps(steps_before, html_report.server_steps(ep.url))
+        # one server model: its latency row is the step log's row; a peer without a step log gets its own
+        name = next(iter(info)) if len(info) == 1 else label
+        html_report.write(out / "report.html", f"paceline bench: {spec.name} against {label}", md, steps,
+                          {name: html_report.latency_of(result.records, name)}, info,
+                          note=f"rate {rate} req/s, seed {args.seed}")
+    print(f"\nwrote {out}/results.json, results.md" + ("" if args.no_plots else " and plots")
+          + (", report.html" if args.html else ""))
     return 0 if r["summary"]["completed"] else 1
 
 

@@ -20,6 +20,7 @@ from paceline.engine.runner import ModelRunner
 from paceline.model.llama import LlamaModel
 from paceline.model.loader import DTYPES, cache_root, default_model_path, load_checkpoint
 from paceline.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from paceline.parallel.executor import build_runner, parallel_bytes_per_block
 from paceline.request import Request
 from paceline.sampling import SamplingParams
 from paceline.spec_config import SpeculativeConfig
@@ -128,20 +129,30 @@ class Engine:
         self.arch = ckpt.arch
         self.tokenizer = ckpt.tokenizer
         self.model_name = config.served_model_name or ckpt.name
-        model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, device=self.device, dtype=dtype,
-                                        quantization=config.quantization)
-        del ckpt
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
 
         cache = config.cache
         self.block_size = cache.block_size
-        block_bytes = ModelRunner.bytes_per_block(self.arch, cache.block_size, dtype)
+        # the KV memory is per process: with several ranks, each holds only its KV heads (TP) or layers (PP)
+        block_bytes = (parallel_bytes_per_block(self.arch, cache.block_size, dtype, tp, pp) if tp * pp > 1
+                       else ModelRunner.bytes_per_block(self.arch, cache.block_size, dtype))
         self.num_blocks = cache.num_blocks or max(1, int(cache.kv_cache_memory_gb * 2**30 // block_bytes))
         self.num_host_blocks = int(cache.swap_space_gb * 2**30 // block_bytes)
         self.max_model_len = min(config.scheduler.max_model_len, self.arch.max_position_embeddings)
         config.scheduler.max_model_len = self.max_model_len
-        self.runner = ModelRunner(model, self.arch, self.num_blocks, cache.block_size,
-                                  num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
-                                  seed=config.seed)
+        if tp * pp > 1:
+            # the scheduler stays here; the workers load their own part of the checkpoint and only execute
+            self.runner = build_runner(ckpt.arch, ckpt.weights, model=config.model, dtype=config.dtype,
+                                       quantization=config.quantization, device=self.device, num_blocks=self.num_blocks,
+                                       block_size=cache.block_size, num_host_blocks=self.num_host_blocks,
+                                       seed=config.seed, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        else:
+            model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, device=self.device, dtype=dtype,
+                                            quantization=config.quantization)
+            self.runner = ModelRunner(model, self.arch, self.num_blocks, cache.block_size,
+                                      num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
+                                      seed=config.seed)
+        del ckpt
         self.scheduler = Scheduler(config.scheduler, cache, self.num_blocks, self.num_host_blocks,
                                    step_time=self._step_time_model(), speculative=self.speculative_config)
         self._text: dict[str, _TextState] = {}

@@ -21,7 +21,8 @@ def _generate(args: argparse.Namespace) -> None:
         sys.exit(f"error: {e}")
     try:
         llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, policy=args.scheduler,
-                  kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=args.speculative_config)
+                  kv_cache_memory_gb=args.kv_cache_memory_gb, speculative_config=args.speculative_config,
+                  tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
     except ValueError as e:
         sys.exit(f"error: {e}")
     prompts = args.prompt or [SAMPLE_PROMPT]
@@ -48,6 +49,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='JSON as vLLM: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N}')
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--tensor-parallel-size", type=int, default=EngineConfig.tensor_parallel_size)
+    p.add_argument("--pipeline-parallel-size", type=int, default=EngineConfig.pipeline_parallel_size)
     p.add_argument("--dtype", default=EngineConfig.dtype, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", default=EngineConfig.quantization, choices=["none", "int4"])
     p.add_argument("--scheduler", default=SchedulerConfig.policy, choices=SCHEDULERS, type=scheduler_name)

@@ -1,5 +1,6 @@
 """GET /dashboard: one self-contained page that draws the scheduler at work; GET /dashboard/events: its live feed
-(server-sent events) from the StepLogs the engine thread fills. No build step, no CDN: static/charts.js (plain
+(server-sent events) from the StepLogs the engine thread fills; GET /dashboard/steps: the whole ring as JSON, for
+a benchmark's static report. No build step, no CDN: static/charts.js (plain
 canvas) is inlined into static/dashboard.html when the routes are added.
 
 Feed: one `data:` JSON message per model per tick, {"model", "now", "steps": [step records since the last
@@ -17,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from paceline.engine.step_log import StepLog
 from paceline.entrypoints.protocol import APIError
@@ -60,7 +61,7 @@ def check_key(request: Request, api_key: str | None) -> None:
 
 def add_dashboard_routes(app: FastAPI, logs: Sequence[StepLog], api_key: str | None = None,
                          is_open: Callable[[], bool] = lambda: True, tick_s: float = TICK_S) -> None:
-    """Register GET /dashboard and GET /dashboard/events. is_open() turning false ends every feed, so a server
+    """Register GET /dashboard, GET /dashboard/events and GET /dashboard/steps. is_open() turning false ends every feed, so a server
     that shuts down is not held by an open page (uvicorn waits for streaming responses to end)."""
     html = page_html()
 
@@ -74,6 +75,15 @@ def add_dashboard_routes(app: FastAPI, logs: Sequence[StepLog], api_key: str | N
         check_key(request, api_key)
         return StreamingResponse(feed(logs, is_open, tick_s), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    @app.get("/dashboard/steps", include_in_schema=False)
+    async def dashboard_steps(request: Request) -> JSONResponse:
+        """Every step record still in the ring, per model, for a benchmark's static report (`--html`): the
+        client reads `num_steps` before its run and keeps the records numbered after it."""
+        check_key(request, api_key)
+        return JSONResponse({"models": [{"model": log.model, "info": log.info_dict(), "num_steps": log.num_steps,
+                                         "steps": log.steps_since(0)} for log in logs]},
+                            headers={"Cache-Control": "no-store"})
 
 
 def _message(obj: dict) -> str:

@@ -684,6 +684,8 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_step_ms": (SchedulerConfig, "max_step_ms"),
     "step_profile": (EngineConfig, "step_profile"),
     "speculative_config": (EngineConfig, "speculative_config"),
+    "tensor_parallel_size": (EngineConfig, "tensor_parallel_size"),
+    "pipeline_parallel_size": (EngineConfig, "pipeline_parallel_size"),
 }
 
 
@@ -738,6 +740,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
          "profile at start-up")
     flag("speculative_config", 'speculative decoding, JSON as vLLM: {"method": "ngram", "num_speculative_tokens": K, '
          '"prompt_lookup_max": N, "prompt_lookup_min": M}')
+    flag("tensor_parallel_size", "worker processes that split every layer (heads and MLP) of the model", type=int)
+    flag("pipeline_parallel_size", "worker processes that each run a range of the model's layers", type=int)
     add_limit_args(parser)
 
 

@@ -3,6 +3,18 @@
 The KV cache is one preallocated tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
 (2 = K, V). A token at position `p` of a request lives in slot `block_table[p // bs] * bs + p % bs`.
 
+On CPU, when it builds (attention_kernel.py: a small C++ op compiled once and cached), each layer is two
+`index_copy_` writes and ONE call of that op for the whole flat batch: it reads every context straight from its
+blocks (no gather), shares each KV head's loads between the query heads of its GQA group, and accumulates a
+flash-style softmax in float32. Why: the gathers copied every context position once per layer and SDPA read it
+again, in a handful of ops per decode group; one layer of SmolLM2-135M (9 query / 3 KV heads, head_dim 64,
+float32), best of 15 in one process: 32 decodes at 100-200 tokens 1.35 -> 0.38 ms, 6 decodes at 1,900 tokens
+2.78 -> 0.79 ms, a 64-token chunk at 1,000 + 6 decodes 2.81 -> 1.71 ms, a fresh 512-token prompt 4.95 -> 3.02 ms,
+a 512-token chunk at 1,000 15.2 -> 14.3 ms (benchmarks/summaries/attention.md). Elsewhere (CUDA, no compiler,
+`PACELINE_ATTN_KERNEL=0`) the eager path below runs.
+
+The eager path:
+
 The flat batch is laid out as: every multi-token chunk first (prompt chunks), then every single-token
 sequence (decodes, or a prompt chunk of one token). All index tensors are built once per step in
 `build_metadata`; each layer then does a fixed handful of ops whatever the batch holds:
@@ -27,9 +39,12 @@ memory on CPU, faulted in page by page at every gather (below).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from paceline.model import attention_kernel
 
 
 @dataclass
@@ -58,6 +73,10 @@ class AttnMetadata:
     # single tokens, in consecutive groups
     num_decodes: int = 0
     decode_groups: list["DecodeGroup"] = field(default_factory=list)
+    # the C++ op (attention_kernel.py), when it runs this step: the whole batch in one call per layer
+    kernel: Callable | None = None
+    kernel_tables: torch.Tensor | None = None  # [S, max_blocks] int32 block table of every sequence
+    kernel_seqs: torch.Tensor | None = None  # [S, 3] int32: first flat row, tokens, position of the first token
 
 
 @dataclass
@@ -150,8 +169,11 @@ def _blocks(block_tables: list[list[int]], lengths: list[int], block_size: int, 
 
 
 def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu",
-                   workspace: GatherWorkspace | None = None) -> AttnMetadata:
-    """Index tensors for one step. `seqs` must list every multi-token chunk before any single-token one."""
+                   workspace: GatherWorkspace | None = None, kernel: bool | None = None) -> AttnMetadata:
+    """Index tensors for one step. `seqs` must list every multi-token chunk before any single-token one.
+
+    kernel: run attention with the C++ op (True; a ValueError if it cannot be built here), with gathers + SDPA
+    (False), or the op wherever it is available: CPU, a compiler, not switched off (None)."""
     if not seqs:
         raise ValueError("a step needs at least one sequence")
     for s in seqs:
@@ -170,6 +192,22 @@ def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device |
     slot_mapping = torch.tensor(slots, dtype=torch.long)
     tp = sum(s.num_tokens for s in prefills)
     meta = AttnMetadata(slot_mapping=slot_mapping.to(device, non_blocking=True), num_prefill_tokens=tp)
+
+    op = attention_kernel.load() if kernel is not False and torch.device(device).type == "cpu" else None
+    if kernel and op is None:
+        raise ValueError("the C++ paged-attention kernel is not available here (CPU only; see the log for why)")
+    if op is not None:
+        nblocks = max(-(-(s.start + s.num_tokens) // bs) for s in seqs)
+        meta.kernel = op
+        meta.kernel_tables = torch.tensor([s.block_table[:nblocks] + [0] * (nblocks - len(s.block_table[:nblocks]))
+                                           for s in seqs], dtype=torch.int32)
+        rows, row = [], 0
+        for s in seqs:
+            rows.append((row, s.num_tokens, s.start))
+            row += s.num_tokens
+        meta.kernel_seqs = torch.tensor(rows, dtype=torch.int32)
+        meta.num_prefills, meta.num_decodes = len(prefills), len(decodes)
+        return meta
 
     if prefills:
         meta.num_prefills = len(prefills)
@@ -235,6 +273,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # a float32 step of a bfloat16 model (LlamaModel.wide_above) stores its K/V in the cache's dtype
     k_flat.index_copy_(0, meta.slot_mapping, k.reshape(t, kvh * d).to(k_cache.dtype))
     v_flat.index_copy_(0, meta.slot_mapping, v.reshape(t, kvh * d).to(v_cache.dtype))
+    if meta.kernel is not None:
+        # float32 queries (row views of qkv are fine: the op takes any row stride), float32 out
+        o = meta.kernel(q if q.dtype == torch.float32 else q.float(), k_cache, v_cache, meta.kernel_tables,
+                        meta.kernel_seqs, scale)
+        return o.view(t, h * d).to(q.dtype)
     k_blocks = k_cache.view(k_cache.shape[0], -1)
     v_blocks = v_cache.view(v_cache.shape[0], -1)
 

@@ -24,6 +24,9 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-config", default="mistral-7b", help="bundled name (mistral-7b, llama-3-8b, llama-2-7b, llama-3-70b, qwen2-72b) or config.json path")
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--pp-microbatches", type=int, default=None,
+                   help="virtual engines per replica whose steps overlap in the pipeline (default: --pp; 1: the "
+                        "stages run one after another)")
     g.add_argument("--step-overhead-ms", type=float, default=2.0, help="roofline: CPU time per step")
     g.add_argument("--efficiency", action="append", default=[], metavar="CLASS=F",
                    help="roofline: fraction of peak for gemm | attn_prefill | attn_decode | elementwise (repeatable)")
@@ -62,6 +65,8 @@ def _output_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-dir", default=None,
                    help="write results.json (the summary, every request's timeline, every step), results.md and PNGs")
     g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--html", default=None, metavar="PATH",
+                   help="write the run as one HTML page drawn by the dashboard's charts ('auto': OUTPUT_DIR/report.html)")
     # the older spellings: the JSON alone to a file, the PNGs alone to a folder
     g.add_argument("--out", default=None, help=argparse.SUPPRESS)
     g.add_argument("--plots", default=None, help=argparse.SUPPRESS)
@@ -94,7 +99,8 @@ def deployment_from_args(args: argparse.Namespace):
                             max_step_ms=args.max_step_ms)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         swap_space_gb=args.swap_space_gb, enable_prefix_caching=args.enable_prefix_caching)
-    dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization)
+    dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization,
+                     getattr(args, "pp_microbatches", None))
     return dep, workload
 
 
@@ -115,10 +121,13 @@ def _simulate(args: argparse.Namespace) -> None:
                        tbt_slo=args.tbt_slo / 1e3 if args.tbt_slo else None)
     s, m = run["summary"], run["simulation"]
     print(f"{workload.name} at {args.rate} req/s, {args.replicas} x {_device_name(args)}, {args.scheduler} "
-          f"budget {args.max_num_batched_tokens}, {sim.num_blocks} KV blocks per replica")
+          f"budget {args.max_num_batched_tokens}, {sim.num_blocks} KV blocks per replica"
+          + (f" per virtual engine x {sim.pipeline_microbatches}" if sim.pipeline_microbatches > 1 else ""))
     print(f"{s['completed']}/{s['num_requests']} requests finished ({s['failed']} rejected) in {s['duration_s']:.1f} "
           f"simulated s ({m['wall_s']:.2f} s wall); {m['num_steps']} steps, median decode step "
-          f"{m['median_decode_step_s'] * 1e3:.1f} ms; {m['num_preemptions']} preemptions\n")
+          f"{m['median_decode_step_s'] * 1e3:.1f} ms; {m['num_preemptions']} preemptions"
+          + (f"; pipeline bubble {m['pipeline_bubble_fraction']:.3f}" if m["pipeline_bubble_fraction"] is not None
+             else "") + "\n")
     md = run_markdown(run) + "\n\n" + distribution_table(s)
     print(md)
     payload = {**run, "steps": [asdict(x) for x in result.steps]}
@@ -129,11 +138,35 @@ def _simulate(args: argparse.Namespace) -> None:
         print(f"wrote {out}/results.json, results.md")
     if args.out:
         write_json(Path(args.out), payload)
+    if args.html:
+        page = (out or Path(".")) / "report.html" if args.html == "auto" else Path(args.html)
+        print(f"wrote {write_html(result, run, md, page, args)}")
     plot_dir = Path(args.plots) if args.plots else out if out and not args.no_plots else None
     if plot_dir:
         from paceline.bench.plots import all_plots  # matplotlib: the [bench] extra
         for p in all_plots([run], plot_dir, s["tbt_slo_s"]):
             print(f"wrote {p}")
+
+
+def write_html(result, run: dict, md: str, path: Path, args: argparse.Namespace) -> Path:
+    """The simulated run as the dashboard draws a server's: one row per replica, on the simulated clock."""
+    from paceline.bench import html_report
+
+    steps = []
+    for i, s in enumerate(result.steps):
+        steps.append(html_report.step_dict(
+            f"replica {s.replica}", i + 1, t=s.start, dur=s.duration, pred=s.duration, decode=s.num_decode_tokens,
+            prefill=s.num_prefill_tokens, reqs=s.num_requests, running=s.num_running, waiting=s.num_waiting,
+            swapped=s.num_swapped, kv_used=s.num_used_blocks, kv_free=s.num_free_blocks, preempted=s.num_preempted))
+    latency: dict[str, dict] = {}
+    info: dict[str, dict] = {}
+    for name in sorted({s["model"] for s in steps}):
+        recs = [r for r in result.requests if f"replica {r.replica}" == name]
+        latency[name] = html_report.latency_of(recs, name)
+        info[name] = {"model": name, "policy": args.scheduler, "max_step_ms": args.max_step_ms,
+                             "max_num_batched_tokens": args.max_num_batched_tokens}
+    return html_report.write(path, f"paceline simulate: {run['workload']} at {args.rate} req/s", md, steps, latency,
+                             info, note=f"{_device_name(args)}; simulated time")
 
 
 def _device_name(args: argparse.Namespace) -> str:

@@ -96,7 +96,7 @@ class RooflineCostModel:
         a, b = self.arch, self.dtype_bytes
         if s.num_tokens == 0 and not s.num_swapped_blocks:
             return self.step_overhead_s
-        layers = a.num_layers * self.layer_time(s)  # the pp stages run one after another for one batch
+        layers = a.num_layers * self.layer_time(s)  # one batch passes the pp stages one after another
         if self.pp > 1:
             layers += (self.pp - 1) * (b * s.num_tokens * a.hidden_size / self.gpu.link_bandwidth + self.gpu.link_latency_s)
         vocab = a.vocab_size / self.tp
@@ -104,6 +104,20 @@ class RooflineCostModel:
                         b * (a.hidden_size * vocab + s.num_sampled * (a.hidden_size + vocab)), self.efficiency["gemm"])
         swap = s.num_swapped_blocks * self.kv_bytes_per_token() * self.block_size / self.gpu.pcie_bandwidth
         return self.step_overhead_s + self.per_request_s * s.num_requests + layers + head + swap
+
+    def stage_times(self, s: BatchShape) -> list[float]:
+        """step_time cut into the pp stages a micro-batch passes through, in order; they sum to step_time. The first
+        stage pays the step's CPU overhead, every stage but the last sends its hidden states on, the last computes
+        the logits (and any swap is charged there)."""
+        total = self.step_time(s)
+        if self.pp == 1 or s.num_tokens == 0:
+            return [total] + [0.0] * (self.pp - 1)
+        a = self.arch
+        layers = a.num_layers / self.pp * self.layer_time(s)
+        send = self.dtype_bytes * s.num_tokens * a.hidden_size / self.gpu.link_bandwidth + self.gpu.link_latency_s
+        first = self.step_overhead_s + self.per_request_s * s.num_requests + layers + send
+        middle = [layers + send] * (self.pp - 2)
+        return [first, *middle, total - first - sum(middle)]
 
     # ---- memory
 

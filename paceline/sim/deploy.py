@@ -17,6 +17,7 @@ class Deployment:
     num_replicas: int = 1
     router: str = "round-robin"
     gpu_memory_utilization: float = 0.9
+    pipeline_microbatches: int | None = None  # None: as many as pipeline stages (1 without pipeline parallelism)
 
     def num_blocks(self) -> int:
         if self.cache.num_blocks:
@@ -36,8 +37,11 @@ class Deployment:
         return int(self.cache.swap_space_gb * GiB // (per_token * self.cache.block_size)) if per_token else 0
 
     def simulator(self) -> Simulator:
+        micro = self.pipeline_microbatches
+        if micro is None:
+            micro = getattr(self.cost_model, "pp", 1) if hasattr(self.cost_model, "stage_times") else 1
         return Simulator(self.cost_model, self.scheduler, self.cache, self.num_blocks(), self.num_host_blocks(),
-                         num_replicas=self.num_replicas, router=self.router)
+                         num_replicas=self.num_replicas, router=self.router, pipeline_microbatches=micro)
 
 
 def cost_model_from_spec(spec: str, model: str = "mistral-7b", gpu: str = "a100", tp: int = 1, pp: int = 1,

@@ -55,7 +55,8 @@ def sim_run_dict(result: SimResult, *, system: str = "simulated", workload: str 
     run = RunResult(result.requests, result.makespan, 0.0, counter_snapshots(result.steps), scheduling_delay(result))
     sim = {"median_decode_step_s": med, "step_time": stats([s.duration for s in result.steps]),
            "num_steps": len(result.steps), "num_preemptions": sum(r.num_preemptions for r in result.requests),
-           "num_replicas": result.num_replicas, "wall_s": result.wall_s}
+           "num_replicas": result.num_replicas, "wall_s": result.wall_s,
+           "pipeline_bubble_fraction": result.bubble_fraction}
     return run_dict(system, workload, rate, run, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
                     stall_threshold_s=STALL_FACTOR * med if med else None, extra={"simulation": sim, **(extra or {})})
 

@@ -1,5 +1,12 @@
 """Discrete-event simulation: the real Scheduler per replica, steps that last what the cost model says.
 
+With pipeline parallelism (a roofline cost model with pp > 1) a replica runs `pipeline_microbatches` virtual
+engines, as vLLM does: each its own scheduler and share of the KV blocks, so while one micro-batch is in stage 2
+the next one's step can start in stage 1. A virtual engine starts a step only when stage 1 is free; each stage
+takes the micro-batch when it is done with the one before (`_Pipeline`). The bubble fraction is the stages' idle
+share of the time steps were in flight. With one micro-batch the stages run one after another, as a single
+engine under PP does.
+
 Events live in one heap keyed (time, kind, seq): at equal times step completions come before arrivals,
 and within a kind the order they were pushed, so a run is deterministic. After all events of one instant
 are applied, every idle replica with work starts its next step at that instant; an arrival therefore joins
@@ -38,6 +45,13 @@ class StepRecord:
     num_decode_tokens: int
     num_prefill_tokens: int
     num_requests: int
+    # the scheduler's state once the step is chosen, as the server's step log records it (the static report)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_used_blocks: int = 0
+    num_free_blocks: int = 0
+    num_preempted: int = 0  # preemptions this step's choice made
 
 
 REJECTED = "rejected: longer than the context or the KV cache"
@@ -49,6 +63,7 @@ class SimResult:
     steps: list[StepRecord]
     wall_s: float  # real seconds the simulation took
     num_replicas: int
+    bubble_fraction: float | None = None  # pipeline parallel: idle share of stage-time while steps were in flight
 
     @property
     def finished(self) -> list[RequestRecord]:
@@ -68,24 +83,61 @@ class _Replica:
     in_flight: SchedulerOutput | None = None
     in_flight_duration: float = 0.0
     poll_pending: bool = False
+    preemptions_seen: int = 0
+    physical: int = 0  # the replica (router's index) this virtual engine belongs to
+    pipeline: _Pipeline | None = None  # the stages it shares with its replica's other virtual engines
+
+
+@dataclass
+class _Pipeline:
+    """One replica's pipeline stages: when each is next free, how long they computed, when work began and ended."""
+    stage_free: list[float]
+    busy_s: float = 0.0
+    first_start: float | None = None
+    last_end: float = 0.0
+
+    def run(self, now: float, stage_times: list[float]) -> float:
+        """A micro-batch entering stage 1 at `now`; returns when it leaves the last stage."""
+        t = now
+        for k, st in enumerate(stage_times):
+            t = max(t, self.stage_free[k]) + st
+            self.stage_free[k] = t
+        self.busy_s += sum(stage_times)
+        self.first_start = now if self.first_start is None else self.first_start
+        self.last_end = max(self.last_end, t)
+        return t
 
 
 class Simulator:
     def __init__(self, cost_model: CostModel, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, num_host_blocks: int = 0, num_replicas: int = 1, router: str = "round-robin",
-                 scheduler_factory: Callable[..., Scheduler] = Scheduler) -> None:
+                 scheduler_factory: Callable[..., Scheduler] = Scheduler, pipeline_microbatches: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        stages = getattr(cost_model, "pp", 1)
+        if pipeline_microbatches < 1 or (pipeline_microbatches > 1 and not hasattr(cost_model, "stage_times")):
+            raise ValueError(f"pipeline_microbatches must be >= 1 and > 1 only with a per-stage cost model, got "
+                             f"{pipeline_microbatches}")
+        if num_blocks // pipeline_microbatches < 1:
+            raise ValueError(f"{num_blocks} KV blocks cannot be shared by {pipeline_microbatches} micro-batches")
+        self.pipeline_microbatches = pipeline_microbatches
+        # the virtual engines of one replica share its KV memory
+        num_blocks, num_host_blocks = num_blocks // pipeline_microbatches, num_host_blocks // pipeline_microbatches
         self.cost_model = cost_model
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.num_blocks = num_blocks
         self.router = Router(router, num_replicas)
+        self.router_size = num_replicas
         # under max_step_ms the scheduler predicts with the very model that times the simulated steps
         step_time = cost_model.step_time if scheduler_config.max_step_ms > 0 else None
-        self.replicas = [_Replica(i, scheduler_factory(scheduler_config, cache_config, num_blocks, num_host_blocks,
-                                                       step_time=step_time))
-                         for i in range(num_replicas)]
+        self.replicas = []
+        for r in range(num_replicas):
+            pipe = _Pipeline([0.0] * stages) if stages > 1 else None
+            for _ in range(pipeline_microbatches):
+                self.replicas.append(_Replica(len(self.replicas), scheduler_factory(
+                    scheduler_config, cache_config, num_blocks, num_host_blocks, step_time=step_time),
+                    physical=r, pipeline=pipe))
         # a request longer than the context or the whole cache could never finish: rejected, as the engine does
         self.max_request_tokens = min(scheduler_config.max_model_len, num_blocks * cache_config.block_size)
         self.event_log: list[tuple[float, int, str]] | None = None  # (time, kind, id), when a test asks for it
@@ -125,21 +177,37 @@ class Simulator:
             for rep in self.replicas:
                 if rep.busy or not rep.scheduler.has_unfinished():
                     continue
+                pipe = rep.pipeline
+                if pipe is not None and pipe.stage_free[0] > now:  # stage 1 still busy with another micro-batch
+                    if not rep.poll_pending:
+                        rep.poll_pending = True
+                        heapq.heappush(heap, (pipe.stage_free[0], POLL, seq, rep.index))
+                        seq += 1
+                    continue
                 out = rep.scheduler.schedule(now)
                 if out.is_empty:
                     self._idle_with_work(rep, now, heap, seq)
                     seq += 1
                     continue
                 shape = batch_shape(out)
-                d = cost(shape)
+                d = pipe.run(now, self.cost_model.stage_times(shape)) - now if pipe is not None else cost(shape)
                 rep.busy, rep.in_flight, rep.in_flight_duration = True, out, d
-                steps.append(StepRecord(rep.index, now, d, shape.num_decodes, shape.num_prefill_tokens, shape.num_requests))
+                sched = rep.scheduler
+                pool = sched.kv.pool
+                preempted = sched.num_preemptions - rep.preemptions_seen
+                rep.preemptions_seen = sched.num_preemptions
+                steps.append(StepRecord(rep.physical, now, d, shape.num_decodes, shape.num_prefill_tokens, shape.num_requests,
+                                        len(sched.running), len(sched.waiting), len(sched.swapped), pool.num_used,
+                                        pool.num_free, preempted))
                 heapq.heappush(heap, (now + d, STEP_DONE, seq, rep.index))
                 seq += 1
         stuck = [rep.index for rep in self.replicas if rep.scheduler.has_unfinished()]
         if stuck:
             raise RuntimeError(f"replicas {stuck} hold unfinished requests that the scheduler will not run")
-        return SimResult(records, steps, time.perf_counter() - t_wall, len(self.replicas))
+        pipes = list({id(r.pipeline): r.pipeline for r in self.replicas if r.pipeline is not None}.values())
+        stage_span = sum(len(p.stage_free) * (p.last_end - p.first_start) for p in pipes if p.first_start is not None)
+        bubble = 1 - sum(p.busy_s for p in pipes) / stage_span if stage_span > 0 else None
+        return SimResult(records, steps, time.perf_counter() - t_wall, self.router_size, bubble)
 
     def _arrive(self, r: SimRequest, shared_prefix: int, now: float) -> RequestRecord:
         rid = str(r.index)
@@ -149,12 +217,15 @@ class Simulator:
             rec.error, rec.replica = REJECTED, -1
             return rec
         rec.replica = self.router.route()
+        # within the replica, the virtual engine with the fewest unfinished requests (vLLM's choice)
+        slots = self.replicas[rec.replica * self.pipeline_microbatches:(rec.replica + 1) * self.pipeline_microbatches]
+        slot = min(slots, key=lambda s: len(s.scheduler.requests))
         # distinct fake ids per request, so the prefix cache only hits what the workload really shares
         n_shared = min(shared_prefix, r.prompt_len - 1)
         prompt = [SHARED_PREFIX_TOKEN] * n_shared + [1000 + r.index] * (r.prompt_len - n_shared)
         req = Request(rid, prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0),
                       arrival_time=r.arrival, priority=r.priority)
-        self.replicas[rec.replica].scheduler.add_request(req)
+        slot.scheduler.add_request(req)
         return rec
 
     def _complete(self, rep: _Replica, now: float, by_id: dict[str, RequestRecord]) -> None:

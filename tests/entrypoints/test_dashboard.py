@@ -480,3 +480,65 @@ def test_page_draws_live_steps_in_headless_chromium(real_server):
             assert n == len(steps) and static.locator("section.model canvas").count() == 6
         finally:
             browser.close()
+
+
+# ---------------------------------------------------------------- static reports (`--html`)
+
+def page_data(path: Path) -> dict:
+    """The run data a static report embeds (what its charts draw)."""
+    text = path.read_text()
+    start = text.index('<script id="run-data" type="application/json">') + len('<script id="run-data" type="application/json">')
+    return json.loads(text[start:text.index("</script>", start)])
+
+
+def test_bench_serve_html_report_holds_the_runs_steps_only(tmp_path):
+    from paceline.bench import cli as bench_cli
+
+    engine = TableFakeEngine(max_num_seqs=2, step_s=0.005)
+    with live_server(engine) as (url, metrics):
+        post_completions(url, JOBS[:2])  # steps before the run: not the run's
+        before = metrics.step_log.num_steps
+        assert before > 0
+        rc = bench_cli.main(["serve", "--url", url, "--workload", "chat", "--num-requests", "4", "--rate", "50",
+                             "--max-model-len", "256", "--output-dir", str(tmp_path), "--no-plots", "--no-progress",
+                             "--html"])
+        assert rc == 0
+        after = metrics.step_log.num_steps
+        r = httpx.get(url + "/dashboard/steps")
+        assert r.status_code == 200 and r.json()["models"][0]["num_steps"] == after
+    data = page_data(tmp_path / "report.html")
+    seqs = [s["seq"] for s in data["steps"]]
+    assert seqs == list(range(before + 1, after + 1))  # exactly the steps the run made
+    assert set(data["models"]) == {engine.model_name}  # one row: the latency joins the server's step log
+    results = json.loads((tmp_path / "results.json").read_text())["runs"][0]
+    assert sum(data["latency"][engine.model_name]["ttft"]["counts"]) == results["summary"]["completed"] == 4
+    assert "</script" not in json.dumps(data)  # the payload cannot close its own element early
+
+
+def test_static_report_steps_endpoint_needs_the_key():
+    engine = TableFakeEngine()
+    with live_server(engine, api_key=KEY) as (url, _):
+        assert httpx.get(url + "/dashboard/steps").status_code == 401
+        assert httpx.get(url + "/dashboard/steps", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+@pytest.mark.skipif(playwright_missing() is not None, reason=str(playwright_missing()))
+def test_simulated_report_draws_in_headless_chromium(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    page_path = tmp_path / "sim.html"
+    out = subprocess.run([sys.executable, "-m", "paceline.entrypoints.cli", "simulate", "--workload", "chat",
+                          "--rate", "4", "--num-requests", "60", "--replicas", "2", "--no-plots", "--html",
+                          str(page_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = page_data(page_path)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(page_path.as_uri())
+            page.wait_for_function("document.body.dataset.stepsDrawn !== undefined", timeout=30_000)
+            assert int(page.evaluate("document.body.dataset.stepsDrawn")) == len(data["steps"])
+            assert page.evaluate("document.querySelectorAll('section.model').length") == 2
+        finally:
+            browser.close()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import paceline.model.attention as attention
+from paceline.model import attention_kernel
 from paceline.model.attention import (GatherWorkspace, SeqSlice, build_metadata, dense_attention_reference, group_decodes,
                                       paged_attention)
 
@@ -12,20 +13,29 @@ H, KVH, D, BS, NB = 6, 2, 8, 4, 40
 SCALE = D ** -0.5
 
 
+KERNEL = attention_kernel.load() is not None
+needs_kernel = pytest.mark.skipif(not KERNEL, reason="the C++ attention kernel cannot be built here")
+PATHS = [False, pytest.param(True, marks=needs_kernel)]  # eager gathers + SDPA, the C++ op
+
+
 def _run(seqs: list[SeqSlice], ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor], qs: list[torch.Tensor],
-         workspace: GatherWorkspace | None = None):
+         workspace: GatherWorkspace | None = None, kernel: bool | None = False, bs: int = BS,
+         cache_dtype: torch.dtype = torch.float32):
     """Fill each request's earlier context into its blocks, then run this step's tokens through paged attention."""
-    k_cache = torch.zeros(NB, BS, KVH, D)
-    v_cache = torch.zeros(NB, BS, KVH, D)
+    kvh, d = ctx_k[0].shape[1:]
+    nb = max(b for s in seqs for b in s.block_table) + 1
+    k_cache = torch.zeros(nb, bs, kvh, d, dtype=cache_dtype)
+    v_cache = torch.zeros(nb, bs, kvh, d, dtype=cache_dtype)
     for s, k, v in zip(seqs, ctx_k, ctx_v):
         for p in range(s.start):
-            k_cache[s.block_table[p // BS], p % BS] = k[p]
-            v_cache[s.block_table[p // BS], p % BS] = v[p]
+            k_cache[s.block_table[p // bs], p % bs] = k[p]
+            v_cache[s.block_table[p // bs], p % bs] = v[p]
     q = torch.cat(qs)
     k = torch.cat([k[s.start:s.start + s.num_tokens] for s, k in zip(seqs, ctx_k)])
     v = torch.cat([v[s.start:s.start + s.num_tokens] for s, v in zip(seqs, ctx_v)])
-    meta = build_metadata(seqs, BS, workspace=workspace)
-    return paged_attention(q, k, v, k_cache, v_cache, meta, SCALE), k_cache, v_cache
+    meta = build_metadata(seqs, bs, workspace=workspace, kernel=kernel)
+    assert (meta.kernel is not None) == bool(kernel)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5), k_cache, v_cache
 
 
 @pytest.mark.parametrize("shape", [
@@ -35,7 +45,8 @@ def _run(seqs: list[SeqSlice], ctx_k: list[torch.Tensor], ctx_v: list[torch.Tens
     [(11, 1), (2, 1)],  # decodes only, different context lengths (padding mask)
     [(0, 1)],  # a one-token prompt is a "decode" with no earlier context
 ])
-def test_paged_matches_dense(shape):
+@pytest.mark.parametrize("kernel", PATHS)
+def test_paged_matches_dense(shape, kernel):
     g = torch.Generator().manual_seed(len(shape))
     free = torch.randperm(NB, generator=g).tolist()  # scattered, out-of-order blocks
     seqs, ks, vs, qs = [], [], [], []
@@ -46,7 +57,7 @@ def test_paged_matches_dense(shape):
         ks.append(torch.randn(total, KVH, D, generator=g))
         vs.append(torch.randn(total, KVH, D, generator=g))
         qs.append(torch.randn(n, H, D, generator=g))
-    out, k_cache, _ = _run(seqs, ks, vs, qs)
+    out, k_cache, _ = _run(seqs, ks, vs, qs, kernel=kernel)
     row = 0
     for s, k, v, q in zip(seqs, ks, vs, qs):
         ref = dense_attention_reference(q, k, v, s.start, SCALE)
@@ -122,7 +133,7 @@ def test_decode_groups_and_workspace_match_dense(monkeypatch):
         qs.append(torch.randn(n, H, D, generator=g))
     workspace = GatherWorkspace(BS * KVH * D, torch.float32, "cpu")
     out, _, _ = _run(seqs, ks, vs, qs, workspace)
-    meta = build_metadata(seqs, BS, workspace=workspace)
+    meta = build_metadata(seqs, BS, workspace=workspace, kernel=False)
     assert [grp.num_decodes for grp in meta.decode_groups] == [2, 1, 2]  # contexts 3-4, 18, 30-31 (in blocks of 4)
     assert all(grp.kv_out[0].untyped_storage().data_ptr() == workspace.buffer.untyped_storage().data_ptr()
                for grp in meta.decode_groups)
@@ -133,8 +144,78 @@ def test_decode_groups_and_workspace_match_dense(monkeypatch):
         row += s.num_tokens
     buffer = workspace.buffer
     assert buffer.numel() > 0
-    build_metadata(seqs, BS, workspace=workspace)
+    build_metadata(seqs, BS, workspace=workspace, kernel=False)
     assert workspace.buffer is buffer  # same size of step: nothing new allocated
     build_metadata([SeqSlice(0, 1, list(range(NB))), SeqSlice(NB * BS - 1, 1, list(range(NB)))], BS,
-                   workspace=workspace)
+                   workspace=workspace, kernel=False)
     assert workspace.buffer.numel() > buffer.numel()  # a bigger step grows it
+
+
+def _random_step(shape, kvh, h, d, bs, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-(start + n) // bs) for start, n in shape) + 3
+    free = torch.randperm(nb, generator=g).tolist()
+    seqs, ks, vs, qs = [], [], [], []
+    for start, n in shape:
+        seqs.append(SeqSlice(start, n, [free.pop() for _ in range(-(-(start + n) // bs))]))
+        # a common offset in the keys makes scores large and the online softmax's rescaling matter
+        ks.append((torch.randn(start + n, kvh, d, generator=g) + 2).to(dtype))
+        vs.append(torch.randn(start + n, kvh, d, generator=g).to(dtype))
+        qs.append(torch.randn(n, h, d, generator=g))
+    return seqs, ks, vs, qs
+
+
+@needs_kernel
+@pytest.mark.parametrize("kvh,h,d,bs", [(3, 9, 64, 16), (2, 2, 128, 16), (1, 4, 12, 5), (4, 8, 40, 16), (1, 7, 16, 8)])
+def test_kernel_matches_dense_at_model_shapes(kvh, h, d, bs):
+    """The C++ op on SmolLM2's shapes (9 query heads on 3 KV heads, head_dim 64), a 128-wide head, a head size that
+    is not a multiple of 8 (the plain loops), one with a partial last vector slab and 7 query heads per KV head
+    (groups of 3, 2, 2): prompt chunks longer than one work item (16 tokens) over contexts of several 64-position
+    chunks, and decodes."""
+    shape = [(0, 37), (70, 45), (150, 1), (1, 1), (200, 1), (63, 1), (64, 1)]
+    seqs, ks, vs, qs = _random_step(shape, kvh, h, d, bs, seed=d)
+    out, _, _ = _run(seqs, ks, vs, qs, kernel=True, bs=bs)
+    row = 0
+    for s, k, v, q in zip(seqs, ks, vs, qs):
+        ref = dense_attention_reference(q, k, v, s.start, d ** -0.5)
+        torch.testing.assert_close(out[row:row + s.num_tokens], ref, atol=2e-5, rtol=1e-4)
+        row += s.num_tokens
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_reads_half_precision_caches(dtype):
+    """A bfloat16 / float16 cache is widened inside the op: the same answer as the reference on the rounded K/V."""
+    shape = [(20, 17), (90, 1), (5, 1)]
+    seqs, ks, vs, qs = _random_step(shape, 3, 9, 64, 16, seed=3, dtype=dtype)
+    out, _, _ = _run(seqs, ks, vs, qs, kernel=True, bs=16, cache_dtype=dtype)
+    row = 0
+    for s, k, v, q in zip(seqs, ks, vs, qs):
+        ref = dense_attention_reference(q, k.float(), v.float(), s.start, 64 ** -0.5)
+        torch.testing.assert_close(out[row:row + s.num_tokens], ref, atol=2e-5, rtol=1e-4)
+        row += s.num_tokens
+
+
+def test_kernel_falls_back_without_a_compiler(monkeypatch, tmp_path):
+    """No compiler (and nothing built yet): the eager path runs, one warning; asking for the op is a ValueError."""
+    monkeypatch.setenv("PACELINE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(attention_kernel, "_loaded", {})
+    assert attention_kernel.load() is None
+    seqs = [SeqSlice(3, 1, [0])]
+    meta = build_metadata(seqs, BS)
+    assert meta.kernel is None and len(meta.decode_groups) == 1
+    with pytest.raises(ValueError, match="not available"):
+        build_metadata(seqs, BS, kernel=True)
+    monkeypatch.setenv("PACELINE_ATTN_KERNEL", "0")  # switched off: not even tried
+    assert attention_kernel.load() is None
+
+
+def test_kernel_rejects_a_bad_sequence_table():
+    if not KERNEL:
+        pytest.skip("the C++ attention kernel cannot be built here")
+    op = attention_kernel.load()
+    q = torch.zeros(2, 6, 8)
+    cache = torch.zeros(4, BS, 2, 8)
+    with pytest.raises(RuntimeError, match="does not fit"):  # 2 tokens at position 20 need 6 blocks, the table has 2
+        op(q, cache, cache, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([[0, 2, 20]], dtype=torch.int32), 1.0)

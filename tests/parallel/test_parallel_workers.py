@@ -122,10 +122,31 @@ def bundled_reference() -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bundled_model_equals_one_process_with_chunks_and_preemption(bundled_reference, layout) -> None:
-    # ~8 prompt + 12 output tokens in blocks of 4: 12 blocks for 4 requests force preemption; 8-token steps chunk
-    with runner_for(None, layout, num_blocks=12) as runner:
-        llm = attach(LLM(dtype="float32", block_size=BLOCK_SIZE, num_blocks=12,
-                              max_num_batched_tokens=8, swap_space_gb=0), runner)
+    # ~8 prompt + 12 output tokens in blocks of 4: 12 blocks for 4 requests force preemption; 8-token steps chunk.
+    # The LLM's own settings, as a user spells them: the engine spawns the workers itself.
+    tp, pp = LAYOUTS[layout]
+    llm = LLM(dtype="float32", block_size=BLOCK_SIZE, num_blocks=12, max_num_batched_tokens=8, swap_space_gb=0,
+              tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    runner = llm.engine.runner
+    try:
+        assert isinstance(runner, TensorParallelRunner if tp > 1 else PipelineParallelRunner)
         outputs = llm.generate(PROMPTS, greedy(12))
         assert llm.engine.stats().num_preemptions > 0
         assert token_ids(outputs) == bundled_reference
+        assert all(r.steps > 0 for r in runner.collect_stats())
+    finally:
+        runner.close()
+    assert not any(p.is_alive() for p in runner.workers.procs)
+
+
+def test_parallel_settings_are_checked_before_anything_loads() -> None:
+    for kwargs in ({"tensor_parallel_size": 0}, {"pipeline_parallel_size": "2"},
+                   {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}):
+        with pytest.raises(ValueError, match="parallel"):
+            LLM(**kwargs)
+    from paceline.entrypoints.cli import build_parser
+    from paceline.entrypoints.server import engine_config_from_args
+    cfg = engine_config_from_args(build_parser().parse_args(["serve", "--tensor-parallel-size", "2"]))
+    assert (cfg.tensor_parallel_size, cfg.pipeline_parallel_size) == (2, 1)
+    args = build_parser().parse_args(["generate", "--pipeline-parallel-size", "2", "hi"])
+    assert args.pipeline_parallel_size == 2

@@ -348,8 +348,9 @@
           lines: [{ label: "prefix-cached (used or free)", color: C.cached, values: col.cached, dash: true }] });
     });
     const lat = m.latency || {};
-    on("ttft", (ctx, w, h) => drawHistogram(ctx, w, h, lat.ttft, { title: "TTFT, last minute", color: C.ttft }));
-    on("tbt", (ctx, w, h) => drawHistogram(ctx, w, h, lat.tbt, { title: "TBT, last minute", color: C.tbt }));
+    const span = lat.window_s === null ? "whole run" : "last minute";  // a static report covers its whole run
+    on("ttft", (ctx, w, h) => drawHistogram(ctx, w, h, lat.ttft, { title: "TTFT, " + span, color: C.ttft }));
+    on("tbt", (ctx, w, h) => drawHistogram(ctx, w, h, lat.tbt, { title: "TBT, " + span, color: C.tbt }));
     return drawn;
   }
 
@@ -429,6 +430,8 @@
     const store = createStore(opts.windowS || Infinity);
     const byModel = new Map();
     for (const s of steps) { const k = s.model || "model"; if (!byModel.has(k)) byModel.set(k, []); byModel.get(k).push(s); }
+    // a system with latency figures but no step log (a peer server): its histograms still get a row
+    for (const k of Object.keys(opts.latency || {})) if (!byModel.has(k)) byModel.set(k, []);
     for (const [model, list] of byModel) {
       const now = opts.now !== undefined ? opts.now : list.length ? list[list.length - 1].t : 0;
       ingest(store, { model, now, info: (opts.info || {})[model] || null, steps: list,

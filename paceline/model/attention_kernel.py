@@ -1,0 +1,464 @@
+"""A small C++ paged-attention op for CPU, built once with the system compiler and cached on disk.
+
+Why: on CPU, torch has no kernel that reads a paged KV cache in place, so the eager path (attention.py) gathers
+each request's context into a contiguous buffer per layer and then calls SDPA, once per decode group: a copy of
+every context position, then a second read of it, and a handful of ops per group per layer. This op reads K/V
+straight from the cache through the block table, shares each KV head between the query heads of its GQA group,
+and runs the whole flat batch (prompt chunks and decodes) in one call per layer, with a flash-style online
+softmax in float32 over chunks of 64 positions that stay in L1.
+
+The build: the source below is compiled with g++/c++ into `<cache>/kernels/paged_attention-<key>.so` (the key
+hashes the source, the flags and torch's version), under a file lock, the first time a process needs it; later
+starts only load the library (milliseconds). With no compiler, a failed build or an unsupported shape, callers
+get None and use the eager path. `PACELINE_ATTN_KERNEL=0` switches it off (for A/B runs).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("paceline.attention")
+
+SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int KC = 64;   // context positions per chunk: their K/V rows stay in L1 while every query row reads them
+constexpr int TQ = 16;   // query tokens of one chunk per work item (x the GQA group = rows sharing those K/V reads)
+
+inline void to_float(const float* src, float* dst, int d) { std::memcpy(dst, src, sizeof(float) * d); }
+inline void to_float(const c10::BFloat16* src, float* dst, int d) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  int i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= d; i += 8) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < d; ++i) { uint32_t b = uint32_t(s[i]) << 16; std::memcpy(dst + i, &b, 4); }
+}
+inline void to_float(const c10::Half* src, float* dst, int d) {
+  int i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= d; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < d; ++i) dst[i] = float(src[i]);
+}
+
+#ifdef __AVX2__
+// e^x for x <= 0 (softmax inputs): 2^n * e^r, n = round(x log2 e), |r| <= ln2 / 2, degree-6 Taylor polynomial
+// (relative error ~1e-7); inputs below -87 give ~1e-38 instead of underflowing to denormals.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// [sum(a[0]), ..., sum(a[7])]
+inline __m256 reduce8(const __m256* a) {
+  __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// s[r][j] = q[r] . k[j] for NR query rows (the query heads of one token that share a KV head) and j < n:
+// each key vector loaded once serves all NR rows; d a multiple of 8
+template <int NR>
+inline void scores(const float* const* q, const float* const* k, int n, int d, float* const* s) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256 a[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < 4; ++u) a[r][u] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+      __m256 qv[NR];
+      for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q[r] + i);
+      for (int u = 0; u < 4; ++u) {
+        const __m256 kv = _mm256_loadu_ps(k[j + u] + i);
+        for (int r = 0; r < NR; ++r) a[r][u] = _mm256_fmadd_ps(qv[r], kv, a[r][u]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) _mm_storeu_ps(s[r] + j, reduce4(a[r][0], a[r][1], a[r][2], a[r][3]));
+  }
+  for (; j < n; ++j) {
+    __m256 a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) {
+      const __m256 kv = _mm256_loadu_ps(k[j] + i);
+      for (int r = 0; r < NR; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), kv, a[r]);
+    }
+    for (int r = 0; r < NR; ++r) s[r][j] = hsum(a[r]);
+  }
+}
+
+inline float max_of(const float* s, int n, float m) {
+  int j = 0;
+  if (n >= 8) {
+    __m256 mv = _mm256_loadu_ps(s);
+    for (j = 8; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    m = std::max(m, _mm_cvtss_f32(h));
+  }
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
+// s[j] = exp(s[j] - m) for j < n; returns their sum
+inline float exp_sub(float* s, int n, float m) {
+  __m256 mv = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum(acc);
+  for (; j < n; ++j) { s[j] = std::exp(s[j] - m); sum += s[j]; }
+  return sum;
+}
+
+// acc[r][c..c+8W) = alpha[r] * acc[r] + sum_j p[r][j] v[j][c..c+8W) for NR rows: each V vector loaded once serves
+// all NR rows
+template <int NR, int W>
+inline void pv_slab(const float* const* p, const float* const* v, int n, int c, const float* alpha, float* const* acc) {
+  __m256 a[NR][W];
+  for (int r = 0; r < NR; ++r) {
+    const __m256 al = _mm256_set1_ps(alpha[r]);
+    for (int w = 0; w < W; ++w) a[r][w] = _mm256_mul_ps(al, _mm256_loadu_ps(acc[r] + c + 8 * w));
+  }
+  for (int j = 0; j < n; ++j) {
+    __m256 vv[W];
+    for (int w = 0; w < W; ++w) vv[w] = _mm256_loadu_ps(v[j] + c + 8 * w);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 pj = _mm256_broadcast_ss(p[r] + j);
+      for (int w = 0; w < W; ++w) a[r][w] = _mm256_fmadd_ps(pj, vv[w], a[r][w]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc[r] + c + 8 * w, a[r][w]);
+}
+
+// slabs of W vectors (at most 12 accumulators), then single vectors for what is left of d
+template <int NR>
+inline void pv(const float* const* p, const float* const* v, int n, int d, const float* alpha, float* const* acc) {
+  constexpr int W = NR == 1 ? 8 : NR == 2 ? 4 : 2;
+  int c = 0;
+  for (; c + 8 * W <= d; c += 8 * W) pv_slab<NR, W>(p, v, n, c, alpha, acc);
+  for (; c < d; c += 8) pv_slab<NR, 1>(p, v, n, c, alpha, acc);
+}
+#endif
+
+// plain loops: head sizes that are not a multiple of 8, and builds without AVX2 (the compiler vectorises what it can)
+inline void scores_ref(const float* q, const float* const* k, int n, int d, float* s) {
+  for (int j = 0; j < n; ++j) { float a = 0; for (int i = 0; i < d; ++i) a += q[i] * k[j][i]; s[j] = a; }
+}
+inline float exp_sub_ref(float* s, int n, float m) {
+  float sum = 0;
+  for (int j = 0; j < n; ++j) { s[j] = std::exp(s[j] - m); sum += s[j]; }
+  return sum;
+}
+inline void pv_ref(const float* p, const float* const* v, int n, int d, float alpha, float* acc) {
+  for (int i = 0; i < d; ++i) acc[i] *= alpha;
+  for (int j = 0; j < n; ++j) for (int i = 0; i < d; ++i) acc[i] += p[j] * v[j][i];
+}
+
+struct Item { int seq, head, tok0, ntok; int64_t cost; };
+
+// One work item: tokens tok0..tok0+ntok-1 of sequence `seq` (flat rows row0 + ...), the query heads of KV head `h`,
+// over context positions 0..start+t of each token t (causal; this step's K/V are already in the cache).
+template <typename T>
+void attend(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h, int d, const T* kc, const T* vc,
+            int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table, int row0, int start, int ntok,
+            float scale) {
+  const int R = ntok * G;
+  const bool vec = d % 8 == 0;  // the AVX2 loops take whole vectors of 8
+  thread_local std::vector<float> buf;
+  const size_t need = size_t(R) * d * 2 + size_t(R) * KC + 2 * R + (std::is_same<T, float>::value ? 0 : 2 * KC * d);
+  if (buf.size() < need) buf.resize(need);
+  float* qs = buf.data();
+  float* acc = qs + size_t(R) * d;
+  float* s = acc + size_t(R) * d;
+  float* m = s + size_t(R) * KC;
+  float* l = m + R;
+  float* conv = l + R;
+  for (int t = 0; t < ntok; ++t)
+    for (int g = 0; g < G; ++g) {
+      const float* src = q + (int64_t(row0) + t) * q_stride + (int64_t(h) * G + g) * d;
+      float* dst = qs + size_t(t * G + g) * d;
+      for (int i = 0; i < d; ++i) dst[i] = src[i] * scale;
+    }
+  std::fill(acc, acc + size_t(R) * d, 0.0f);
+  std::fill(m, m + R, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + R, 0.0f);
+  const float* krow[KC];
+  const float* vrow[KC];
+  const int end = start + ntok;  // positions the last token sees
+  for (int c0 = 0; c0 < end; c0 += KC) {
+    const int n = std::min(KC, end - c0);
+    for (int j = 0; j < n; ++j) {
+      const int p = c0 + j;
+      const int64_t off = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h) * d;
+      if constexpr (std::is_same<T, float>::value) {
+        krow[j] = kc + off;
+        vrow[j] = vc + off;
+      } else {
+        to_float(kc + off, conv + size_t(j) * d, d);
+        to_float(vc + off, conv + size_t(KC + j) * d, d);
+        krow[j] = conv + size_t(j) * d;
+        vrow[j] = conv + size_t(KC + j) * d;
+      }
+    }
+    for (int t = 0; t < ntok; ++t) {
+      const int nv = std::min(n, start + t + 1 - c0);  // causal: token t sees positions <= start + t
+      if (nv <= 0) continue;
+      for (int g0 = 0; g0 < G;) {  // the token's query heads in groups of at most 3 (balanced), sharing K/V loads
+        const int nr = std::min(3, (G - g0 + (G - g0 + 2) / 3 - 1) / ((G - g0 + 2) / 3));
+        const float* qr[3];
+        float* sr[3];
+        float* ar[3];
+        float alpha[3];
+        for (int u = 0; u < nr; ++u) {
+          const int r = t * G + g0 + u;
+          qr[u] = qs + size_t(r) * d;
+          sr[u] = s + size_t(r) * KC;
+          ar[u] = acc + size_t(r) * d;
+        }
+#ifdef __AVX2__
+        if (vec) {
+          if (nr == 3) scores<3>(qr, krow, nv, d, sr);
+          else if (nr == 2) scores<2>(qr, krow, nv, d, sr);
+          else scores<1>(qr, krow, nv, d, sr);
+        } else
+#endif
+          for (int u = 0; u < nr; ++u) scores_ref(qr[u], krow, nv, d, sr[u]);
+        for (int u = 0; u < nr; ++u) {
+          const int r = t * G + g0 + u;
+#ifdef __AVX2__
+          const float mx = max_of(sr[u], nv, m[r]);
+#else
+          float mx = m[r];
+          for (int j = 0; j < nv; ++j) mx = std::max(mx, sr[u][j]);
+#endif
+          alpha[u] = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[r] - mx);
+#ifdef __AVX2__
+          const float sum = vec ? exp_sub(sr[u], nv, mx) : exp_sub_ref(sr[u], nv, mx);
+#else
+          const float sum = exp_sub_ref(sr[u], nv, mx);
+#endif
+          l[r] = l[r] * alpha[u] + sum;
+          m[r] = mx;
+        }
+#ifdef __AVX2__
+        if (vec) {
+          if (nr == 3) pv<3>(sr, vrow, nv, d, alpha, ar);
+          else if (nr == 2) pv<2>(sr, vrow, nv, d, alpha, ar);
+          else pv<1>(sr, vrow, nv, d, alpha, ar);
+        } else
+#endif
+          for (int u = 0; u < nr; ++u) pv_ref(sr[u], vrow, nv, d, alpha[u], ar[u]);
+        g0 += nr;
+      }
+    }
+  }
+  for (int t = 0; t < ntok; ++t)
+    for (int g = 0; g < G; ++g) {
+      const int r = t * G + g;
+      const float inv = 1.0f / l[r];
+      float* dst = out + ((int64_t(row0) + t) * H + int64_t(h) * G + g) * d;
+      for (int i = 0; i < d; ++i) dst[i] = acc[size_t(r) * d + i] * inv;
+    }
+}
+
+// q [T, H, D] float32; caches [num_blocks, block_size, KVH, D] (float32 or bfloat16); block_tables [S, max_blocks]
+// int32; seqs [S, 3] int32 rows (first flat row, number of tokens, position of the first token) -> [T, H, D] float32
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seqs, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be float32 [T, H, D] with contiguous rows");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "block_tables must be contiguous int32 [S, max_blocks]");
+  TORCH_CHECK(seqs.scalar_type() == at::kInt && seqs.is_contiguous() && seqs.dim() == 2 && seqs.size(1) == 3 &&
+              seqs.size(0) == block_tables.size(0), "seqs must be contiguous int32 [S, 3]");
+  const int64_t H = q.size(1), d = q.size(2), kvh = k_cache.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == d && H % kvh == 0, "head shapes do not match");
+  const int G = int(H / kvh);
+  auto out = at::empty({q.size(0), H, d}, q.options());
+  const int S = int(seqs.size(0)), max_blocks = int(block_tables.size(1));
+  const int32_t* sq = seqs.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  std::vector<Item> items;
+  for (int i = 0; i < S; ++i) {
+    const int row0 = sq[3 * i], ntok = sq[3 * i + 1], start = sq[3 * i + 2];
+    TORCH_CHECK(row0 >= 0 && ntok >= 1 && start >= 0 && row0 + ntok <= q.size(0) &&
+                (start + ntok + bs - 1) / bs <= max_blocks, "sequence ", i, " does not fit q or its block table");
+    for (int t0 = 0; t0 < ntok; t0 += TQ) {
+      const int nt = std::min(TQ, ntok - t0);
+      for (int h = 0; h < kvh; ++h) items.push_back({i, h, t0, nt, int64_t(nt) * (start + t0 + nt)});
+    }
+  }
+  // heaviest first, handed out one at a time: prompt chunks and decodes of any lengths balance over the threads
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t blk_stride = bs * kvh * d, tok_stride = kvh * d;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int nitems = int(items.size());
+  const int nthreads = std::max(1, std::min(at::get_num_threads(), nitems));
+  auto run = [&](auto* kc, auto* vc) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int w = 0; w < nitems; ++w) {
+      const Item& it = items[w];
+      const int32_t* s = sq + 3 * it.seq;
+      attend(qp, q.stride(0), op, H, G, it.head, int(d), kc, vc, blk_stride, tok_stride, int(bs), bt + int64_t(it.seq) * max_blocks,
+             s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
+    }
+  };
+  if (k_cache.scalar_type() == at::kFloat) {
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == at::kHalf, "caches must be float32, bfloat16 or float16");
+    run(k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(NAMESPACE, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seqs, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("paged_attention", &paged_attention); }
+"""
+
+_lock = threading.Lock()
+_loaded: dict[str, Callable | None] = {}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    # the AVX2 path only where torch itself dispatches to AVX2 or better (the .so is keyed by these flags)
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+def _library_path() -> tuple[Path, str, list[str]]:
+    from paceline.model.loader import cache_root
+    flags = _flags()
+    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"paged_attention-{key}.so", f"paceline_attn_{key}", flags
+
+
+def _build(path: Path, namespace: str, flags: list[str]) -> None:
+    from torch.utils import cpp_extension
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait, then load its result
+        if path.exists():
+            return
+        src = path.with_suffix(f".{os.getpid()}.cpp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        src.write_text(SOURCE.replace("NAMESPACE", namespace))
+        lib_dirs = cpp_extension.library_paths()
+        cmd = [cxx, *flags, *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
+               str(src), "-o", str(tmp), *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
+               "-lc10", "-ltorch_cpu"]
+        log.info("building the CPU paged-attention kernel once (about a minute): %s", path)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: {proc.stderr[-2000:]}")
+            os.replace(tmp, path)
+        finally:
+            src.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
+
+
+def enabled() -> bool:
+    return os.environ.get("PACELINE_ATTN_KERNEL", "1") != "0"
+
+
+def load() -> Callable | None:
+    """The op `(q, k_cache, v_cache, block_tables, seqs, scale) -> out`, building it first if needed; None when it
+    is switched off or cannot be built here (the reason is logged once)."""
+    if not enabled():
+        return None
+    path, namespace, flags = _library_path()
+    with _lock:
+        if namespace not in _loaded:
+            op = None
+            try:
+                if not path.exists():
+                    _build(path, namespace, flags)
+                torch.ops.load_library(str(path))
+                op = getattr(torch.ops, namespace).paged_attention
+            except Exception as e:  # a missing compiler or a failed build: the eager path still works
+                log.warning("CPU paged-attention kernel unavailable, using gather + SDPA: %s", e)
+            _loaded[namespace] = op
+        return _loaded[namespace]
