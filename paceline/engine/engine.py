@@ -259,6 +259,9 @@ class Engine:
         elif params.max_tokens > room:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{len(prompt_ids) + params.max_tokens} exceeds the context length {context}")
+        if params.prompt_logprobs is not None and self.config.pipeline_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with pipeline parallelism (the last stage returns "
+                             "the logits of sampled positions only)")
         if params.min_tokens > params.max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})")
         request = Request(request_id, prompt_ids, params, time.monotonic() if arrival_time is None else arrival_time,
