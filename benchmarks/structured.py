@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.no_budget_close:
         import paceline.model.structured as structured
-        structured.CLOSE_MARGIN = -10**9  # budget_token then always finds the budget out of reach
+        structured.CLOSE_WINDOW = structured.CLOSE_SLACK = -10**6  # closing_plan then never searches
     llm = LLM(kv_cache_memory_gb=1.0)
     compiler = GrammarCompiler(llm.engine.tokenizer, llm.engine.arch.vocab_size)
     prompts, names = prompts_for(llm.tokenizer, args.requests)

@@ -62,15 +62,19 @@ class Sampler:
         else:
             logits = self._apply_penalties(_apply_logit_bias(logits.clone(), rows), rows)
             constrained = [i for i, sp in enumerate(sps) if sp.structured is not None]
-            if constrained:
-                self._apply_grammar(logits, rows, constrained)
+            watch = self._apply_grammar(logits, rows, constrained) if constrained else []
             tokens = self._choose(logits, rows)
+            for i, state, first, left in watch:
+                if not state.keeps_budget(int(tokens[i]), left):  # it would leave too little room to finish
+                    tokens[i] = first
+                    rows[i].params.structured.cut_by_budget = True
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw, tokens, rows)
 
-    def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> None:
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> list:
         """Structured outputs: -inf every token the request's grammar does not allow next (one parallel mask fill
-        for the batch). Matchers are kept per StructuredOutputs object and fed the output tokens lazily."""
+        for the batch). Matchers are kept per StructuredOutputs object and fed the output tokens lazily. Returns the
+        rows near the end of their budget whose sampled token must be checked (GrammarState.keeps_budget)."""
         from paceline.model.structured import GrammarState, fill_masks
 
         states = []
@@ -83,16 +87,23 @@ class Sampler:
             self._grammars[so] = state
             states.append(state)
         allowed = fill_masks(states, logits.shape[1])
+        watch = []
         for j, (i, state) in enumerate(zip(constrained, states)):
             r = rows[i]
             if r.params.max_tokens is None:
                 continue
             # near the end of max_tokens: force the grammar's shortest way to finish (see structured.py)
-            forced = state.budget_token(r.params.max_tokens - len(r.output_token_ids), r.eos_token_id)
-            if forced is not None and allowed[j, forced]:
+            left = r.params.max_tokens - len(r.output_token_ids)
+            plan = state.closing_plan(left)
+            first = (plan[0] if plan else r.eos_token_id) if plan is not None else None
+            if first is None or not allowed[j, first]:
+                continue
+            if state.must_close(plan, left):
                 allowed[j] = False
-                allowed[j, forced] = True
+                allowed[j, first] = True
                 r.params.structured.cut_by_budget = True
+            else:
+                watch.append((i, state, first, left))  # the model's pick is checked once sampled
         allowed = allowed.to(logits.device)
         sub = logits[constrained].masked_fill(~allowed, _NEG_INF)
         # nothing allowed (the grammar is done but min_tokens bans EOS): let EOS through rather than draw garbage
@@ -102,6 +113,7 @@ class Sampler:
             if eos is not None:
                 sub[j, eos] = 0.0
         logits[constrained] = sub
+        return watch
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         n, vocab = logits.shape

@@ -14,10 +14,12 @@ keeps it, and one that is lost is rebuilt by replaying the output (GrammarState.
 
 Closing before the budget runs out: at temperature 1 a small model can write one string or number until max_tokens
 (measured: 10 of 200 schema requests at max_tokens 256 on the bundled model), which leaves invalid JSON. So once a
-request's tokens left come within CLOSE_MARGIN of the shortest way the grammar can finish from where it is
+request's tokens left come within CLOSE_SLACK of the shortest way the grammar can finish from where it is
 (`closing_bytes`: greedy, one byte at a time, closers first), the sampler forces that way, token by token, and the
-request ends with EOS and finish_reason "length" (the model did not choose to stop). The check runs only near the
-end of the budget, so requests that finish on their own pay nothing for it.
+request ends with EOS and finish_reason "length" (the model did not choose to stop). Within CLOSE_WINDOW of that
+point, a token the model samples is kept only if the way to finish after it still fits (`keeps_budget`): opening
+an optional property or a new array item can lengthen the way by ~10 tokens at once. Requests that finish on their
+own far from max_tokens never pay for the search.
 """
 from __future__ import annotations
 
@@ -40,9 +42,8 @@ log = logging.getLogger("paceline.structured")
 # max_tokens and never close the object
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept, by constraint
-# force the closing path when tokens left <= its length + this: one sampled token can lengthen the path by several
-# (opening an optional property or a new array item of objects adds its required keys: ~10 tokens on our schemas)
-CLOSE_MARGIN = 16
+CLOSE_SLACK = 2  # force the closing path when tokens left <= its length + EOS + this (retokenizing may differ)
+CLOSE_WINDOW = 16  # search for the closing path (and check sampled tokens) when this near to having to force it
 CLOSE_MAX_BYTES = 512  # a closing path longer than this is not searched for (the request may end cut, as before)
 # bytes tried in this order when closing: end a string, an object, an array; short values; then anything
 _CLOSE_ORDER = (b'"}]0,:1tnf' + bytes(range(0x61, 0x7B)) + bytes(range(0x41, 0x5B)) + bytes(range(0x20, 0x7F))
@@ -162,18 +163,27 @@ class GrammarState:
     def failed(self) -> bool:
         return self.matcher.is_error()
 
-    def budget_token(self, tokens_left: int, eos_token_id: int | None) -> int | None:
-        """The token to force now so that the output is complete within `tokens_left` tokens (EOS included), or
-        None while the model may go on freely. Searched for only within reach of the end of the budget."""
-        if self.failed or tokens_left > max(self.compiled.initial_close, self.last_close) + CLOSE_MARGIN:
+    def closing_plan(self, tokens_left: int) -> list[int] | None:
+        """The tokens that finish the output from here, when `tokens_left` is within reach of needing them; None
+        further away (not searched) or when no short way was found."""
+        if self.failed or tokens_left > max(self.compiled.initial_close, self.last_close) + 1 + CLOSE_SLACK + CLOSE_WINDOW:
             return None
         plan = closing_tokens(self.matcher, self.compiled)
-        if plan is None:
-            return None
-        self.last_close = len(plan)
-        if tokens_left > len(plan) + CLOSE_MARGIN:
-            return None
-        return plan[0] if plan else eos_token_id
+        if plan is not None:
+            self.last_close = len(plan)
+        return plan
+
+    @staticmethod
+    def must_close(plan: list[int], tokens_left: int) -> bool:
+        return tokens_left <= len(plan) + 1 + CLOSE_SLACK
+
+    def keeps_budget(self, token: int, tokens_left: int) -> bool:
+        """Whether the output can still finish in time after `token` (sampled now, with `tokens_left` before it)."""
+        m = self.matcher.deep_copy()
+        if m.try_consume_tokens([token]) != 1:
+            return True  # EOS or a stop id: nothing left to close
+        plan = closing_tokens(m, self.compiled)
+        return plan is not None and not self.must_close(plan, tokens_left - 1)
 
 
 def closing_bytes(matcher: Any, compiled: CompiledGrammar) -> bytes | None:

@@ -110,10 +110,13 @@ def test_budget_close_finishes_valid_json(compiler: GrammarCompiler, name: str) 
     assert not state.failed
     eos = 0
     for left in range(24, 0, -1):
-        forced = state.budget_token(left, eos)
-        if forced is None:  # the model would go on: feed a token the grammar allows (a digit or a letter)
+        plan = state.closing_plan(left)
+        forced = (plan[0] if plan else eos) if plan is not None and state.must_close(plan, left) else None
+        if forced is None:  # the model would go on: it picks a token the grammar allows (a digit or a letter)...
             order = so.compiled.byte_tokens[3:] + so.compiled.byte_tokens[:3]  # closers last
-            forced = next(t for t in order if state.matcher.deep_copy().try_consume_tokens([t]))
+            forced = next((t for t in order if state.matcher.deep_copy().try_consume_tokens([t])), eos)
+            if plan is not None and not state.keeps_budget(forced, left):  # ...kept only if it leaves room
+                forced = plan[0] if plan else eos
         if forced == eos:
             break
         out.append(forced)
