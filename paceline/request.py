@@ -32,6 +32,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # with prompt_logprobs: entry i is prompt token i + 1's (token 0 has none), filled as prompt chunks run
+    prompt_logprobs: list = field(default_factory=list)
 
     # timeline (seconds, in the scheduler's clock)
     first_scheduled_time: float | None = None
@@ -95,7 +97,8 @@ class Request:
                 self.stop_reason = last
                 return "stop"
             if not sp.ignore_eos and last == self.eos_token_id:
-                return "stop"
+                # a structured output the sampler closed because max_tokens was near: cut short, not finished
+                return "length" if sp.structured is not None and sp.structured.cut_by_budget else "stop"
         if sp.max_tokens is not None and n >= sp.max_tokens:
             return "length"
         return None

@@ -22,6 +22,8 @@ class StructuredOutputs:
     grammar: str | None = None  # a Lark grammar (llguidance's syntax; GBNF is converted)
     strict: bool = False  # json: no properties beyond the schema's, as OpenAI's strict mode
     compiled: Any = field(default=None, repr=False)  # the library's compiled grammar, set by whoever validates
+    # set by the sampler when it forced the output to close before max_tokens: the request then ends "length"
+    cut_by_budget: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         kinds = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
@@ -55,6 +57,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's logprob plus top k
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob (and rank) plus the top k there
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range [-100, 100])
@@ -94,6 +97,9 @@ class SamplingParams:
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                               and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         need(self.logit_bias is None or all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
                                             for t, b in self.logit_bias.items()),
              "logit_bias must map non-negative token ids to values in [-100, 100]")

@@ -65,6 +65,7 @@ class SchedulerOutput:
 class TokenLogprobs:
     logprob: float  # of the sampled token
     top: list[tuple[int, float]]  # (token id, logprob), best first, as many as asked
+    rank: int | None = None  # of the token among the vocabulary, 1 = the most likely (prompt logprobs only)
 
 
 @dataclass
@@ -73,4 +74,6 @@ class StepResult:
     # request id -> the accepted proposals plus one sampled token, for requests scheduled with spec_token_ids
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only for requests that asked
+    # request id -> (position p, logprobs of prompt tokens p+1, p+2, ...) for requests that asked for prompt_logprobs
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     duration: float = 0.0  # seconds the step took (measured, or simulated)

@@ -265,10 +265,15 @@ class Engine:
         elif params.max_tokens > room:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                              f"{len(prompt_ids) + params.max_tokens} exceeds the context length {context}")
+        if params.prompt_logprobs is not None and self.config.pipeline_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with pipeline parallelism (the last stage returns "
+                             "the logits of sampled positions only)")
         if params.min_tokens > params.max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})")
         request = Request(request_id, prompt_ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                          priority=priority, eos_token_id=self.eos_token_id, client_id=client_id)
+                          priority=priority, eos_token_id=self.eos_token_id, client_id=client_id,
+                          # prompt logprobs need every prompt position computed: no prefix-cache hits from others
+                          cache_salt=f"prompt-logprobs:{request_id}" if params.prompt_logprobs is not None else None)
         self._text[request_id] = _TextState(
             IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens),
             StopStringMatcher(params.stop, include_stop_str_in_output=params.include_stop_str_in_output))
@@ -312,6 +317,14 @@ class Engine:
         updated = self.scheduler.update(sched_out, result, time.monotonic())
         self.last_step = StepStats(num_decode, num_prefill, len(sched_out.scheduled), result.duration,
                                    len(sched_out.preempted_ids), len(sched_out.swapped_out_ids), predicted)
+        if result.prompt_logprobs:
+            for s in sched_out.scheduled:
+                got = result.prompt_logprobs.get(s.request.request_id)
+                if got is not None:  # a recomputed (preempted) prompt adds only what was not recorded yet
+                    start, lps = got
+                    have = len(s.request.prompt_logprobs)
+                    if start <= have:
+                        s.request.prompt_logprobs.extend(lps[have - start:])
         for request in updated:
             if request.request_id in result.logprobs:
                 self._text[request.request_id].pending_logprobs.append(result.logprobs[request.request_id])

@@ -9,7 +9,7 @@ from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from paceline.model.arch import ModelArch
 from paceline.model.attention import GatherWorkspace, SeqSlice, build_metadata
 from paceline.model.llama import LlamaModel
-from paceline.model.sampler import Sampler
+from paceline.model.sampler import Sampler, token_logprobs
 from paceline.model.spec_verify import accept_prefix, verify_rows
 
 
@@ -69,7 +69,7 @@ class ModelRunner:
             order = sorted(out.scheduled, key=lambda s: (s.num_tokens == 1, s.start if s.num_tokens == 1 else 0))
             if self.drafter is not None:
                 self.drafter.propose(out)
-            logits, sampled = self._forward(order)
+            logits, sampled = self._forward(order, result)
             # a NaN or inf row (a broken weight, an overflow) would sample garbage silently: fail the step instead,
             # and the engine finds the row's request (engine/faults.py); one sum per row is cheap next to sampling
             if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
@@ -91,17 +91,24 @@ class ModelRunner:
         result.duration = time.perf_counter() - t0
         return result
 
-    def _forward(self, order: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Run the model over the flat batch; logits [N, vocab] for the requests that need a sample."""
+    def _forward(self, order: list[ScheduledRequest], result: StepResult) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Run the model over the flat batch; logits [N, vocab] for the requests that need a sample. Prompt
+        logprobs, for requests that asked, go into `result`."""
         ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        prompt_rows: list[tuple[ScheduledRequest, int, int]] = []  # (request, flat row of s.start, positions)
         for s in order:
             end = s.start + s.num_known_tokens
             if s.num_known_tokens < 1 or end > s.request.num_tokens:
                 raise ValueError(f"request {s.request.request_id}: cannot run tokens {s.start}..{end} "
                                  f"of {s.request.num_tokens}")
+            if s.request.sampling_params.prompt_logprobs is not None:
+                # positions whose next token is a prompt token (the last prompt position's is the first output)
+                n = min(end, s.request.num_prompt_tokens - 1) - s.start
+                if n > 0:
+                    prompt_rows.append((s, len(ids), n))
             ids.extend(s.request.token_ids[s.start:end])
             ids.extend(s.spec_token_ids)  # proposals run as further query tokens of the same request
             positions.extend(range(s.start, s.start + s.num_tokens))
@@ -109,9 +116,19 @@ class ModelRunner:
                 # every proposal's position is sampled too: position i predicts the token after proposal i - 1
                 last_rows.extend(range(len(ids) - 1 - len(s.spec_token_ids), len(ids)))
                 sampled.append(s)
-        logits = self.forward_tokens(ids, positions, [SeqSlice(s.start, s.num_tokens, s.block_table) for s in order],
-                                     last_rows)
-        return logits, sampled
+        seqs = [SeqSlice(s.start, s.num_tokens, s.block_table) for s in order]
+        if not prompt_rows:
+            return self.forward_tokens(ids, positions, seqs, last_rows), sampled
+        # only requests that ask pay: their prompt rows join the sampled ones, in flat order (disjoint from them)
+        rows = sorted(last_rows + [first + j for _, first, n in prompt_rows for j in range(n)])
+        at = {row: i for i, row in enumerate(rows)}
+        logits = self.forward_tokens(ids, positions, seqs, rows)
+        for s, first, n in prompt_rows:
+            r = s.request
+            targets = r.token_ids[s.start + 1:s.start + 1 + n]
+            result.prompt_logprobs[r.request_id] = (s.start, token_logprobs(
+                logits[at[first]:at[first] + n], targets, r.sampling_params.prompt_logprobs))
+        return logits[[at[row] for row in last_rows]], sampled
 
     def _check_positions(self, positions: list[int]) -> None:
         if positions and max(positions) >= self.model.max_positions:

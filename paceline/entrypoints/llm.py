@@ -28,6 +28,8 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then each one's TokenLogprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def _split_kwargs(kwargs: dict) -> EngineConfig:
@@ -116,7 +118,8 @@ class LLM:
                 results.append(gen)
                 for i in range(sp.n):
                     # each of n samples is its own request; seeds differ so samples differ, reproducibly
-                    sub = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                    sub = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i,
+                                          structured=sp.structured.copy() if sp.structured is not None else None)
                     request = self.engine.add_request(f"{rid}-{i}", prompt, sub, priority=prio)
                     gen.prompt_token_ids = request.prompt_token_ids
                     gen.outputs.append(CompletionOutput(i, "", [], None, None, [] if sub.logprobs is not None else None))
@@ -131,6 +134,8 @@ class LLM:
                         completion.logprobs.extend(out.new_logprobs)
                     if out.finished:
                         completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+                        if out.request.sampling_params.prompt_logprobs is not None and i == 0:
+                            gen.prompt_logprobs = [None, *out.request.prompt_logprobs]
                         gen.num_cached_tokens = max(gen.num_cached_tokens, out.num_cached_tokens)
                         del pending[out.request_id]
         finally:

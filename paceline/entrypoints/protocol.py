@@ -173,7 +173,6 @@ UNSUPPORTED: dict[str, str] = {
     "reasoning_effort": "this server runs no reasoning models",
     "verbosity": "`verbosity` is not supported",
     "metadata": "stored completions are not supported, so `metadata` has nothing to label",
-    "prompt_logprobs": "prompt_logprobs is not supported yet (the model runner returns logits of sampled positions only)",
     "guided_json": "use `response_format` or `structured_outputs` (vLLM's current spelling)",
     "guided_regex": "use `structured_outputs` (vLLM's current spelling)",
     "guided_choice": "use `structured_outputs` (vLLM's current spelling)",
@@ -216,6 +215,8 @@ class SamplingFields(Strict):
     structured_outputs: StructuredOutputsRequest | None = None
     # Ollama's: how long the model stays loaded after this request ("5m", seconds, 0, or negative for ever)
     keep_alive: str | int | float | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="each prompt token's logprob and rank, plus the top k there")
 
     @property
     def include_usage(self) -> bool:
@@ -259,6 +260,11 @@ class SamplingFields(Strict):
         # strict: the output must match the schema exactly, extra properties included (OpenAI's strict mode)
         return StructuredOutputs(json=canonical_json(schema), strict=bool(rf.json_schema.strict))
 
+    def _prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come whole, after the prompt ran
+            raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+        return self.prompt_logprobs
+
     def _params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
         try:
             return SamplingParams(
@@ -266,7 +272,7 @@ class SamplingFields(Strict):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-                ignore_eos=self.ignore_eos, logprobs=logprobs,
+                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=parse_logit_bias(self.logit_bias, vocab_size), structured=self.structured())
@@ -370,10 +376,10 @@ class CompletionRequest(SamplingFields):
             raise bad_request("suffix (fill-in-the-middle) is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported yet (it needs the prompt's logprobs)",
-                              param="echo")
-        return self._params(self.max_tokens, self.logprobs, vocab_size)
+        params = self._params(self.max_tokens, self.logprobs, vocab_size)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = self.logprobs  # echo with logprobs shows the prompt's too (as vLLM)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one string, one token list, a list of strings, or a list of token lists."""
@@ -441,6 +447,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # with prompt_logprobs (vLLM's shape)
 
 
 class CompletionChoice(BaseModel):
@@ -449,6 +456,7 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # with prompt_logprobs (vLLM's shape)
 
 
 class CompletionResponse(BaseModel):

@@ -289,8 +289,10 @@ class Choice:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    request: Any = None  # the engine's Request (its prompt ids and prompt logprobs)
 
     def update(self, out: Any) -> None:
+        self.request = out.request
         self.text = out.text
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs)
@@ -440,7 +442,8 @@ class OpenAIServing:
             out.append({"index": c.index, "message": message,
                         "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None,
                         "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason})
-        return JSONResponse({**meta, "object": "chat.completion", "choices": out, "usage": usage(choices)})
+        extra = {"prompt_logprobs": self._vllm_prompt_logprobs(choices[0].request)} if params.prompt_logprobs is not None else {}
+        return JSONResponse({**meta, "object": "chat.completion", "choices": out, "usage": usage(choices), **extra})
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         self.check_model(body.model)
@@ -463,11 +466,19 @@ class OpenAIServing:
         choices = await self._collect(request, streams, prompt_of)
         if choices is None:
             return Response(status_code=499)
-        return JSONResponse({**meta, "object": "text_completion", "choices": [
-            {"index": c.index, "text": echo[c.prompt_index] + c.text,
-             "logprobs": self._completion_logprobs(c.token_ids, c.logprobs, 0) if body.logprobs is not None else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
-            "usage": usage(choices)})
+        out = []
+        for c in choices:
+            lp = None
+            if body.logprobs is not None:
+                lp = self._completion_logprobs(c.token_ids, c.logprobs, len(echo[c.prompt_index]))
+                if body.echo:
+                    lp = _join_logprobs(self._echo_logprobs(c.request), lp)
+            choice = {"index": c.index, "text": echo[c.prompt_index] + c.text, "logprobs": lp,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(c.request)
+            out.append(choice)
+        return JSONResponse({**meta, "object": "text_completion", "choices": out, "usage": usage(choices)})
 
     # -- collecting and streaming ------------------------------------------------------------------------------
 
@@ -560,14 +571,19 @@ class OpenAIServing:
         chunk = {**meta, "object": "text_completion"}
         extra = {"usage": None} if include_usage else {}
         choices = [Choice(i, prompt_of[i]) for i in range(len(streams))]
-        offsets = [0] * len(streams)
+        offsets = [len(echo[c.prompt_index]) for c in choices]
         try:
             for c in choices:
-                if echo[c.prompt_index]:
+                if echo[c.prompt_index] and logprobs is None:
                     yield sse({**chunk, "choices": [{"index": c.index, "text": echo[c.prompt_index], "logprobs": None,
                                                      "finish_reason": None}], **extra})
             async for i, out in merge(streams):
+                first = choices[i].request is None
                 choices[i].update(out)
+                if first and echo[prompt_of[i]] and logprobs is not None:  # the prompt's logprobs exist from now
+                    yield sse({**chunk, "choices": [{"index": i, "text": echo[prompt_of[i]],
+                                                     "logprobs": self._echo_logprobs(out.request),
+                                                     "finish_reason": None}], **extra})
                 if not (out.new_text or out.finished or (logprobs is not None and out.new_logprobs)):
                     continue
                 lp = None
@@ -598,6 +614,31 @@ class OpenAIServing:
                 for i, v in lp.top[:top]]})
         return {"content": content}
 
+    def _echo_logprobs(self, request: Any) -> dict:
+        """The prompt part of echo's logprobs: the first token has none (null), as in OpenAI's and vLLM's."""
+        ids = request.prompt_token_ids
+        lps = [None, *request.prompt_logprobs]
+        tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
+        for tid, lp in zip(ids, lps):
+            tok = self._token_text(tid)
+            tokens.append(tok)
+            offsets.append(offset)
+            offset += len(tok)
+            token_logprobs.append(lp.logprob if lp is not None else None)
+            tops.append(None if lp is None else {tok: lp.logprob, **{self._token_text(i): v for i, v in lp.top}})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _vllm_prompt_logprobs(self, request: Any) -> list[dict | None]:
+        """vLLM's prompt_logprobs: null for the first token, then {token id: {logprob, rank, decoded_token}} with
+        the prompt token and the top k at each position."""
+        out: list[dict | None] = [None]
+        for tid, lp in zip(request.prompt_token_ids[1:], request.prompt_logprobs):
+            entry = {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._token_text(tid)}}
+            for rank, (i, v) in enumerate(lp.top, 1):
+                entry.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": self._token_text(i)})
+            out.append(entry)
+        return out
+
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[Any], offset: int) -> dict:
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for tid, lp in zip(token_ids, logprobs):
@@ -608,6 +649,10 @@ class OpenAIServing:
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _join_logprobs(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:

@@ -62,15 +62,19 @@ class Sampler:
         else:
             logits = self._apply_penalties(_apply_logit_bias(logits.clone(), rows), rows)
             constrained = [i for i, sp in enumerate(sps) if sp.structured is not None]
-            if constrained:
-                self._apply_grammar(logits, rows, constrained)
+            watch = self._apply_grammar(logits, rows, constrained) if constrained else []
             tokens = self._choose(logits, rows)
+            for i, state, first, left in watch:
+                if not state.keeps_budget(int(tokens[i]), left):  # it would leave too little room to finish
+                    tokens[i] = first
+                    rows[i].params.structured.cut_by_budget = True
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw, tokens, rows)
 
-    def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> None:
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SampleRow], constrained: list[int]) -> list:
         """Structured outputs: -inf every token the request's grammar does not allow next (one parallel mask fill
-        for the batch). Matchers are kept per StructuredOutputs object and fed the output tokens lazily."""
+        for the batch). Matchers are kept per StructuredOutputs object and fed the output tokens lazily. Returns the
+        rows near the end of their budget whose sampled token must be checked (GrammarState.keeps_budget)."""
         from paceline.model.structured import GrammarState, fill_masks
 
         states = []
@@ -82,7 +86,25 @@ class Sampler:
             state = state.advance(rows[i].output_token_ids)
             self._grammars[so] = state
             states.append(state)
-        allowed = fill_masks(states, logits.shape[1]).to(logits.device)
+        allowed = fill_masks(states, logits.shape[1])
+        watch = []
+        for j, (i, state) in enumerate(zip(constrained, states)):
+            r = rows[i]
+            if r.params.max_tokens is None:
+                continue
+            # near the end of max_tokens: force the grammar's shortest way to finish (see structured.py)
+            left = r.params.max_tokens - len(r.output_token_ids)
+            plan = state.closing_plan(left)
+            first = (plan[0] if plan else r.eos_token_id) if plan is not None else None
+            if first is None or not allowed[j, first]:
+                continue
+            if state.must_close(plan, left):
+                allowed[j] = False
+                allowed[j, first] = True
+                r.params.structured.cut_by_budget = True
+            else:
+                watch.append((i, state, first, left))  # the model's pick is checked once sampled
+        allowed = allowed.to(logits.device)
         sub = logits[constrained].masked_fill(~allowed, _NEG_INF)
         # nothing allowed (the grammar is done but min_tokens bans EOS): let EOS through rather than draw garbage
         dead = torch.isinf(sub).all(dim=-1).nonzero().flatten().tolist()
@@ -91,6 +113,7 @@ class Sampler:
             if eos is not None:
                 sub[j, eos] = 0.0
         logits[constrained] = sub
+        return watch
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         n, vocab = logits.shape
@@ -163,6 +186,18 @@ class Sampler:
             k = rows[i].params.logprobs
             result[i] = TokenLogprobs(logprob=chosen[j], top=list(zip(top_i[j][:k], top_v[j][:k])))
         return result
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Raw log-softmax of each row: the given token's logprob and rank, and the top k (prompt logprobs)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=lp.device)[:, None]
+    chosen = lp.gather(1, ids)
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprobs(logprob=c, top=list(zip(ti, tv)), rank=rk)
+            for c, ti, tv, rk in zip(chosen.squeeze(1).tolist(), top_i, top_v, ranks)]
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

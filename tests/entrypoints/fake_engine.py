@@ -109,6 +109,9 @@ class FakeEngine:
                                    num_prefill, len(self.running), self.step_s)
         for r in list(self.running):
             sp = r.sampling_params
+            if sp.prompt_logprobs is not None and r.num_output_tokens == 0:  # the prompt "ran": -1 each, rank 1
+                r.prompt_logprobs = [TokenLogprobs(-1.0, [(t, -1.0)][:sp.prompt_logprobs], rank=1)
+                                     for t in r.prompt_token_ids[1:]]
             tok = ord("a") + ((sp.seed or 0) + r.num_output_tokens) % 26
             r.append_token(tok, now)
             new_text = chr(tok)

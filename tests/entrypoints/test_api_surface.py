@@ -21,7 +21,7 @@ def test_unknown_fields_are_rejected_by_name(client):
 
 @pytest.mark.parametrize("field,value", [("audio", {"voice": "alloy"}), ("functions", []), ("prediction", {}),
                                          ("web_search_options", {}), ("reasoning_effort", "low"), ("metadata", {}),
-                                         ("verbosity", "low"), ("prompt_logprobs", 1), ("store", True),
+                                         ("verbosity", "low"), ("store", True),
                                          ("modalities", ["audio"]), ("service_tier", "flex")])
 def test_unsupported_openai_fields_are_named(client, field, value):
     body = {"messages": [{"role": "user", "content": "x"}], field: value}
@@ -99,4 +99,25 @@ def test_echo_leads_with_the_prompt(client):
         texts = [__import__("json").loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
                  if line.startswith("data: {")]
     assert "".join(texts) == "hiab" and texts[0] == "hi"
-    error(client.post("/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1}), 400, "echo")
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(client):
+    r = client.post("/v1/completions", json={"prompt": [120, 121, 122], "max_tokens": 2, "echo": True,
+                                             "logprobs": 1}).json()["choices"][0]
+    lp = r["logprobs"]
+    assert r["text"] == "xyzab" and lp["tokens"] == ["x", "y", "z", "a", "b"]
+    assert lp["token_logprobs"] == [None, -1.0, -1.0, -0.5, -0.5] and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [0, 1, 2, 3, 4]
+    with client.stream("POST", "/v1/completions", json={"prompt": [120, 121], "max_tokens": 2, "echo": True,
+                                                         "logprobs": 0, "stream": True}) as s:
+        chunks = [__import__("json").loads(line[6:])["choices"][0] for line in s.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks[0]["text"] == "xy" and chunks[0]["logprobs"]["token_logprobs"] == [None, -1.0]
+    r = client.post("/v1/completions", json={"prompt": [120, 121], "max_tokens": 1, "prompt_logprobs": 1}).json()
+    assert r["choices"][0]["prompt_logprobs"] == [None, {"121": {"logprob": -1.0, "rank": 1, "decoded_token": "y"}}]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                                                  "prompt_logprobs": 0}).json()
+    assert r["prompt_logprobs"][0] is None and len(r["prompt_logprobs"]) > 1
+    error(client.post("/v1/completions", json={"prompt": "hi", "prompt_logprobs": 1, "stream": True}), 400,
+          "prompt_logprobs")
+    error(client.post("/v1/completions", json={"prompt": "hi", "prompt_logprobs": 21}), 400, "prompt_logprobs")

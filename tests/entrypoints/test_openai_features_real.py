@@ -106,3 +106,24 @@ def test_tool_choice_none_and_logit_bias(server):
     banned = server.http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 1,
                                                        "temperature": 0, "logit_bias": {str(first): -100}}).json()
     assert banned["choices"][0]["text"] != base["text"]
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(server):
+    """echo + logprobs through the openai client: the prompt's tokens lead with their logprobs (the first null),
+    the same numbers prompt_logprobs gives (vLLM's extra, asked with extra_body)."""
+    model = server.openai.models.list().data[0].id
+    prompt = "The capital of France is"
+    ids = server.http.post("/tokenize", json={"prompt": prompt, "add_special_tokens": False}).json()["tokens"]
+    r = server.openai.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                         logprobs=2)
+    c = r.choices[0]
+    assert c.text.startswith(prompt) and len(c.logprobs.tokens) == len(ids) + 3
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    p = server.openai.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                         extra_body={"prompt_logprobs": 1})
+    plp = p.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for i, tid in enumerate(ids[1:], 1):
+        assert abs(plp[i][str(tid)]["logprob"] - c.logprobs.token_logprobs[i]) < 1e-2
+        assert plp[i][str(tid)]["rank"] >= 1

@@ -91,3 +91,36 @@ def test_preemption_mid_constrained_output_changes_nothing(llm: LLM, compiler: G
     outs = small.generate(PROMPTS, [constrained(small_compiler, 40, json=schema) for _ in PROMPTS])
     assert small.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_budget_close_finishes_valid_json(compiler: GrammarCompiler, name: str) -> None:
+    """Half of a valid instance, then a rambling string or number: forcing budget_token's tokens (as the sampler
+    does when max_tokens is near) ends in JSON that parses and validates, within the tokens left."""
+    from paceline.model.structured import GrammarState
+
+    schema, instance = SCHEMAS[name]
+    so = StructuredOutputs(json=json.dumps(schema))
+    so.compiled = compiler.compile(so)
+    tok = compiler.lltokenizer
+    text = json.dumps(instance, separators=(", ", ": "))
+    state = GrammarState(so.compiled)
+    out = tok.tokenize_str(text[:len(text) // 2])
+    state = state.advance(out)
+    assert not state.failed
+    eos = 0
+    for left in range(24, 0, -1):
+        plan = state.closing_plan(left)
+        forced = (plan[0] if plan else eos) if plan is not None and state.must_close(plan, left) else None
+        if forced is None:  # the model would go on: it picks a token the grammar allows (a digit or a letter)...
+            order = so.compiled.byte_tokens[3:] + so.compiled.byte_tokens[:3]  # closers last
+            forced = next((t for t in order if state.matcher.deep_copy().try_consume_tokens([t])), eos)
+            if plan is not None and not state.keeps_budget(forced, left):  # ...kept only if it leaves room
+                forced = plan[0] if plan else eos
+        if forced == eos:
+            break
+        out.append(forced)
+        state = state.advance(out)
+    else:
+        pytest.fail("the budget ran out before the grammar closed")
+    jsonschema_rs.validate(schema, json.loads(tok.decode_str(out)))
