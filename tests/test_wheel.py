@@ -59,7 +59,8 @@ def test_the_wheel_holds_its_data_and_imports_from_the_venv(installed, tmp_path)
               cwd=tmp_path)
     where, workloads, data = out.splitlines()
     assert Path(where).is_relative_to(installed.parent) and not Path(where).is_relative_to(ROOT)
-    assert workloads == str(["arxiv.yaml", "bursty-priority.yaml", "chat.yaml", "long-prompt.yaml", "sharegpt.yaml"])
+    assert workloads == str(["arxiv.yaml", "bursty-priority.yaml", "chat.yaml", "long-prompt.yaml", "quote.yaml",
+                             "sharegpt.yaml", "two-tenants.yaml"])
     assert data == "True 5"
 
 

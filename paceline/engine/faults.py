@@ -35,8 +35,10 @@ _MARKED = re.compile(re.escape(MARKER) + r"([a-z]+)")
 def run_isolated(runner: Any, out: SchedulerOutput, error: Exception) -> tuple[StepResult, dict[str, str]]:
     """The step `out` raised `error`: run its requests one by one. Returns the merged result of those that ran and
     {request id: message} of those that failed alone. Raises `error` when isolation cannot help: the step swapped
-    blocks (running them again could copy blocks the failed attempt already reused), or every request fails alone
-    (the engine itself is broken, not one request)."""
+    blocks (running them again could copy blocks the failed attempt already reused), or every request alone fails
+    with the very error of the batch (the engine is broken, not a request). Requests that all fail alone, each its
+    own way, fail each of them and nothing else: faulty requests that arrive together often make up a whole step,
+    and failing every request in flight for them would let them harm the others."""
     if out.blocks_to_swap_in or out.blocks_to_swap_out or len(out.scheduled) < 1:
         raise error
     merged, failed = StepResult(), {}
@@ -51,8 +53,9 @@ def run_isolated(runner: Any, out: SchedulerOutput, error: Exception) -> tuple[S
         merged.verified_token_ids.update(r.verified_token_ids)
         merged.logprobs.update(r.logprobs)
         merged.duration += r.duration
-    if len(failed) == len(out.scheduled) and len(failed) > 1:
-        raise error
+    batched = f"{type(error).__name__}: {error}"
+    if len(failed) == len(out.scheduled) and all(m == batched for m in failed.values()):
+        raise error  # every request alone fails exactly as the batch did: the engine is broken, not a request
     log.warning("step failed (%s: %s); isolated to %d of %d requests: %s", type(error).__name__, error,
                 len(failed), len(out.scheduled), ", ".join(failed))
     return merged, failed
@@ -97,8 +100,8 @@ class FaultInjector:
                 raise InjectedFault(f"injected sampler fault in {', '.join(faulty(out, 'sampler'))}")
             return execute(out)
 
-        def forward_hook(order: list) -> Any:
-            logits, sampled = forward(order)
+        def forward_hook(order: list, *rest: Any) -> Any:  # rest: the runner's StepResult, where it takes one
+            logits, sampled = forward(order, *rest)
             for row, s in enumerate(sampled):
                 if self.stages.get(s.request.request_id) == "nan" and not s.spec_token_ids:
                     logits[row] = float("nan")

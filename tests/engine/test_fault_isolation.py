@@ -83,8 +83,17 @@ def test_isolation_gives_up_when_every_request_fails(engine):
     engine.add_request("a", "Hello", SamplingParams(max_tokens=2))
     engine.add_request("b", "World", SamplingParams(max_tokens=2))
     out = engine.scheduler.schedule(0.0)
-    with pytest.raises(RuntimeError, match="first"):
-        run_isolated(Broken(), out, RuntimeError("first"))
+    # each request alone fails exactly as the batch did: the engine is broken, not a request
+    with pytest.raises(RuntimeError, match="no device"):
+        run_isolated(Broken(), out, RuntimeError("no device"))
+
+    class EachItsOwn:
+        def execute(self, out):
+            raise ValueError(f"bad grammar in {out.scheduled[0].request.request_id}")
+
+    # faulty requests that make up the whole step, each failing its own way: they fail, nothing else does
+    result, failed = run_isolated(EachItsOwn(), out, ValueError("bad grammar in a, b"))
+    assert sorted(failed) == ["a", "b"] and not result.token_ids
     for rid in ("a", "b"):
         engine.abort(rid)
     engine.step()
