@@ -36,6 +36,7 @@ QUESTIONS = ["Why is the sky blue?", "What is a prime number?", "How do bees mak
              "How does a bicycle stay upright?", "What is photosynthesis?"]
 MAX_TOKENS = (16, 32, 48)
 FAULTS = ("sampler", "nan", "detokenize", "stop")
+AUTH: dict[str, str] = {}  # {"Authorization": "Bearer KEY"} for a server started with --api-key
 
 
 @dataclass
@@ -70,8 +71,10 @@ async def reference(client: httpx.AsyncClient) -> dict[str, str]:
 
 
 async def well_behaved(client: httpx.AsyncClient, book: Book, phase: str, refs: dict[str, str],
-                       rng: random.Random) -> None:
+                       rng: random.Random, stream_share: float) -> None:
     q, max_tokens = rng.choice(QUESTIONS), rng.choice(MAX_TOKENS)
+    if rng.random() >= stream_share:
+        return await well_behaved_whole(client, book, phase, refs, q, max_tokens)
     body = {"prompt": PREFIX + q, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     text, times, finish, usage, done = "", [], None, None, False
@@ -117,6 +120,34 @@ async def well_behaved(client: httpx.AsyncClient, book: Book, phase: str, refs: 
     book.gaps[phase].extend(b - a for a, b in zip(times, times[1:]))
 
 
+async def well_behaved_whole(client: httpx.AsyncClient, book: Book, phase: str, refs: dict[str, str], q: str,
+                             max_tokens: int) -> None:
+    """The same check without streaming: one JSON answer that must be the reference's first max_tokens tokens."""
+    sent = time.monotonic()
+    try:
+        r = await client.post("/v1/completions", json={"prompt": PREFIX + q, "max_tokens": max_tokens,
+                                                       "temperature": 0, "ignore_eos": True})
+    except httpx.HTTPError as e:
+        book.add(phase, "good_whole", "transport error")
+        book.corrupted.append(f"whole: {type(e).__name__}: {e}")
+        return
+    if r.status_code != 200:
+        if r.status_code == 503:
+            book.rejected_s.append(time.monotonic() - sent)
+        book.add(phase, "good_whole", f"http {r.status_code}")
+        if r.status_code >= 500 and r.status_code != 503:
+            book.unexpected_5xx.append(f"good_whole: {r.status_code} {r.text[:200]}")
+        return
+    body = r.json()
+    choice, usage = body["choices"][0], body.get("usage") or {}
+    ok = choice["finish_reason"] == "length" and usage.get("completion_tokens") == max_tokens \
+        and refs[q].startswith(choice["text"]) and len(choice["text"]) > 0
+    book.add(phase, "good_whole", "ok" if ok else "corrupted")
+    if not ok:
+        book.corrupted.append(f"whole {q!r} max_tokens={max_tokens} finish={choice['finish_reason']} "
+                              f"usage={usage} text={choice['text'][:80]!r} ref={refs[q][:80]!r}")
+
+
 # ---- the abusers ----------------------------------------------------------------------------------------------
 
 async def raw_http(host: str, port: int, data: bytes, read_s: float = 5.0, read: bool = True) -> bytes:
@@ -138,7 +169,8 @@ async def raw_http(host: str, port: int, data: bytes, read_s: float = 5.0, read:
 
 
 def head(path: str, length: int | None, content_type: str = "application/json", extra: str = "") -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "Host: soak", f"Content-Type: {content_type}", "Connection: close"]
+    lines = [f"POST {path} HTTP/1.1", "Host: soak", f"Content-Type: {content_type}", "Connection: close",
+             *(f"{k}: {v}" for k, v in AUTH.items())]
     if length is not None:
         lines.append(f"Content-Length: {length}")
     return ("\r\n".join(lines) + extra + "\r\n\r\n").encode()
@@ -248,10 +280,10 @@ def metrics(url: str) -> dict[str, float]:
 
 
 async def phase(name: str, url: str, seconds: float, rate: float, abuse_rate: float, refs: dict[str, str],
-                book: Book, rng: random.Random) -> None:
+                book: Book, rng: random.Random, stream_share: float) -> None:
     host, port = url.split("//")[1].split(":")
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=50)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits, headers=AUTH) as client:
         tasks = []
         end = time.monotonic() + seconds
 
@@ -261,7 +293,7 @@ async def phase(name: str, url: str, seconds: float, rate: float, abuse_rate: fl
                 if time.monotonic() < end:
                     tasks.append(asyncio.ensure_future(make()))
 
-        feeds = [arrivals(rate, lambda: well_behaved(client, book, name, refs, rng))]
+        feeds = [arrivals(rate, lambda: well_behaved(client, book, name, refs, rng, stream_share))]
         if abuse_rate > 0:
             feeds.append(arrivals(abuse_rate, lambda: abuser(client, host, int(port), book, rng)))
         await asyncio.gather(*feeds)
@@ -288,15 +320,17 @@ async def sampler(url: str, pid: int | None, samples: list, stop: asyncio.Event,
 async def main_async(args: argparse.Namespace, pid: int | None) -> dict:
     rng = random.Random(args.seed)
     book = Book()
-    async with httpx.AsyncClient(base_url=args.url, timeout=300) as c:
+    async with httpx.AsyncClient(base_url=args.url, timeout=300, headers=AUTH) as c:
         refs = await reference(c)
     samples: list = []
     stop = asyncio.Event()
     watch = asyncio.ensure_future(sampler(args.url, pid, samples, stop, args.sample_s))
     t0 = time.monotonic()
-    await phase("clean", args.url, args.phase_s, args.rate, 0.0, refs, book, rng)
+    clean_s = args.phase_s if args.clean_s is None else args.clean_s
+    abuse_s = args.phase_s if args.abuse_s is None else args.abuse_s
+    await phase("clean", args.url, clean_s, args.rate, 0.0, refs, book, rng, args.stream_share)
     rss_after_clean = rss_mb(pid)
-    await phase("abuse", args.url, args.phase_s, args.rate, args.abuse_rate, refs, book, rng)
+    await phase("abuse", args.url, abuse_s, args.rate, args.abuse_rate, refs, book, rng, args.stream_share)
     elapsed = time.monotonic() - t0
     # idle: every gauge back to zero, every block free
     deadline = time.monotonic() + 60
@@ -313,20 +347,30 @@ async def main_async(args: argparse.Namespace, pid: int | None) -> dict:
     health = httpx.get(args.url + "/health", timeout=10).status_code
     outcomes = [{"phase": p, "kind": k, "outcome": o, "count": n} for (p, k, o), n in sorted(book.outcomes.items())]
     rss = [s["rss_mb"] for s in samples if s["rss_mb"] is not None]
+    # the baseline is the first sample after the warm-up (allocator pools, compiled paths and caches filled)
+    warm = next((s["rss_mb"] for s in samples if s["t"] >= args.warmup_s and s["rss_mb"] is not None), None)
+    good = [(k, o, n) for (p, k, o), n in book.outcomes.items() if k.startswith("good")]
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:], "elapsed_s": elapsed,
         "requests": sum(book.outcomes.values()), "outcomes": outcomes,
         "unexpected_5xx": len(book.unexpected_5xx), "unexpected_5xx_examples": book.unexpected_5xx[:10],
-        "good_ok": sum(n for (p, k, o), n in book.outcomes.items() if k == "good" and o == "ok"),
-        "good_total": sum(n for (p, k, o), n in book.outcomes.items() if k == "good"),
+        "good_ok": sum(n for k, o, n in good if o == "ok"),
+        "good_503": sum(n for k, o, n in good if o == "http 503"),
+        "good_total": sum(n for k, o, n in good),
         "corrupted": len(book.corrupted), "corrupted_examples": book.corrupted[:10],
         "idle": {"used_blocks": m.get("paceline:kv_cache_used_blocks"),
                  "running": m.get("paceline:num_requests_running"), "waiting": m.get("paceline:num_requests_waiting"),
                  "swapped": m.get("paceline:num_requests_swapped")},
         "health_after": health,
-        "rss_mb": {"after_clean": rss_after_clean, "end": rss_end, "max": max(rss) if rss else None,
+        "rss_mb": {"first": rss[0] if rss else None, "after_warmup": warm, "after_clean": rss_after_clean,
+                   "end": rss_end, "max": max(rss) if rss else None,
+                   "growth_after_warmup_pct": 100 * (rss_end - warm) / warm if rss_end and warm else None,
+                   "max_growth_after_warmup_pct": 100 * (max(rss) - warm) / warm if rss and warm else None,
                    "growth_after_clean_pct": 100 * (rss_end - rss_after_clean) / rss_after_clean
-                   if rss_end and rss_after_clean else None},
+                   if rss_end and rss_after_clean else None,
+                   "every_5_min": [round(s["rss_mb"], 1) for s in samples if s["rss_mb"] is not None
+                                   and int(s["t"] // 300) != int((s["t"] - args.sample_s) // 300)]},
+        "max_used_blocks": max((s["used_blocks"] or 0 for s in samples), default=None),
         "tbt_ms": {p: {"n": len(g), "p50": _ms(percentile(g, 50)), "p99": _ms(percentile(g, 99))}
                    for p, g in book.gaps.items()},
         "rejected_503_ms": {"n": len(book.rejected_s), "p50": _ms(percentile(book.rejected_s, 50)),
@@ -372,12 +416,19 @@ def main() -> None:
     p.add_argument("--url", default=None, help="a running server (with PACELINE_FAULT_INJECTION=1 for the faults)")
     p.add_argument("--start-server", action="store_true", help="start `paceline serve` with the args after --")
     p.add_argument("--phase-s", type=float, default=120.0, help="seconds of each phase (clean, then abuse)")
+    p.add_argument("--clean-s", type=float, default=None, help="seconds of the clean phase (default --phase-s)")
+    p.add_argument("--abuse-s", type=float, default=None, help="seconds of the abuse phase (default --phase-s)")
+    p.add_argument("--warmup-s", type=float, default=60.0, help="RSS growth is measured from this many seconds in")
+    p.add_argument("--stream-share", type=float, default=0.7, help="share of well-behaved requests that stream")
     p.add_argument("--rate", type=float, default=1.0, help="well-behaved streams per second (Poisson)")
     p.add_argument("--abuse-rate", type=float, default=2.0, help="abusive requests per second in the abuse phase")
     p.add_argument("--sample-s", type=float, default=2.0, help="how often /metrics and the RSS are sampled")
+    p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the full JSON here")
     args = p.parse_args(argv)
+    if args.api_key:
+        AUTH["Authorization"] = f"Bearer {args.api_key}"
     proc = None
     if args.start_server:
         proc, args.url = start_server(server_args)
