@@ -35,8 +35,8 @@ _MARKED = re.compile(re.escape(MARKER) + r"([a-z]+)")
 def run_isolated(runner: Any, out: SchedulerOutput, error: Exception) -> tuple[StepResult, dict[str, str]]:
     """The step `out` raised `error`: run its requests one by one. Returns the merged result of those that ran and
     {request id: message} of those that failed alone. Raises `error` when isolation cannot help: the step swapped
-    blocks (running them again could copy blocks the failed attempt already reused), or every request alone fails
-    with the very error of the batch (the engine is broken, not a request). Requests that all fail alone, each its
+    blocks (running them again could copy blocks the failed attempt already reused), or every one of two or more
+    requests alone fails with the very error of the batch (the engine is broken, not a request). Requests that all fail alone, each its
     own way, fail each of them and nothing else: faulty requests that arrive together often make up a whole step,
     and failing every request in flight for them would let them harm the others."""
     if out.blocks_to_swap_in or out.blocks_to_swap_out or len(out.scheduled) < 1:
@@ -54,8 +54,11 @@ def run_isolated(runner: Any, out: SchedulerOutput, error: Exception) -> tuple[S
         merged.logprobs.update(r.logprobs)
         merged.duration += r.duration
     batched = f"{type(error).__name__}: {error}"
-    if len(failed) == len(out.scheduled) and all(m == batched for m in failed.values()):
-        raise error  # every request alone fails exactly as the batch did: the engine is broken, not a request
+    # every one of several requests alone fails exactly as the batch did: the engine is broken, not a request. A
+    # step of one request proves nothing either way (the soak met many: a NaN-row request alone in its step), so
+    # that request fails alone; a broken engine still fails the next step of two and then turns /health red.
+    if len(out.scheduled) > 1 and len(failed) == len(out.scheduled) and all(m == batched for m in failed.values()):
+        raise error
     log.warning("step failed (%s: %s); isolated to %d of %d requests: %s", type(error).__name__, error,
                 len(failed), len(out.scheduled), ", ".join(failed))
     return merged, failed

@@ -4,6 +4,7 @@ with finish_reason "error" and a message, while every other request in the same 
 tokens it produces without them, and no KV block is left behind."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -94,6 +95,11 @@ def test_isolation_gives_up_when_every_request_fails(engine):
     # faulty requests that make up the whole step, each failing its own way: they fail, nothing else does
     result, failed = run_isolated(EachItsOwn(), out, ValueError("bad grammar in a, b"))
     assert sorted(failed) == ["a", "b"] and not result.token_ids
+    # a step of one request that fails alone as it did in the step: that request's fault (a NaN row, say), not
+    # the engine's, so it fails alone rather than every request in flight (the soak found this case)
+    alone = dataclasses.replace(out, scheduled=out.scheduled[:1])
+    result, failed = run_isolated(Broken(), alone, RuntimeError("no device"))
+    assert list(failed) == ["a"] and not result.token_ids
     for rid in ("a", "b"):
         engine.abort(rid)
     engine.step()

@@ -216,6 +216,30 @@ def test_queue_delay_limit_answers_503_before_any_token(servers):
     assert sum(rejected.values()) == 2, rejected
 
 
+def test_short_soak_with_abuse_loses_nothing_and_leaks_nothing(server, monkeypatch):
+    """benchmarks/soak.py in miniature (~20 s): greedy streams and whole answers beside every kind of abuser and
+    injected faults; every well-behaved answer equals its reference, no unexpected 5xx, KV blocks and request
+    gauges back to 0 when idle. (The 30-minute run, with RSS, is the benchmark's; see benchmarks/summaries/soak.md.)"""
+    import argparse
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import soak
+    monkeypatch.setattr(soak, "QUESTIONS", soak.QUESTIONS[:3])
+    monkeypatch.setattr(soak, "MAX_TOKENS", (4, 8))
+    monkeypatch.setitem(soak.AUTH, "Authorization", f"Bearer {KEY}")
+    args = argparse.Namespace(url=server.url, phase_s=None, clean_s=3.0, abuse_s=12.0, rate=2.0, abuse_rate=3.0,
+                              warmup_s=0.0, stream_share=0.6, sample_s=1.0, seed=1)
+    report = asyncio.run(soak.main_async(args, server.proc.pid))
+    kinds = {o["kind"] for o in report["outcomes"]}
+    assert report["good_total"] >= 15 and report["good_ok"] == report["good_total"], report["corrupted_examples"]
+    assert report["unexpected_5xx"] == 0, report["unexpected_5xx_examples"]
+    assert report["idle"] == {"used_blocks": 0, "running": 0, "waiting": 0, "swapped": 0}
+    assert report["health_after"] == 200 and report["max_used_blocks"] > 0
+    assert {"good", "good_whole", "disconnect", "invalid", "fault"} <= kinds, kinds
+    assert all(o["outcome"] == "failed as injected" for o in report["outcomes"] if o["kind"] == "fault")
+
+
 def test_engine_thread_death_turns_health_red(server):
     # on the server without a queue-delay limit: there, a step slower than the limit could expire the crash
     # request before it ever reached the engine (a loaded 2-core machine has such steps)
