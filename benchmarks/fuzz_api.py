@@ -100,37 +100,41 @@ def run(url: str, doc: dict, model: str, examples: int, timeout_s: float, header
                 by_op[label][f"no {mode.value} cases: {type(e).__name__}"] += 1
                 continue
 
-            @given(case=strategy)
-            @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-            def send(case) -> None:
-                if time.monotonic() > stop_at:
-                    unsent[label] += 1
-                    return
-                adjust(case, model, mode)
-                try:
-                    r = case.call(base_url=url, session=session, timeout=timeout_s)
-                    kind, problem = classify(r)
-                except requests.Timeout:
-                    kind, problem = "timeout", f"no answer within {timeout_s} s: {label} {str(case.body)[:200]}"
-                except requests.ConnectionError as e:
-                    kind, problem = "connection error", f"{type(e).__name__}: {label} {str(case.body)[:200]}"
-                statuses[kind] += 1
-                by_mode[mode.value][kind[0] + "xx" if kind[0].isdigit() else kind] += 1
-                if mode == GenerationMode.POSITIVE and kind.startswith("4") and problem is None:
-                    positive_4xx[f"{label} {kind}: {str(r.json()['error'].get('message'))[:90]}"] += 1
-                by_op[label][kind] += 1
-                if problem and problem.startswith("4xx"):
-                    bad_4xx.append(f"{label}: {problem}")
-                elif problem:
-                    server_errors.append(f"{label} [{mode.value}] {problem} | body: {str(case.body)[:300]}")
+            def sender(strategy, label: str, mode: GenerationMode):  # binds this operation's case source
+                @given(case=strategy)
+                @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+                          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+                def send(case) -> None:
+                    if time.monotonic() > stop_at:
+                        unsent[label] += 1
+                        return
+                    adjust(case, model, mode)
+                    try:
+                        r = case.call(base_url=url, session=session, timeout=timeout_s)
+                        kind, problem = classify(r)
+                    except requests.Timeout:
+                        kind, problem = "timeout", f"no answer within {timeout_s} s: {label} {str(case.body)[:200]}"
+                    except requests.ConnectionError as e:
+                        kind, problem = "connection error", f"{type(e).__name__}: {label} {str(case.body)[:200]}"
+                    statuses[kind] += 1
+                    by_mode[mode.value][kind[0] + "xx" if kind[0].isdigit() else kind] += 1
+                    if mode == GenerationMode.POSITIVE and kind.startswith("4") and problem is None:
+                        positive_4xx[f"{label} {kind}: {str(r.json()['error'].get('message'))[:90]}"] += 1
+                    by_op[label][kind] += 1
+                    if problem and problem.startswith("4xx"):
+                        bad_4xx.append(f"{label}: {problem}")
+                    elif problem:
+                        server_errors.append(f"{label} [{mode.value}] {problem} | body: {str(case.body)[:300]}")
 
+                return send
+
+            fuzz = sender(strategy, label, mode)
             try:
-                send()
+                fuzz()
             except Exception as e:  # hypothesis gave up generating (an unsatisfiable filter): say so, go on
                 by_op[label][f"generation stopped: {type(e).__name__}"] += 1
-    after = httpx.post(url + "/v1/completions", headers=headers, json={"model": model, "prompt": "The capital of France is",
-                                                       "max_tokens": 4, "temperature": 0}, timeout=120)
+    after = httpx.post(url + "/v1/completions", headers=headers, timeout=120,
+                       json={"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
     return {"requests": sum(statuses.values()), "statuses": dict(sorted(statuses.items())),
             "server_errors": len(server_errors), "server_error_examples": server_errors[:20],
             "4xx_without_openai_error_body": len(bad_4xx), "bad_4xx_examples": bad_4xx[:10],
