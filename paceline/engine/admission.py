@@ -10,7 +10,11 @@ Two checks, both against the same limit S:
 
 The prediction is Little's law on the recent past, not a model of the batch: it needs no knowledge of prompt
 lengths or step times, and when the recent rate is unknown (a cold start) it admits and leaves the deadline to
-catch a wrong guess.
+catch a wrong guess. A deadline that fired is itself evidence: while a request expired less than S ago, an arrival
+with anyone waiting ahead of it is rejected at once. Without that, a server too slow to start MIN_STARTS requests
+in the window never has a rate, so it admitted everyone and answered every one of them 503 only after S (measured:
+benchmarks/overload.py, 228 of 232 requests at 3x capacity); now only the queue that was there when the first one
+expired waits S, and arrivals are admitted again once it has drained.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class AdmissionControl:
         self.window = window_s
         self._starts: deque[float] = deque()  # when recent requests got their first token (engine thread appends)
         self._next_sweep = 0.0
+        self._last_expiry = -math.inf  # when a waiting request last expired (engine thread writes, event loop reads)
 
     # ---- the start rate (fed on the engine thread) ---------------------------------------------------------
 
@@ -70,13 +75,18 @@ class AdmissionControl:
         if num_ahead <= 0:
             return 0.0
         rate = self.start_rate(now)
-        return 0.0 if rate is None else (num_ahead + 1) / rate
+        wait = 0.0 if rate is None else (num_ahead + 1) / rate
+        if now - self._last_expiry < self.max_delay:  # the queue just proved slower than the limit
+            wait = max(wait, math.nextafter(self.max_delay, math.inf))
+        return wait
 
     def check(self, num_ahead: int, now: float) -> None:
         wait = self.predicted_wait(num_ahead, now)
         if wait > self.max_delay:
+            why = (f"the predicted wait of {wait:.1f} s" if wait > math.nextafter(self.max_delay, math.inf) else
+                   "a request waiting as long a moment ago expired, so the predicted wait")
             raise QueueDelayError(
-                f"the server is overloaded: {num_ahead} requests are waiting and the predicted wait of {wait:.1f} s "
+                f"the server is overloaded: {num_ahead} requests are waiting and {why} "
                 f"exceeds the limit of {self.max_delay:g} s (--max-queue-delay-s); retry later",
                 retry_after_s=max(1, math.ceil(wait - self.max_delay)), reason="queue_delay_predicted")
 
@@ -92,8 +102,11 @@ class AdmissionControl:
         if requests is None:  # an engine without a paceline scheduler: only the arrival check applies
             return []
         cutoff = now - self.max_delay
-        return [rid for rid, r in requests.items() if r.status is RequestStatus.WAITING
-                and r.first_scheduled_time is None and r.arrival_time < cutoff]
+        expired = [rid for rid, r in requests.items() if r.status is RequestStatus.WAITING
+                   and r.first_scheduled_time is None and r.arrival_time < cutoff]
+        if expired:
+            self._last_expiry = now
+        return expired
 
     def expired_error(self) -> QueueDelayError:
         return QueueDelayError(f"the request waited longer than {self.max_delay:g} s (--max-queue-delay-s) without "

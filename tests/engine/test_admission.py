@@ -65,6 +65,22 @@ def test_expired_are_waiting_requests_that_never_ran():
     assert err.reason == "queue_delay_expired" and err.retry_after_s == 3
 
 
+def test_an_expiry_rejects_arrivals_behind_a_queue_until_it_has_drained():
+    # a server too slow to start MIN_STARTS requests per window has no rate: before, it admitted everyone and
+    # expired each one S later; a deadline that fired is now taken as the prediction
+    stale = Request("stale", [1, 2], SamplingParams(), 0.0)
+    stale.status = RequestStatus.WAITING
+    engine = SimpleNamespace(scheduler=SimpleNamespace(requests={"stale": stale}))
+    a = AdmissionControl(5.0)
+    a.check(num_ahead=50, now=5.5)  # no rate, nothing expired yet: admitted
+    assert a.expired(engine, now=6.0) == ["stale"]
+    with pytest.raises(QueueDelayError) as e:
+        a.check(num_ahead=1, now=6.5)  # someone waits ahead, and the queue just proved slower than 5 s
+    assert e.value.reason == "queue_delay_predicted"
+    a.check(num_ahead=0, now=6.5)  # nobody ahead: admitted (it starts at the next free slot)
+    a.check(num_ahead=3, now=11.0)  # the expiry is S old: the rate (unknown here) decides again
+
+
 def test_limit_must_be_positive():
     with pytest.raises(ValueError, match="max_queue_delay_s"):
         AdmissionControl(0.0)
