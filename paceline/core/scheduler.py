@@ -358,10 +358,13 @@ class Scheduler:
 
     def chunk_within_step_time(self, step: Step, request: Request, start: int, n: int) -> int:
         """The most of an n-token chunk of `request` starting at `start` that keeps the step's predicted time
-        under max_step_ms (all n when no limit is set). The first chunk of a step gets at least one block's worth, so
+        under max_step_ms (all n when no limit is set, or when no decode runs in the step). The first chunk of a step gets at least one block's worth, so
         prompts progress even when the decodes alone fill the time."""
         shape = step.shape
-        if shape is None or n <= 0:
+        # no decode in the step: no stream waits on it, so only the token budget bounds it. A lone prompt then runs in
+        # big chunks, several times faster per token on a CPU than step-target-sized ones (a prompt finishing in this
+        # step decodes in the next, which the limit bounds again)
+        if shape is None or n <= 0 or shape.num_decodes == 0:
             return n
         limit = self.config.max_step_ms / 1000.0 / self.step_time_scale
 
