@@ -7,7 +7,7 @@ from the step-time model and the step-time target (max_step_ms, which the engine
   contexts, a light load) that is many; as contexts grow it shrinks, so the TBT goal holds without a hand-picked
   number. Seats only gate admission: a running request is never cut for them (the count falls as requests end).
 - Token budget: the running decodes plus the most fresh prompt tokens one step can add under the target (at
-  least one block). The stall-free scheduler then cuts each chunk to the time left (chunk_within_step_time); the
+  least one block); with nothing running, the cap (a step without decodes has no time limit either). The stall-free scheduler then cuts each chunk to the time left (chunk_within_step_time); the
   budget no longer stops a step that the time would allow, nor lets one run past it.
 
 A fixed setting is right for one load; these follow the batch actually running. Both stay within [floor, cap]:
@@ -65,6 +65,8 @@ def auto_limits(step_time: Callable[[BatchShape], float], max_step_s: float, dec
         shape.add_chunk(0, k, sampled=True)
         return step_time(shape) <= max_step_s
 
+    if n == 0:  # nothing runs, so no stream waits on the step: the time limit does not apply, nor does this
+        return seats, max_tokens_cap
     # at least one block: the least a prompt chunk gets (chunk_within_step_time's floor)
     tokens = _largest(tokens_fit, block_size, max(block_size, max_tokens_cap - n))
     return seats, min(max_tokens_cap, n + tokens)

@@ -198,19 +198,19 @@ def _prefill_time(shape) -> float:
 
 def test_under_a_step_time_target_the_less_served_clients_prompt_gets_the_step_first():
     """The step's time, not a seat, is what runs out: a light client's prompt admitted while a heavy client's long
-    prompt is mid-prefill takes its chunk before the heavy one's, not what the heavy one leaves (nothing)."""
+    prompt is mid-prefill takes its chunk before the heavy one's, not what the heavy one leaves (nothing). A third
+    client's request decodes throughout, so the step-time limit applies (a step without decodes has none)."""
     sched = make_scheduler(scheduling_policy="fair", budget=512, max_seqs=4, max_step_ms=50.0,
                            step_time=_prefill_time)
-    heavy = req("h", 400, max_tokens=4, client="heavy")
-    sched.add_request(heavy)
-    v = step(sched, 1.0)
-    assert v.batch == [("h", 40)]  # 50 ms = 10 + 40 prompt tokens
-    light = req("l", 30, max_tokens=4, client="light", arrival=1.5)
-    sched.add_request(light)  # lifted to heavy's counter; less served as soon as heavy's next chunk is charged
+    sched.add_request(req("d", 4, max_tokens=100, client="other"))
+    step(sched, 1.0)
+    sched.add_request(req("h", 400, max_tokens=4, client="heavy", arrival=1.5))
     v = step(sched, 2.0)
-    assert dict(v.batch)["h"] == 40 and light.num_computed_tokens == 0  # a tie: heavy arrived first
+    assert v.batch == [("d", 1), ("h", 39)]  # 50 ms = 10 + 1 decode + 39 prompt tokens
+    light = req("l", 30, max_tokens=4, client="light", arrival=2.5)
+    sched.add_request(light)  # lifted to the lowest backlogged counter (other's), below heavy's
     v = step(sched, 3.0)
-    assert v.batch == [("l", 30), ("h", 10)] and light.num_output_tokens == 1
+    assert v.batch == [("d", 1), ("l", 30), ("h", 9)] and light.num_output_tokens == 1
 
 
 @pytest.mark.parametrize("aging", [0.0, 3.0])
