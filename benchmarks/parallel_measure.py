@@ -1,7 +1,7 @@
 """Measurements for docs/scaling.md: TP=2's per-step communication and PP=2's bubble, on the bundled model.
 
     python benchmarks/parallel_measure.py tp   # step time and time in collectives, TP=2 vs one process
-    python benchmarks/parallel_measure.py pp   # bubble fraction at PP=2: chunked vs whole prompts, 1 vs 2 steps in flight
+    python benchmarks/parallel_measure.py pp   # PP=2 Engine vs one process: per-step overhead, bubble; chunked vs whole
     python benchmarks/parallel_measure.py ray  # prefix-cache hit rate over 2 Ray Serve replicas, by routing policy
     python benchmarks/parallel_measure.py allreduce  # microseconds per gloo all-reduce between 2 processes
 
