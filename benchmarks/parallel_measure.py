@@ -1,7 +1,7 @@
 """Measurements for docs/scaling.md: TP=2's per-step communication and PP=2's bubble, on the bundled model.
 
     python benchmarks/parallel_measure.py tp   # step time and time in collectives, TP=2 vs one process
-    python benchmarks/parallel_measure.py pp   # bubble fraction at PP=2: chunked vs whole prompts, 1 vs 2 steps in flight
+    python benchmarks/parallel_measure.py pp   # PP=2 Engine vs one process: per-step overhead, bubble; chunked vs whole
     python benchmarks/parallel_measure.py ray  # prefix-cache hit rate over 2 Ray Serve replicas, by routing policy
     python benchmarks/parallel_measure.py allreduce  # microseconds per gloo all-reduce between 2 processes
 
@@ -11,9 +11,12 @@ figures say what the communication and the idle stages cost, and only ratios fro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import time
+import urllib.request
 
 import torch
 
@@ -81,30 +84,118 @@ def measure_tp(args) -> dict:
     return {"runs": runs, "greedy_outputs_identical": same}
 
 
-def measure_pp(args) -> dict:
+def engine_run(pp: int, sched: SchedulerConfig, prompts: dict[str, list[int]], params: SamplingParams,
+               arrive_every_tokens: int):
+    """The prompts through a real Engine (float32, token budget only: no step-time target, so the schedule does not
+    depend on timing) with one step in flight, every rank one thread. Request i is added once i * k tokens have run
+    (k = 0: all at once). Returns the engine (still open, for its runner) and the run's figures."""
     torch.set_num_threads(1)
-    ckpt = load_checkpoint(None)
+    config = EngineConfig(dtype="float32", quantization="none", tbt_goal_ms=0, pipeline_parallel_size=pp,
+                          cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=512, swap_space_gb=0),
+                          scheduler=dataclasses.replace(sched))
+    engine = Engine(config)
+    torch.set_num_threads(1)  # build_runner shares the host's cores among the ranks: 1 each on 2 cores
+    if pp > 1:
+        engine.runner.collect_stats()  # timers from here
+    ids = list(prompts)
+    outputs: dict[str, list[int]] = {}
+    steps: list[tuple[int, int, float]] = []  # (prefill tokens, decode tokens, seconds)
+    added = submitted = 0
+    t0 = time.perf_counter()
+    while True:
+        while added < len(ids) and added * arrive_every_tokens <= submitted:
+            engine.add_request(ids[added], prompts[ids[added]], params)
+            added += 1
+        if not engine.has_unfinished():
+            if added < len(ids):  # idle until the next arrival: let it come now
+                submitted = added * arrive_every_tokens
+                continue
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        s = engine.last_step
+        if s is not None:
+            steps.append((s.num_prefill_tokens, s.num_decode_tokens, s.duration))
+            submitted += s.num_prefill_tokens + s.num_decode_tokens
+    wall = time.perf_counter() - t0
+    run = {"wall_s": wall, "steps": steps, "outputs": outputs, "threads": torch.get_num_threads()}
+    if pp > 1:
+        timers = engine.runner.collect_stats()
+        run["bubble_fraction"] = 1.0 - sum(t.forward_s for t in timers) / (len(timers) * wall)
+        run["compute_s_per_rank"] = [round(t.forward_s, 2) for t in timers]
+        run["waiting_s_per_rank"] = [round(t.comm_s, 2) for t in timers]
+    return engine, run
+
+
+def step_overhead(one: list[tuple[int, int, float]], pp: list[tuple[int, int, float]]) -> dict:
+    """PP=2's extra time per step over one process, step by step (the same schedule in both runs): with one step in
+    flight the two stages run one after the other, so the difference is what the pipeline adds (sending the step,
+    the hidden states and the logits rows; waking the other process), not compute."""
+    if [s[:2] for s in one] != [s[:2] for s in pp]:
+        return {"error": "the two runs scheduled different steps"}
+    out = {}
+    for kind, keep in (("all steps", lambda s: True), ("steps with prefill", lambda s: s[0] > 0),
+                       ("decode-only steps", lambda s: s[0] == 0)):
+        pairs = [(a[2], b[2]) for a, b in zip(one, pp) if keep(a)]
+        if not pairs:
+            continue
+        extra = [b - a for a, b in pairs]
+        out[kind] = {"steps": len(pairs), "one_process_ms_mean": round(1e3 * statistics.mean(a for a, _ in pairs), 2),
+                     "pp2_ms_mean": round(1e3 * statistics.mean(b for _, b in pairs), 2),
+                     "extra_ms_mean": round(1e3 * statistics.mean(extra), 2),
+                     "extra_ms_median": round(1e3 * statistics.median(extra), 2),
+                     "extra_share_of_pp2_time": round(sum(extra) / sum(b for _, b in pairs), 4)}
+    return out
+
+
+def measure_pp(args) -> dict:
+    """PP=2 on the real Engine (one step in flight) against one process, chunked vs whole-prompt scheduling: the
+    per-step overhead and the bubble; then the same runner with two steps in flight (run_pipelined)."""
+    torch.set_num_threads(1)
+    vocab = load_checkpoint(None).arch.vocab_size
     lengths = prompt_lengths(args.requests, 16, args.max_prompt)
-    prompts = {f"r{i}": p for i, p in enumerate(prompts_of(lengths, ckpt.arch.vocab_size))}
+    prompts = {f"r{i}": p for i, p in enumerate(prompts_of(lengths, vocab))}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     cache = CacheConfig(block_size=BLOCK_SIZE)
-    out: dict = {"prompt_tokens": sum(lengths), "output_tokens_each": args.max_tokens}
-    schedulers = {f"chunked (sarathi, {args.budget}-token steps)": SchedulerConfig("sarathi", max_num_batched_tokens=args.budget),
-                  f"whole prompts (vllm, {args.max_prompt}-token budget)": SchedulerConfig("vllm", max_num_batched_tokens=args.max_prompt)}
-    with build_runner(ckpt.arch, ckpt.weights, model=None, num_blocks=512, block_size=BLOCK_SIZE,
-                      pipeline_parallel_size=2, threads_per_rank=1) as runner:
-        reference = None
-        for slots in (1, 2):
-            for name, sched in schedulers.items():
-                t0 = time.perf_counter()
-                run = run_pipelined(runner, prompts, params, sched, cache, num_slots=slots,
-                                    arrive_every_tokens=args.arrive_every_tokens)
-                reference = reference or run.outputs
-                out[f"{slots} in flight, {name}"] = {
-                    "bubble_fraction": round(run.bubble_fraction, 4), "wall_s": round(run.wall_s, 2),
-                    "steps": run.num_steps, "step_tokens_max": max(run.step_tokens),
-                    "compute_s_per_rank": [round(t.forward_s, 2) for t in run.timers],
-                    "same_tokens_as_first_run": run.outputs == reference, "elapsed_s": round(time.perf_counter() - t0, 2)}
+    out: dict = {"prompt_tokens": sum(lengths), "output_tokens_each": args.max_tokens, "cpu_count": os.cpu_count()}
+    schedulers = {"chunked": SchedulerConfig("stall-free", max_num_batched_tokens=args.budget),
+                  "whole": SchedulerConfig("prefill-first", max_num_batched_tokens=args.max_prompt)}
+    reference = None
+    for every in [int(x) for x in str(args.arrive_every_tokens).split(",")]:
+        pattern: dict = {}
+        for name, sched in schedulers.items():
+            one_engine, one = engine_run(1, sched, prompts, params, every)
+            del one_engine
+            engine, pp = engine_run(2, sched, prompts, params, every)
+            try:
+                two = run_pipelined(engine.runner, prompts, params, dataclasses.replace(sched), cache, num_slots=2,
+                                    arrive_every_tokens=every)
+            finally:
+                engine.runner.close()
+            reference = reference or one["outputs"]
+            pattern[name] = {
+                "one process": {"wall_s": round(one["wall_s"], 2), "steps": len(one["steps"])},
+                "PP=2, Engine (1 step in flight)": {
+                    "wall_s": round(pp["wall_s"], 2), "steps": len(pp["steps"]),
+                    "bubble_fraction": round(pp["bubble_fraction"], 4), "compute_s_per_rank": pp["compute_s_per_rank"],
+                    "waiting_s_per_rank": pp["waiting_s_per_rank"], "threads_rank0": pp["threads"],
+                    "per_step_overhead": step_overhead(one["steps"], pp["steps"])},
+                "PP=2, 2 steps in flight (run_pipelined)": {
+                    "wall_s": round(two.wall_s, 2), "steps": two.num_steps,
+                    "bubble_fraction": round(two.bubble_fraction, 4),
+                    "compute_s_per_rank": [round(t.forward_s, 2) for t in two.timers]},
+                "same_tokens": one["outputs"] == reference and pp["outputs"] == reference and two.outputs == reference}
+        c, w = pattern["chunked"], pattern["whole"]
+        key = "PP=2, Engine (1 step in flight)"
+        pattern["ratios whole / chunked"] = {
+            "bubble, 1 in flight": round(w[key]["bubble_fraction"] / c[key]["bubble_fraction"], 3),
+            "bubble, 2 in flight": round(w["PP=2, 2 steps in flight (run_pipelined)"]["bubble_fraction"]
+                                         / c["PP=2, 2 steps in flight (run_pipelined)"]["bubble_fraction"], 3),
+            "overhead per step, ms": round(w[key]["per_step_overhead"]["all steps"]["extra_ms_mean"]
+                                           / c[key]["per_step_overhead"]["all steps"]["extra_ms_mean"], 3),
+            "overhead share of step time": round(w[key]["per_step_overhead"]["all steps"]["extra_share_of_pp2_time"]
+                                                 / c[key]["per_step_overhead"]["all steps"]["extra_share_of_pp2_time"], 3)}
+        out[f"arrivals every {every} tokens" if every else "all at once"] = pattern
     return out
 
 
@@ -145,8 +236,8 @@ def measure_allreduce(args) -> dict:
 
 def measure_ray(args) -> dict:
     """Prefix-cache hit rate over 2 replicas on Ray Serve, by routing policy, on a shared-prefix workload sent one
-    request at a time (so the figures do not depend on timing)."""
-    import urllib.request
+    request at a time (so the figures do not depend on timing); every policy at every cache size, in one run."""
+    import pathlib
 
     import ray
     from openai import OpenAI
@@ -155,21 +246,33 @@ def measure_ray(args) -> dict:
     from paceline.entrypoints import ray_serve
     from paceline.parallel.comm import free_port
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # the replicas must import this checkout's paceline, and whatever put Ray on this process's path
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    path = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    engine = {"block_size": BLOCK_SIZE, "num_blocks": args.replica_blocks, "served_model_name": "m"}
     prompts = shared_prefix_workload(args.groups, args.per_group)
-    out: dict = {"requests": len(prompts), "groups": args.groups, "blocks_per_replica": args.replica_blocks}
-    for policy in ("round_robin", "least_outstanding", "prefix"):
-        serve.run(ray_serve.build(2, engine, policy), name="paceline", route_prefix="/")
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        for p in prompts:
-            client.completions.create(model="m", prompt=p, max_tokens=1, temperature=0)
-        stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/paceline/replicas").read())
-        hits, queries = sum(s["prefix_cache_hits"] for s in stats), sum(s["prefix_cache_queries"] for s in stats)
-        out[policy] = {"hit_rate": round(hits / queries, 4), "hit_tokens": hits, "prompt_tokens": queries}
-        serve.delete("paceline")
+    out: dict = {"requests": len(prompts), "groups": args.groups}
+    for blocks in [int(b) for b in str(args.replica_blocks).split(",")]:
+        engine = {"block_size": BLOCK_SIZE, "num_blocks": blocks, "served_model_name": "m"}
+        rates: dict = {}
+        for policy in ("round_robin", "least_outstanding", "prefix"):
+            t0 = time.perf_counter()
+            serve.run(ray_serve.build(2, engine, policy), name="paceline", route_prefix="/")
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            for p in prompts:
+                client.completions.create(model="m", prompt=p, max_tokens=1, temperature=0)
+            stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/paceline/replicas").read())
+            hits, queries = sum(s["prefix_cache_hits"] for s in stats), sum(s["prefix_cache_queries"] for s in stats)
+            rates[policy] = {"hit_rate": round(hits / queries, 4), "hit_tokens": hits, "prompt_tokens": queries,
+                             "routed_per_replica": [s["routed"] for s in stats],
+                             "elapsed_s": round(time.perf_counter() - t0, 1)}
+            serve.delete("paceline")
+        rates["prefix / round_robin"] = round(rates["prefix"]["hit_rate"] / rates["round_robin"]["hit_rate"], 3)
+        rates["prefix / least_outstanding"] = round(rates["prefix"]["hit_rate"]
+                                                    / rates["least_outstanding"]["hit_rate"], 3)
+        out[f"{blocks} blocks per replica"] = rates
     serve.shutdown()
     ray.shutdown()
     return out
@@ -184,9 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget", type=int, default=64, help="token budget of a step (the chunk size under sarathi)")
     p.add_argument("--groups", type=int, default=12, help="ray: shared prefixes")
     p.add_argument("--per-group", type=int, default=4, help="ray: requests per shared prefix")
-    p.add_argument("--replica-blocks", type=int, default=256, help="ray: KV blocks per replica")
-    p.add_argument("--arrive-every-tokens", type=int, default=0,
-                   help="pp: a new request each time this many more tokens have been run (0: all at once)")
+    p.add_argument("--replica-blocks", default="256", help="ray: KV blocks per replica (several, comma-separated)")
+    p.add_argument("--arrive-every-tokens", default="0",
+                   help="pp: a new request each time this many more tokens have been run (0: all at once); "
+                        "several, comma-separated, run one after another")
     p.add_argument("--repeats", type=int, default=1000, help="allreduce: timed all-reduces per shape")
     args = p.parse_args(argv)
     result = {"tp": measure_tp, "pp": measure_pp, "ray": measure_ray, "allreduce": measure_allreduce}[args.what](args)

@@ -63,6 +63,7 @@ class Ingress:
     def __init__(self, replicas: list, policy: str = "prefix"):
         self.replicas = replicas
         self.router = Router(len(replicas), policy)
+        self.failovers = [0] * len(replicas)  # per replica: requests it dropped that another one then served
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/paceline/replicas":
@@ -80,6 +81,7 @@ class Ingress:
                     request.method, request.url.path, body, content_type)
             except Exception:  # noqa: BLE001 - the replica died or is unreachable: the next one takes it
                 self.router.mark_down(replica)
+                self.failovers[replica] += 1
                 continue
             finally:
                 self.router.outstanding[replica] -= 1
@@ -92,9 +94,11 @@ class Ingress:
         out = []
         for i, handle in enumerate(self.replicas):
             try:
-                out.append({"replica": i, "outstanding": self.router.outstanding[i], **await handle.stats.remote()})
+                out.append({"replica": i, "outstanding": self.router.outstanding[i],
+                            "routed": self.router.routed[i], "failovers": self.failovers[i],
+                            **await handle.stats.remote()})
             except Exception as e:  # noqa: BLE001 - a dead replica is reported, not raised
-                out.append({"replica": i, "error": type(e).__name__})
+                out.append({"replica": i, "failovers": self.failovers[i], "error": type(e).__name__})
         return out
 
 

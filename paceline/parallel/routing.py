@@ -1,18 +1,24 @@
 """Which data-parallel replica gets a request: round-robin, least outstanding requests, or by prompt prefix.
 
-Prefix routing sends a prompt to the replica that most recently saw the longest common start of it (at least
-`min_match_chars` characters), so that replica's prefix cache already holds the shared blocks; with no such match
-it goes to the least busy replica (ties: the one given the fewest requests so far), which then becomes the home of
-that prefix. A matching replica that has
-`max_imbalance` more requests in flight than the least busy one is passed over: load beats affinity then. Matching
-is on text (the ingress has not tokenized yet), over the last `history` prompts each replica took.
+Prefix routing keeps, per replica, an index of the prompt prefixes it was sent: the prompt's text cut into
+`chunk_chars`-character chunks, each chunk keyed by a hash chained over every chunk before it (the engine's own
+prefix cache chains its block hashes the same way, so a key stands for the whole start of a prompt, and finding the
+longest match costs one dict lookup per chunk, not a scan of past prompts). A prompt goes to the replica holding the
+longest chain of its chunks (at least one); with no match, to the least busy replica, ties going to the one whose
+index holds the fewest chunks (spreading the prefixes, so the replicas' caches together hold more of them), then to
+the one given the fewest requests. A matching replica with `max_imbalance` more requests in flight than the least
+busy one is passed over: load beats affinity then.
+
+The index mirrors what a replica's prefix cache can still hold, approximately: each replica's is bounded to
+`capacity_chunks` and evicted least recently used, tail chunks before the start they extend (as the engine frees a
+sequence tail first); a replica marked down forgets its index, since the one Ray Serve restarts begins with an empty
+cache. Matching is on text (the ingress has not tokenized yet).
 """
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_outstanding", "prefix")
@@ -26,39 +32,53 @@ def prompt_text(body: dict) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
+def chunk_keys(text: str, chunk_chars: int) -> list[int]:
+    """One key per whole chunk of the text; key k stands for text[:(k + 1) * chunk_chars] (up to hash collisions,
+    which only cost a misrouted request). Python's str hash is salted per process: keys live in the ingress only."""
+    keys: list[int] = []
+    parent = 0
+    for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
+        parent = hash((parent, text[start:start + chunk_chars]))
+        keys.append(parent)
+    return keys
+
+
 @dataclass
 class Router:
     num_replicas: int
     policy: str = "least_outstanding"
-    min_match_chars: int = 64
+    chunk_chars: int = 64  # the shortest prefix worth following; ~16 tokens of English, one KV block of 16
     max_imbalance: int = 4
-    history: int = 512
+    capacity_chunks: int = 16384  # per replica: ~1M characters, ~250k tokens of prompt
     retry_after_s: float = 5.0  # a failed replica is tried first again after this long (it may have restarted)
     outstanding: list[int] = field(default_factory=list)
     down: dict[int, float] = field(default_factory=dict)  # replica -> when it failed; tried last meanwhile
-    seen: list[deque] = field(default_factory=list)  # per replica: the prompts it took lately
+    index: list[OrderedDict] = field(default_factory=list)  # per replica: chunk key -> None, least recent first
     routed: list[int] = field(default_factory=list)  # per replica: requests it was the first choice for
     _next: int = 0
 
     def __post_init__(self) -> None:
+        self.policy = self.policy.replace("-", "_")  # the simulator's spelling (round-robin) works too
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        if self.chunk_chars < 1 or self.capacity_chunks < 1:
+            raise ValueError("chunk_chars and capacity_chunks must be >= 1")
         self.outstanding = [0] * self.num_replicas
-        self.seen = [deque(maxlen=self.history) for _ in range(self.num_replicas)]
+        self.index = [OrderedDict() for _ in range(self.num_replicas)]
         self.routed = [0] * self.num_replicas
 
     def order(self, body: dict) -> list[int]:
         """Replicas to try for this request, best first: live ones by the policy, then the ones marked down.
-        Under the prefix policy the first choice remembers the prompt."""
+        Under the prefix policy the first choice records the prompt's chunks."""
         now = time.monotonic()
         for r, since in list(self.down.items()):
             if now - since > self.retry_after_s:
                 del self.down[r]
         live = [r for r in range(self.num_replicas) if r not in self.down]
-        # ties (say, requests sent one at a time) go to the replica that was given the fewest so far: by index alone
-        # every request of a sequential client would land on replica 0
+        # ties (say, requests sent one at a time) go to the replica given the fewest so far: by index alone every
+        # request of a sequential client would land on replica 0
         by_load = sorted(live, key=lambda r: (self.outstanding[r], self.routed[r], r))
         if self.policy == "round_robin":
             start = self._next % self.num_replicas
@@ -67,22 +87,47 @@ class Router:
         elif self.policy == "least_outstanding":
             ranked = by_load
         else:
-            text = prompt_text(body)
-            match = {r: max((len(os.path.commonprefix([text, p])) for p in self.seen[r]), default=0) for r in live}
-            best = max(live, key=lambda r: (match[r], -self.outstanding[r]), default=None)
-            ranked = by_load
-            if (best is not None and match[best] >= self.min_match_chars
-                    and self.outstanding[best] - self.outstanding[by_load[0]] <= self.max_imbalance):
-                ranked = [best] + [r for r in by_load if r != best]
+            keys = chunk_keys(prompt_text(body), self.chunk_chars)
+            ranked = self._by_prefix(keys, live, by_load)
             if ranked:
-                self.seen[ranked[0]].append(text)
+                self._remember(ranked[0], keys)
         ranked = ranked + sorted(self.down)
         if ranked:
             self.routed[ranked[0]] += 1
         return ranked
 
+    def matched_chunks(self, replica: int, keys: list[int]) -> int:
+        """How many leading chunks of the prompt the replica's index holds."""
+        n = 0
+        for key in keys:
+            if key not in self.index[replica]:
+                break
+            n += 1
+        return n
+
+    def _by_prefix(self, keys: list[int], live: list[int], by_load: list[int]) -> list[int]:
+        if not live:
+            return []
+        least = self.outstanding[by_load[0]]
+        match = {r: self.matched_chunks(r, keys) for r in live}
+        eligible = [r for r in live if match[r] and self.outstanding[r] - least <= self.max_imbalance]
+        if eligible:
+            best = max(eligible, key=lambda r: (match[r], -self.outstanding[r], -len(self.index[r])))
+            return [best] + [r for r in by_load if r != best]
+        # no replica holds the prefix (or those that do are too busy): it gets a home, preferably the emptier cache
+        return sorted(live, key=lambda r: (self.outstanding[r], len(self.index[r]), self.routed[r], r))
+
+    def _remember(self, replica: int, keys: list[int]) -> None:
+        index = self.index[replica]
+        for key in reversed(keys):  # the start most recent: the tail goes first, as the engine evicts
+            index[key] = None
+            index.move_to_end(key)
+        while len(index) > self.capacity_chunks:
+            index.popitem(last=False)
+
     def mark_down(self, replica: int) -> None:
         self.down[replica] = time.monotonic()
+        self.index[replica].clear()  # Ray Serve restarts it with an empty prefix cache
 
     def mark_up(self, replica: int) -> None:
         self.down.pop(replica, None)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,10 @@ def cluster():
     ray.shutdown()
 
 
+def replica_stats(port: int) -> list[dict]:
+    return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/paceline/replicas").read())
+
+
 def test_two_replicas_serve_the_openai_api_and_survive_a_killed_replica(cluster) -> None:
     serve.run(ray_serve.build(2, ENGINE, "least_outstanding"), name="paceline", route_prefix="/")
     client = OpenAI(base_url=f"http://127.0.0.1:{cluster}/v1", api_key="unused", max_retries=0)
@@ -44,10 +50,34 @@ def test_two_replicas_serve_the_openai_api_and_survive_a_killed_replica(cluster)
     with pytest.raises(Exception) as err:  # the replica's own validation, OpenAI-style
         client.completions.create(model="m", prompt="x", max_tokens=-1)
     assert getattr(err.value, "status_code", None) == 400
-    serve.get_deployment_handle("engine-0", app_name="paceline").die.remote()
-    for i in range(6):  # the router passes over the dead replica; Serve restarts it meanwhile
+    pid_before = next(s["pid"] for s in replica_stats(cluster) if s["replica"] == 0)
+
+    # requests in flight on both replicas when replica 0's process dies: its share is retried on replica 1
+    def ask(i: int):
+        return client.completions.create(model="m", prompt=f"List {i} colours:", max_tokens=32, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(ask, i) for i in range(4)]
+        deadline = time.monotonic() + 60
+        while not all(s.get("outstanding", 0) >= 1 for s in replica_stats(cluster)):
+            assert time.monotonic() < deadline, "the requests never reached both replicas"
+            time.sleep(0.05)
+        # the response is held (a dropped one may be cancelled before it reaches the replica)
+        dying = serve.get_deployment_handle("engine-0", app_name="paceline").die.remote()  # noqa: F841
+        replies = [f.result(timeout=120) for f in futures]
+    assert [r.usage.completion_tokens for r in replies] == [32] * 4
+    assert replica_stats(cluster)[0]["failovers"] >= 1  # at least one was on the dead replica and failed over
+
+    for i in range(4):  # the app keeps serving while Serve restarts the dead replica
         r = client.completions.create(model="m", prompt=f"Count to {i}:", max_tokens=2, temperature=0)
         assert r.usage.completion_tokens == 2
+    deadline = time.monotonic() + 120
+    while True:  # and the restarted replica comes back: a new process, reachable again
+        s0 = replica_stats(cluster)[0]
+        if "pid" in s0 and s0["pid"] != pid_before:
+            break
+        assert time.monotonic() < deadline, f"replica 0 did not come back: {s0}"
+        time.sleep(0.5)
     serve.delete("paceline")
 
 
@@ -60,7 +90,7 @@ def test_prefix_routing_raises_the_cache_hit_rate(cluster) -> None:
         client = OpenAI(base_url=f"http://127.0.0.1:{cluster}/v1", api_key="unused", max_retries=0)
         for prompt in shared_prefix_workload(groups=6, per_group=3):
             client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0)
-        stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{cluster}/paceline/replicas").read())
+        stats = replica_stats(cluster)
         rates[policy] = sum(s["prefix_cache_hits"] for s in stats) / sum(s["prefix_cache_queries"] for s in stats)
         serve.delete("paceline")
     assert rates["prefix"] > rates["round_robin"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from paceline.parallel.routing import Router
+from paceline.parallel.routing import Router, chunk_keys
 
 
 def system(topic: str) -> str:
@@ -49,9 +49,46 @@ def test_load_beats_affinity_and_dead_replicas_go_last() -> None:
     assert router.order(body)[0] != home
     router.outstanding[home] = 0
     router.mark_down(home)
-    assert router.order(body) == [1 - home, home]
+    assert router.order(body) == [1 - home, home]  # the survivor takes it, and now caches it
     router.mark_up(home)
-    assert router.order(body)[0] == home
+    assert router.order(body)[0] == 1 - home  # the restarted replica's cache (and index) is empty
+    assert router.matched_chunks(home, chunk_keys(body["prompt"], router.chunk_chars)) == 0
+
+
+def test_a_match_is_a_prefix_not_a_shared_chunk_elsewhere() -> None:
+    router = Router(2, "prefix")
+    a = "A" * 64 + "B" * 64
+    router._remember(0, chunk_keys(a, 64))
+    assert router.matched_chunks(0, chunk_keys(a + "C" * 64, 64)) == 2
+    assert router.matched_chunks(0, chunk_keys("B" * 64 + "A" * 64, 64)) == 0  # same chunks, other order
+    assert router.matched_chunks(0, chunk_keys("X" + a, 64)) == 0  # shifted by one character
+    assert chunk_keys("A" * 63, 64) == []  # shorter than a chunk: nothing to follow
+
+
+def test_longest_match_wins_and_an_overloaded_home_hands_over_to_the_next_match() -> None:
+    router = Router(3, "prefix", max_imbalance=1)
+    long, short = system("chess") + "Q?", system("chess")[:64] + "other"
+    router._remember(0, chunk_keys(long, 64))
+    router._remember(1, chunk_keys(short, 64))
+    assert router.order({"prompt": long + " more"})[0] == 0
+    router.outstanding[:] = [2, 0, 0]
+    assert router.order({"prompt": long + " more"})[0] == 1  # the replica with a shorter match, not a stranger
+
+
+def test_the_index_is_bounded_and_forgets_tails_first() -> None:
+    router = Router(1, "prefix", capacity_chunks=4)
+    first = chunk_keys("a" * 64 * 3, 64)
+    router._remember(0, first)
+    router._remember(0, chunk_keys("b" * 64 * 2, 64))
+    assert len(router.index[0]) == 4
+    assert router.matched_chunks(0, first) == 2  # its third chunk went, its start stayed
+
+
+def test_new_prefixes_go_to_the_emptier_index() -> None:
+    router = Router(2, "prefix")
+    router._remember(0, chunk_keys("z" * 64 * 10, 64))
+    assert router.order({"prompt": system("sailing")})[0] == 1
+    assert Router(2, "round-robin").policy == "round_robin"  # the simulator's spelling
 
 
 def test_unknown_policy_is_a_value_error() -> None:
