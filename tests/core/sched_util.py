@@ -73,7 +73,8 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
         assert total <= cfg.max_num_batched_tokens or len(out.scheduled) == 1
     else:  # one whole prompt may overflow the budget
         assert total - max(prompts, default=0) <= cfg.max_num_batched_tokens
-    if cfg.policy == "stall-free" and cfg.max_step_ms and out.scheduled:
+    # a step without decodes is bounded by the token budget only: no stream waits on it
+    if cfg.policy == "stall-free" and cfg.max_step_ms and any(s.is_decode for s in out.scheduled):
         limit = cfg.max_step_ms / 1000 / sched.step_time_scale
         # a swap-out planned after a chunk was sized (a preemption for a later request) adds copies it could not see
         if out.predicted_step_s > limit * (1 + 1e-9) and not out.swapped_out_ids:

@@ -74,15 +74,36 @@ def test_a_prompt_still_moves_when_the_decodes_alone_fill_the_time() -> None:
 
 
 def test_measured_over_predicted_scale_tightens_the_chunks() -> None:
-    def first_chunk(scale: float) -> int:
+    def first_chunk(scale: float):
         sched = make_scheduler("stall-free", budget=2048, step_time=linear_model, max_step_ms=200)
+        t = decoding(sched, 1, prompt=4, max_tokens=50)  # one stream decoding: the limit applies
         sched.step_time_scale = scale
-        sched.add_request(make_request("p", 1000, max_tokens=2))
-        return dict(step(sched, 1.0).batch)["p"]
-    assert first_chunk(1.0) > first_chunk(2.0) > first_chunk(4.0) >= 16
-    # 10 ms + k ms + k(k+1)/2 us <= 200 / 2 ms
-    k = first_chunk(2.0)
-    assert 0.010 + chunk_cost(0, k) <= 0.100 < 0.010 + chunk_cost(0, k + 1)
+        sched.add_request(make_request("p", 1000, max_tokens=2, arrival=t))
+        v = step(sched, t + 1)
+        return dict(v.batch)["p"], v
+    assert first_chunk(1.0)[0] > first_chunk(2.0)[0] > first_chunk(4.0)[0] >= 16
+    # the step (10 ms + one decode + k ms + k(k+1)/2 us) fits 200 / 2 ms, and one token more would not
+    k, v = first_chunk(2.0)
+    assert v.out.predicted_step_s <= 0.100 < v.out.predicted_step_s + chunk_cost(0, k + 1) - chunk_cost(0, k)
+
+
+def test_a_step_without_decodes_is_bounded_by_the_budget_only() -> None:
+    """No stream waits on a step of prompt chunks alone, so the limit does not cut it: a lone long prompt runs in
+    budget-sized chunks, and the limit comes back as soon as a decode shares the step."""
+    sched = make_scheduler("stall-free", budget=512, step_time=linear_model, max_step_ms=100)
+    sched.add_request(make_request("long", 1500, max_tokens=2))
+    v = step(sched, 1.0)
+    assert v.batch == [("long", 512)] and v.out.predicted_step_s > 0.100
+    sched.add_request(make_request("short", 8, max_tokens=50, arrival=1.5))
+    t = 2.0
+    while not sched.get_request("short").is_decoding:
+        t += 1
+        step(sched, t)
+    while sched.get_request("long").num_output_tokens == 0:  # now the long prompt shares steps with a decode
+        t += 1
+        v = step(sched, t)
+        if any(v.decodes):
+            assert v.out.predicted_step_s <= 0.100 + 1e-12 or dict(v.batch)["long"] <= 16
 
 
 def test_no_limit_without_max_step_ms_and_a_limit_needs_a_model() -> None:
