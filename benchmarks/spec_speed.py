@@ -4,10 +4,12 @@ the model answers freely. One process, runs interleaved (A, B, C, ... A, B, C) s
 machine; acceptance from the engines' counters.
 
     python benchmarks/spec_speed.py --modes float32,default --k 4 --tokens 96 --repeats 3
+    python benchmarks/spec_speed.py --modes default-torch-int4,default   # torch's int4 op vs paceline's
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -23,10 +25,16 @@ PROMPTS = {"copies its prompt": f"{CODE}\n# the same code, copied:\n{CODE.splitl
 
 
 def engine(mode: str, spec: SpeculativeConfig | None) -> Engine:
+    """mode: float32, default (int4), or default-torch-int4 (int4 through torch's op instead of paceline's C++ one)."""
     dtype = "float32" if mode == "float32" else "auto"
     # one stream: no step target to plan for (adaptive k still prices proposals with the start-up profile)
     config = EngineConfig(dtype=dtype, cache=CacheConfig(kv_cache_memory_gb=0.2), scheduler=SchedulerConfig(max_step_ms=0))
-    return Engine(config, speculative_config=spec)
+    if mode == "default-torch-int4":
+        os.environ["PACELINE_INT4_KERNEL"] = "0"  # read when the Int4Linears are built
+    try:
+        return Engine(config, speculative_config=spec)
+    finally:
+        os.environ.pop("PACELINE_INT4_KERNEL", None)
 
 
 def decode_rate(eng: Engine, prompt: str, tokens: int, rid: str) -> float:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paceline.model import int4_kernel
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
@@ -218,10 +219,12 @@ class Int4Linear:
     """y = x W^T (+ b) with W held as 4-bit codes in groups of INT4_GROUP inputs (see int4_codes): 8x fewer bytes
     than float32 to stream per step, which is what small-batch decode on a CPU waits for. Uses torch's CPU int4
     matmul, whose activations are bfloat16; the kernel computes (code - 8) * scale + zero, so zero = min + 8 scale.
+    Where paceline's own C++ op builds (int4_kernel.py: each tile of codes read once for all of a step's rows, the
+    same numbers within float32 rounding), it replaces torch's op and holds the codes in its own layout instead.
 
-    That kernel re-expands the codes for every use, so it loses to a dense bfloat16 matmul once a step has more
-    than a few rows (measured here: decode at batch 8 about even, batch 32 int4 545 vs bf16 672 tok/s, prefill
-    int4 0.4-0.7x). Steps with more than DENSE_ABOVE rows therefore use a dense bfloat16 copy of the same
+    Both re-expand the codes per step, so they lose to a dense bfloat16 matmul once a step has more than a few
+    rows (measured here with torch's op: decode at batch 8 about even, batch 32 int4 545 vs bf16 672 tok/s,
+    prefill int4 0.4-0.7x). Steps with more than DENSE_ABOVE rows therefore use a dense bfloat16 copy of the same
     dequantized weights: int4 speed where bandwidth bounds, bf16 speed where compute does, for 1.25x the
     memory of the bf16 weights alone."""
 
@@ -229,10 +232,15 @@ class Int4Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, wide: str | None = None):
         codes, scale, lo = int4_codes(weight)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        self.scales_zeros = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(dtype)
+        self.kernel = int4_kernel.load()
+        if self.kernel is not None:
+            self.packed = int4_kernel.pack(codes, scale, lo + 8 * scale)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            self.scales_zeros = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(dtype)
         self.bias = bias
         n, k = codes.shape
+        self.out_features = n
         dequantized = (lo[..., None] + codes.view(n, -1, INT4_GROUP) * scale[..., None]).view(n, k)
         # wide: the dense copy serves the float32 steps the model runs for many rows (float32 or int8); else bf16
         if wide:
@@ -248,6 +256,8 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.DENSE_ABOVE or x.dtype == torch.float32:
             return self.dense(x.to(self.dense.dtype)).to(x.dtype)
+        if self.kernel is not None:
+            return self.kernel(x, self.packed, self.out_features, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
         return y if self.bias is None else y + self.bias
 

@@ -1,0 +1,273 @@
+"""A small C++ int4 matmul for the few-row steps of CPU decoding, built once with the system compiler and cached.
+
+Why: torch's `_weight_int4pack_mm_for_cpu` re-expands the 4-bit codes of each weight block for every block of rows
+it serves, so a 5-row step (one decode plus four speculated tokens to verify) costs more than twice a one-row step
+here, where it should cost little more: a one-row decode step is bound by getting the weights in, not by the
+arithmetic. This op reads each tile of codes once per step and applies it to all the step's rows.
+
+Numerics, the same contract as torch's op: y = x W^T with W[n, k] = (code - 8) * scale + zero, scale and zero
+bfloat16 per group of 32 inputs, x read as float32, float32 accumulation, the result rounded to x's dtype once
+(bias added before that rounding). The per-group sums are factored: sum_k x_k W[n, k] = scale * (sum_k code_k x_k
+- 8 sum_k x_k) + zero * sum_k x_k, so the inner loop is one FMA per code and row with no per-weight dequantization
+(a 4-bit code times a bfloat16 value is exact in float32).
+
+Layout (pack): columns in tiles of 16, each tile's groups in order, each group one block of 320 bytes: 32 inputs x
+8 bytes of codes (byte j = column j in the low nibble, column j + 8 in the high one), then the 16 scales and the 16
+zeros as bfloat16. 0.625 bytes per weight, the same as torch's packing plus its scales; a thread streams its tiles
+front to back.
+
+The build follows attention_kernel.py: compiled with g++/c++ into `<cache>/kernels/int4_mm-<key>.so` under a file
+lock the first time a process needs it, keyed by the source, the flags and torch's version. No compiler, a failed
+build or a CPU without AVX2: load() gives None and Int4Linear uses torch's op. `PACELINE_INT4_KERNEL=0` switches it
+off (for A/B runs). CUDA never builds it (Int4Linear is CPU only).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("paceline.int4")
+
+GROUP = 32  # inputs per scale/zero pair (llama.INT4_GROUP)
+TILE = 16  # output columns per tile: two AVX2 vectors
+BLOCK_BYTES = GROUP * TILE // 2 + 4 * TILE  # codes, then 16 bfloat16 scales and 16 bfloat16 zeros
+
+SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <omp.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int GROUP = 32, TILE = 16, CODE_BYTES = GROUP * TILE / 2, BLOCK = CODE_BYTES + 4 * TILE;
+constexpr int MAX_R = 6;  // rows per pass: 2 x 6 accumulators + 2 code vectors + 1 broadcast fit the 16 registers
+
+inline __m256 bf16x8(const uint16_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// out[r][0..16) = sum over all groups for R rows of one tile; x rows [R][K] float, xs rows [R][G] group sums
+template <int R>
+inline void tile_rows(const float* const* x, const float* const* xs, const uint8_t* tile, int G, float (*out)[TILE]) {
+  const __m256i low = _mm256_set1_epi32(0xF);
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  __m256 o[R][2];
+  for (int r = 0; r < R; ++r) o[r][0] = o[r][1] = _mm256_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    const uint8_t* c = tile + size_t(g) * BLOCK;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int k0 = g * GROUP;
+#pragma GCC unroll 8
+    for (int k = 0; k < GROUP; ++k) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * k)));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x[r] + k0 + k);
+        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    }
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(c + CODE_BYTES);
+    const __m256 s0 = bf16x8(sz), s1 = bf16x8(sz + 8), z0 = bf16x8(sz + 16), z1 = bf16x8(sz + 24);
+    for (int r = 0; r < R; ++r) {  // o += scale * (sum code x - 8 sum x) + zero * sum x
+      const __m256 sx = _mm256_broadcast_ss(xs[r] + g);
+      o[r][0] = _mm256_fmadd_ps(s0, _mm256_fnmadd_ps(eight, sx, acc[r][0]), o[r][0]);
+      o[r][1] = _mm256_fmadd_ps(s1, _mm256_fnmadd_ps(eight, sx, acc[r][1]), o[r][1]);
+      o[r][0] = _mm256_fmadd_ps(z0, sx, o[r][0]);
+      o[r][1] = _mm256_fmadd_ps(z1, sx, o[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out[r], o[r][0]);
+    _mm256_storeu_ps(out[r] + 8, o[r][1]);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& x, const uint8_t* w, int64_t N, const at::Tensor& bias, at::Tensor& y) {
+  const int M = int(x.size(0)), K = int(x.size(1)), G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
+  // x in float32 and its per-group sums, once for all tiles
+  std::vector<float> xf(size_t(M) * K), xsum(size_t(M) * G);
+  const T* xp = x.data_ptr<T>();
+  for (int m = 0; m < M; ++m) {
+    for (int k = 0; k < K; ++k) xf[size_t(m) * K + k] = float(xp[m * x.stride(0) + k]);
+    for (int g = 0; g < G; ++g) {
+      float s = 0;
+      for (int k = 0; k < GROUP; ++k) s += xf[size_t(m) * K + g * GROUP + k];
+      xsum[size_t(m) * G + g] = s;
+    }
+  }
+  std::vector<float> b(TILE * T_, 0.0f);
+  if (bias.defined())
+    for (int64_t n = 0; n < N; ++n) b[n] = bias.scalar_type() == at::kFloat ? bias.data_ptr<float>()[n]
+                                                                       : float(bias.data_ptr<c10::BFloat16>()[n]);
+  T* yp = y.data_ptr<T>();
+  const int passes = (M + MAX_R - 1) / MAX_R;
+  const int nthreads = std::max(1, std::min(at::get_num_threads(), T_));
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int t = 0; t < T_; ++t) {
+    const uint8_t* tile = w + size_t(t) * G * BLOCK;
+    float out[MAX_R][TILE];
+    for (int p = 0, m0 = 0; p < passes; ++p) {
+      const int R = (M - m0 + (passes - p) - 1) / (passes - p);  // rows split evenly over the passes
+      const float* xr[MAX_R];
+      const float* sr[MAX_R];
+      for (int r = 0; r < R; ++r) {
+        xr[r] = xf.data() + size_t(m0 + r) * K;
+        sr[r] = xsum.data() + size_t(m0 + r) * G;
+      }
+      switch (R) {
+        case 1: tile_rows<1>(xr, sr, tile, G, out); break;
+        case 2: tile_rows<2>(xr, sr, tile, G, out); break;
+        case 3: tile_rows<3>(xr, sr, tile, G, out); break;
+        case 4: tile_rows<4>(xr, sr, tile, G, out); break;
+        case 5: tile_rows<5>(xr, sr, tile, G, out); break;
+        default: tile_rows<6>(xr, sr, tile, G, out); break;
+      }
+      const int n0 = t * TILE, nn = int(std::min<int64_t>(TILE, N - n0));
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < nn; ++j) yp[int64_t(m0 + r) * N + n0 + j] = T(out[r][j] + b[n0 + j]);
+      m0 += R;
+    }
+  }
+}
+
+// x [M, K] float32 or bfloat16 (any strides), w the packed uint8 [tiles, K / 32, 320], n outputs,
+// bias [n] or None -> [M, n] in x's dtype
+at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "x must be float32 or bfloat16 [M, K]");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % GROUP == 0 && n > 0, "K must be a multiple of 32 and n positive");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == (n + TILE - 1) / TILE &&
+              w.size(1) == K / GROUP && w.size(2) == BLOCK, "w must be the packed [tiles, K / 32, 320] uint8 weight");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == n && (b.scalar_type() == at::kFloat || b.scalar_type() == at::kBFloat16),
+                "bias must be float32 or bfloat16 [n]");
+  }
+  auto y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kFloat) run<float>(x, w.data_ptr<uint8_t>(), n, b, y);
+  else run<c10::BFloat16>(x, w.data_ptr<uint8_t>(), n, b, y);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(NAMESPACE, m) { m.def("int4_mm(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("int4_mm", &int4_mm); }
+"""
+
+_lock = threading.Lock()
+_loaded: dict[str, Callable | None] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("PACELINE_INT4_KERNEL", "1") != "0"
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] (0..15), scale and zero [N, K / 32] (rounded to bfloat16 here, as torch's op holds them) ->
+    the op's uint8 layout [ceil(N / 16), K / 32, 320]; padding columns get code 0, scale 0 and zero 0."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"int4 input size must be a multiple of {GROUP}, got {k}")
+    tiles, groups, pad = -(-n // TILE), k // GROUP, -n % TILE
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad)).view(tiles, TILE, groups, GROUP)
+    c = c.permute(0, 2, 3, 1)  # [tiles, groups, 32 inputs, 16 columns]
+    c = (c[..., :8] | (c[..., 8:] << 4)).reshape(tiles, groups, GROUP * TILE // 2)
+
+    def per_tile(v: torch.Tensor) -> torch.Tensor:  # [N, groups] -> bfloat16 bytes [tiles, groups, 32]
+        v = torch.nn.functional.pad(v.to(torch.bfloat16), (0, 0, 0, pad)).view(tiles, TILE, groups)
+        return v.permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return torch.cat([c, per_tile(scale), per_tile(zero)], -1).contiguous()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _flags() -> list[str]:
+    return ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w", "-mavx2", "-mfma", "-mf16c",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+
+
+def _library_path() -> tuple[Path, str, list[str]]:
+    from paceline.model.loader import cache_root
+    flags = _flags()
+    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"int4_mm-{key}.so", f"paceline_int4_{key}", flags
+
+
+def _build(path: Path, namespace: str, flags: list[str]) -> None:
+    from torch.utils import cpp_extension
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait, then load its result
+        if path.exists():
+            return
+        src = path.with_suffix(f".{os.getpid()}.cpp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        src.write_text(SOURCE.replace("NAMESPACE", namespace))
+        lib_dirs = cpp_extension.library_paths()
+        cmd = [cxx, *flags, *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
+               str(src), "-o", str(tmp), *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
+               "-lc10", "-ltorch_cpu"]
+        log.info("building the CPU int4 matmul kernel once (about a minute): %s", path)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: {proc.stderr[-2000:]}")
+            os.replace(tmp, path)
+        finally:
+            src.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
+
+
+def load() -> Callable | None:
+    """The op `(x, packed, n, bias) -> y`, building it first if needed; None when it is switched off or cannot be
+    built or run here (the reason is logged once)."""
+    if not enabled():
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None  # the op is AVX2 code only
+    path, namespace, flags = _library_path()
+    with _lock:
+        if namespace not in _loaded:
+            op = None
+            try:
+                if not path.exists():
+                    _build(path, namespace, flags)
+                torch.ops.load_library(str(path))
+                op = getattr(torch.ops, namespace).int4_mm
+            except Exception as e:  # a missing compiler or a failed build: torch's int4 op still works
+                log.warning("CPU int4 matmul kernel unavailable, using torch's: %s", e)
+            _loaded[namespace] = op
+        return _loaded[namespace]

@@ -1,0 +1,124 @@
+"""paceline's C++ int4 matmul (int4_kernel.py): the dense dequantized product within float32 rounding, torch's int4
+op within bfloat16 rounding, at any few-row shape; Int4Linear falls back to torch's op when it is switched off; the
+bundled model decodes and verifies the same greedy tokens with either op."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paceline.model import int4_kernel
+from paceline.model.llama import INT4_GROUP, Int4Linear, LlamaModel, int4_codes
+
+pytestmark = pytest.mark.skipif(int4_kernel.load() is None or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
+                                reason="the C++ int4 kernel (or torch's CPU int4 matmul) is not available here")
+
+
+def _weight(n: int, k: int, seed: int):
+    """codes, scale, zero of a random [n, k] weight, and its dequantized float64 matrix with the scales and zeros
+    rounded to bfloat16 (as both ops hold them)."""
+    codes, scale, lo = int4_codes(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+    zero = lo + 8 * scale
+    s, z = scale.to(torch.bfloat16).double(), zero.to(torch.bfloat16).double()
+    deq = ((codes.view(n, -1, INT4_GROUP) - 8).double() * s[..., None] + z[..., None]).view(n, k)
+    return codes, scale, zero, deq
+
+
+@pytest.mark.parametrize("n,k", [(1, 32), (37, 64), (77, 96), (48, 64), (160, 576)])
+def test_kernel_equals_dense_reference_and_torch_op(n, k):
+    op = int4_kernel.load()
+    codes, scale, zero, deq = _weight(n, k, n * k)
+    packed = int4_kernel.pack(codes, scale, zero)
+    torch_op = n % 16 == 0  # torch's packing takes whole tiles of 16 outputs only; ours pads
+    if torch_op:
+        tpack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(k)
+    for m in (1, 2, 3, 5, 6, 7, 8, 13, 16):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        ref = x.double() @ deq.T
+        # float32 in, float32 out: only float32 rounding of the sums
+        got32 = op(x.float(), packed, n, None)
+        assert got32.dtype == torch.float32 and got32.shape == (m, n)
+        torch.testing.assert_close(got32.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        # bfloat16 in and out: torch's op, up to the rounding of the result to bfloat16
+        got = op(x, packed, n, None)
+        assert got.dtype == torch.bfloat16
+        if torch_op:
+            want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, tpack, INT4_GROUP, sz)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+        torch.testing.assert_close(got.double(), ref, rtol=2 ** -8, atol=1e-4 * ref.abs().max().item())
+
+
+def test_bias_and_strided_input():
+    op = int4_kernel.load()
+    n, k = 45, 128
+    codes, scale, zero, deq = _weight(n, k, 1)
+    packed = int4_kernel.pack(codes, scale, zero)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    wide = torch.randn(5, 3 * k, generator=torch.Generator().manual_seed(3))
+    for x in (wide[:, k: 2 * k], wide[:, ::3]):  # a row-strided slice and a column-strided view
+        ref = x.double() @ deq.T + bias.double()
+        torch.testing.assert_close(op(x, packed, n, bias).double(), ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(op(x, packed, n, bias.to(torch.bfloat16)).double(),
+                                   x.double() @ deq.T + bias.to(torch.bfloat16).double(), rtol=1e-5, atol=1e-4)
+    assert op(wide[:0, :k], packed, n, None).shape == (0, n)
+
+
+def test_bad_shapes_are_plain_errors():
+    op = int4_kernel.load()
+    codes, scale, zero, _ = _weight(16, 64, 4)
+    packed = int4_kernel.pack(codes, scale, zero)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        int4_kernel.pack(codes[:, :40], scale[:, :2], zero[:, :2])
+    with pytest.raises(RuntimeError, match="packed"):
+        op(torch.randn(2, 96), packed, 16, None)  # K does not match the packed weight
+    with pytest.raises(RuntimeError, match="packed"):
+        op(torch.randn(2, 64), packed, 40, None)  # n does not match
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(torch.randn(2, 64).half(), packed, 16, None)
+
+
+def test_int4_linear_falls_back_to_torch_op_when_switched_off(monkeypatch):
+    w = torch.randn(80, 3 * INT4_GROUP, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(80, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    fast = Int4Linear(w, bias, torch.bfloat16)
+    monkeypatch.setenv("PACELINE_INT4_KERNEL", "0")
+    assert int4_kernel.load() is None
+    slow = Int4Linear(w, bias, torch.bfloat16)
+    assert fast.kernel is not None and slow.kernel is None
+    for rows in (1, 5, Int4Linear.DENSE_ABOVE, Int4Linear.DENSE_ABOVE + 1):  # the last: the dense copy for both
+        x = torch.randn(rows, 3 * INT4_GROUP, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        a, b = fast(x).float(), slow(x).float()
+        # the two differ by summation order and bfloat16 roundings (torch's op rounds y before adding the bias)
+        torch.testing.assert_close(a, b, rtol=2 ** -6, atol=0.02 * b.abs().max().item())
+
+
+def test_bundled_model_greedy_tokens_are_the_same_with_either_op(monkeypatch):
+    """One-row decode steps (32 tokens), then a 6-row step as a verification of five proposals makes: the same
+    greedy tokens from the C++ op as from torch's, logits within bfloat16 noise."""
+    from paceline.engine.runner import ModelRunner
+    from paceline.model.attention import SeqSlice
+    from paceline.model.loader import load_checkpoint
+
+    ckpt = load_checkpoint(None, "float32")
+    prompt = ckpt.tokenizer.encode("The history of the printing press begins in East Asia, where woodblock printing")
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PACELINE_INT4_KERNEL", flag)
+        model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, dtype=torch.bfloat16, quantization="int4")
+        assert (model.layers[0].qkv.kernel is None) == (flag == "0")
+        runner = ModelRunner(model, ckpt.arch, 8, 16, dtype=torch.bfloat16)
+        table = list(range(8))
+        ids = list(prompt)
+        logits = runner.prefill_logits(ids)[-1:]  # many rows: the dense copy, the same for both
+        for _ in range(32):
+            ids.append(int(logits[-1].argmax()))
+            logits = runner.forward_tokens([ids[-1]], [len(ids) - 1], [SeqSlice(len(ids) - 1, 1, table)], [0])
+        n = len(ids)
+        ids += ids[len(prompt): len(prompt) + 5]  # five made-up proposals after the last (fed again) token
+        verify = runner.forward_tokens(ids[n - 1:], list(range(n - 1, n + 5)), [SeqSlice(n - 1, 6, table)],
+                                       list(range(6)))
+        results[flag] = (ids[len(prompt): n], verify)
+    assert results["1"][0] == results["0"][0]
+    assert torch.equal(results["1"][1].argmax(-1), results["0"][1].argmax(-1))
+    torch.testing.assert_close(results["1"][1], results["0"][1], rtol=0, atol=0.5)
