@@ -73,9 +73,9 @@ class Int8Linear:
     (fbgemm); a few outlier input channels stay float32. It costs some quality (benchmarks/summaries/int8_wide.md).
 
     This serves the wide steps (many rows, where compute bounds the step): an int8 matmul does about twice the
-    multiply-adds per instruction of a float32 one on AVX2. Measured on this VM (2 threads), against the prepacked
-    float32 Linear: [576 -> 3072] at 512 rows 11.9 -> 6.6 ms, [1536 -> 576] 6.4 -> 3.7 ms, the LM head
-    [576 -> 49152] at 32 rows 15.2 -> 6.8 ms; at 1-8 rows there is nothing to gain (memory bounds them).
+    multiply-adds per instruction of a float32 one on AVX2. Measured on this VM (2 threads, the int8 product alone),
+    against the prepacked float32 Linear: [576 -> 3072] at 512 rows 11.9 -> 6.6 ms, [1536 -> 576] 6.4 -> 3.7 ms,
+    the LM head [576 -> 49152] at 32 rows 15.2 -> 6.8 ms; at 1-8 rows there is nothing to gain (memory bounds them).
 
     Per row: the engine's own activation quantization is per tensor (one scale and zero point over every row),
     which would let one row with large values coarsen every other request's rows in the batch. So each row is
