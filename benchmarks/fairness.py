@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -26,6 +29,23 @@ from paceline.bench.report import client_table, environment, markdown_table, run
 from paceline.bench.workload import generate, load_workload  # noqa: E402
 
 SEATS = 8
+
+
+def step_summary(url: str, since: int) -> dict:
+    """What the server's own step log (GET /dashboard/steps) says about the run: how many steps, how long they
+    took against the prediction, how often a step ran with a seat free while work waited, and the preemptions."""
+    body = httpx.get(url + "/dashboard/steps", timeout=30.0).json()["models"][0]
+    steps = [s for s in body["steps"] if s["seq"] > since]
+    if not steps:
+        return {"steps": 0}
+    dur = [s["dur"] for s in steps]
+    span = steps[-1]["t"] - steps[0]["t"] + steps[-1]["dur"]
+    return {"steps": len(steps), "span_s": span, "steps_per_s": len(steps) / max(span, 1e-9),
+            "dur_p50_ms": statistics.median(dur) * 1e3, "dur_p90_ms": sorted(dur)[int(0.9 * (len(dur) - 1))] * 1e3,
+            "pred_p50_ms": statistics.median(s["pred"] for s in steps) * 1e3,
+            "busy_fraction": sum(dur) / max(span, 1e-9),  # the rest is the engine between steps, or idle
+            "seat_free_while_waiting": sum(1 for s in steps if s["running"] < SEATS and s["waiting"] > 0),
+            "preempted": sum(s["preempted"] for s in steps), "records": steps}
 
 
 def systems(args: argparse.Namespace, model: str) -> list:
@@ -57,56 +77,89 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=75.0, help="arrival window (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="fcfs,fair,fair-slice,vllm-cpu")
-    p.add_argument("--time-slice-tokens", type=int, default=32)
+    p.add_argument("--time-slice-tokens", type=int, default=16)
     p.add_argument("--preemption-mode", default="swap")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the systems this many times, interleaved (fcfs, fair, ..., fcfs, fair, ...): the host's "
+                        "drift then spreads over every system instead of landing on one")
+    p.add_argument("--drain-s", type=float, default=None,
+                   help="after the arrival window, wait at most this long for the requests still running, then cancel "
+                        "them (counted as not done); default: wait for all")
+    p.add_argument("--table-only", metavar="RESULTS_JSON", default=None,
+                   help="print the table of an earlier run's results.json and run nothing")
     p.add_argument("--output", default="bench-results/fairness")
     args = p.parse_args()
 
-    model = bundled_gguf()
-    spec = load_workload("two-tenants")
-    requests = generate(spec, rate=args.rate, duration_s=args.duration, seed=args.seed)
-    source = PromptSource(load_tokenizer(None))
-    out = Path(args.output)
-    runs = []
-    for system in systems(args, model):
-        print(f"== {system.name}", flush=True)
-        if system.skip:
-            print(f"   skipped: {system.skip}")
-            continue
-        with Server(system, out / "logs" / f"{system.name.split()[0]}.log") as srv:
-            ep = system.endpoint(srv.url)
-            warmup(ep, build_prompts(source, requests[:1], args.seed, ep.prompt_format == "text", 99)[0])
-            prompts = build_prompts(source, requests, args.seed, ep.prompt_format == "text")
-            result = run(ep, requests, prompts, progress=False, label=system.name,
-                         in_flight_caps=spec.in_flight_caps())
-        r = run_dict(system.name, spec.name, args.rate, result)
-        runs.append(r)
-        print(client_table(r), flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"environment": environment(), "args": vars(args), "runs": runs},
-                                                 default=float))
-    base = next((r for r in runs if r["system"] == "paceline-fcfs"), None)
+    if args.table_only:
+        saved = json.loads(Path(args.table_only).read_text())
+        runs = saved["runs"]
+        for k, v in saved["args"].items():  # the header names the run's own settings
+            if k != "table_only":
+                setattr(args, k, v)
+        out = Path(args.table_only).parent
+    else:
+        model = bundled_gguf()
+        spec = load_workload("two-tenants")
+        requests = generate(spec, rate=args.rate, duration_s=args.duration, seed=args.seed)
+        source = PromptSource(load_tokenizer(None))
+        out = Path(args.output)
+        runs = []
+        deadline = args.duration + args.drain_s if args.drain_s is not None else None
+        for round_ in range(args.rounds):
+            for system in systems(args, model):
+                print(f"== {system.name} (round {round_ + 1})", flush=True)
+                if system.skip:
+                    print(f"   skipped: {system.skip}")
+                    continue
+                with Server(system, out / "logs" / f"{system.name.split()[0]}-{round_ + 1}.log") as srv:
+                    ep = system.endpoint(srv.url)
+                    warmup(ep, build_prompts(source, requests[:1], args.seed, ep.prompt_format == "text", 99)[0])
+                    steps_before = _num_steps(srv.url) if system.is_paceline else 0
+                    prompts = build_prompts(source, requests, args.seed, ep.prompt_format == "text")
+                    result = run(ep, requests, prompts, progress=False, label=system.name,
+                                 in_flight_caps=spec.in_flight_caps(), deadline_s=deadline)
+                    steps = step_summary(srv.url, steps_before) if system.is_paceline else None
+                r = run_dict(system.name, spec.name, args.rate, result, extra={"round": round_ + 1, "steps": steps})
+                runs.append(r)
+                print(client_table(r), flush=True)
+                if steps and steps["steps"]:
+                    print("steps: " + ", ".join(f"{k} {v:.3g}" for k, v in steps.items() if k != "records"), flush=True)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"environment": environment(), "args": vars(args), "runs": runs},
+                                                     default=float))
     rows = []
+
+    def q(d: dict | None, key: str, scale: float = 1.0, fmt: str = ".0f") -> str:
+        return f"{d[key] * scale:{fmt}}" if d else "–"  # None: no request of that kind finished
     for r in runs:
+        base = next((b for b in runs if b["system"] == "paceline-fcfs" and b["round"] == r["round"]), None)
         s, f = r["summary"], r["summary"]["fairness"]
-        light = s["per_client"]["light"]["ttft"]
+        light, heavy = s["per_client"]["light"]["ttft"], s["per_client"]["heavy"]["ttft"]
+        base_light = base["summary"]["per_client"]["light"]["ttft"] if base else None
         pre = s.get("preemptions") or {}
-        total = s["output_throughput"]
-        rows.append([r["system"], f"{light['p50'] * 1e3:.0f}", f"{light['p99'] * 1e3:.0f}",
-                     f"{light['p99'] / base['summary']['per_client']['light']['ttft']['p99']:.2f}x" if base else "–",
-                     f"{s['per_client']['heavy']['ttft']['p50']:.1f}", f"{s['tbt']['p99'] * 1e3:.0f}",
-                     f"{f['jain_index']:.3f}", f"{total:.1f}",
-                     f"{total / base['summary']['output_throughput']:.3f}x" if base else "–",
+        total = sum(f["tokens_per_s"].values())  # delivered within the arrival window: the same span for every system
+        base_total = sum(base["summary"]["fairness"]["tokens_per_s"].values()) if base else 0.0
+        st = r.get("steps") or {}
+        done = s["per_client"]["light"]
+        rows.append([r["system"], str(r["round"]), q(light, "p50", 1e3), q(light, "p99", 1e3),
+                     f"{light['p99'] / base_light['p99']:.3f}x" if light and base_light else "–",
+                     q(heavy, "p50", 1.0, ".1f"), q(s["tbt"], "p99", 1e3),
+                     f"{f['jain_index']:.3f}", f"{total:.1f}", f"{total / base_total:.3f}x" if base_total else "–",
                      f"{pre.get('per_s', 0):.2f}" if pre else "–", f"{pre.get('recomputed_tokens', 0):.0f}" if pre else "–",
-                     f"{s['completed']}/{s['num_requests']}"])
-    table = markdown_table(["system", "light TTFT p50 (ms)", "light TTFT p99 (ms)", "vs fcfs", "heavy TTFT p50 (s)",
-                            "TBT p99 (ms)", "Jain", "total out tok/s", "vs fcfs", "preemptions/s",
-                            "recomputed tokens", "done"], rows)
+                     f"{done['completed']}/{done['num_requests']}", f"{s['completed']}/{s['num_requests']}",
+                     f"{st['dur_p50_ms']:.0f} / {st['pred_p50_ms']:.0f}" if st.get("steps") else "–"])
+    table = markdown_table(["system", "round", "light TTFT p50 (ms)", "light TTFT p99 (ms)", "vs fcfs", "heavy TTFT p50 (s)",
+                            "TBT p99 (ms)", "Jain", "out tok/s (window)", "vs fcfs", "preemptions/s",
+                            "recomputed tokens", "light done", "all done", "step p50 ms, measured / predicted"], rows)
     env = environment()
     text = (f"two-tenants, rate {args.rate}, {args.duration:.0f} s window, seed {args.seed}, {time.strftime('%Y-%m-%d')}, "
             f"{env['cpu']} ({env['cpus']} CPUs), commit {env['commit']}{' (dirty)' if env['dirty'] else ''}\n\n{table}\n")
     (out / "results.md").write_text(text)
     print(text)
+
+
+def _num_steps(url: str) -> int:
+    return int(httpx.get(url + "/dashboard/steps", timeout=30.0).json()["models"][0]["num_steps"])
 
 
 if __name__ == "__main__":

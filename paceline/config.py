@@ -19,6 +19,18 @@ DEFAULT_TBT_GOAL_MS = 200.0
 STEP_TARGET_FRACTION = 0.75
 
 
+# `--max-num-seqs auto` / `--max-num-batched-tokens auto` (core/auto_batch.py): chosen before every step from the
+# step-time model and max_step_ms, up to these
+AUTO = "auto"
+AUTO_MAX_NUM_SEQS = 256
+AUTO_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def int_or_auto(value: str) -> int | str:
+    """A flag's type for counts that may be `auto`."""
+    return AUTO if value == AUTO else int(value)
+
+
 def step_target_ms(tbt_goal_ms: float) -> float:
     return tbt_goal_ms * STEP_TARGET_FRACTION
 
@@ -59,8 +71,8 @@ class CacheConfig:
 class SchedulerConfig:
     policy: str = "stall-free"  # one of SCHEDULERS
     scheduling_policy: str = "fcfs"  # one of SCHEDULING_POLICIES
-    max_num_batched_tokens: int = 512  # the token budget of one step
-    max_num_seqs: int = 128  # the most requests in one step
+    max_num_batched_tokens: int | str = 512  # the token budget of one step; "auto": core/auto_batch.py
+    max_num_seqs: int | str = 128  # the most requests in one step; "auto": core/auto_batch.py
     max_model_len: int = 8192
     long_prefill_token_threshold: int = 0  # 0: off; else the most tokens one prompt may take per step
     max_num_partial_prefills: int = 0  # 0: unlimited; else how many prompts may be mid-prefill at once
@@ -78,10 +90,21 @@ class SchedulerConfig:
     # None: not given; a scheduler alone takes 0, an EngineConfig derives it from its tbt_goal_ms (stall-free only)
     max_step_ms: float | None = None
     max_step_ms_given: bool = field(init=False, default=False, repr=False)
+    # time slices: a request demoted to level L queues as if it had arrived L * level_aging_s after its demotion,
+    # so fresh work passes it only for a while (0: strict levels, which can starve it under sustained load)
+    level_aging_s: float = 5.0
+    # max_num_seqs / max_num_batched_tokens given as "auto": the fields then hold the search's upper end, and the
+    # scheduler sets them (on its own copy) before every step
+    auto_max_num_seqs: bool = field(init=False, default=False)
+    auto_max_num_batched_tokens: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.policy = scheduler_name(self.policy)
         self.max_step_ms_given = self.max_step_ms is not None
+        if self.max_num_seqs == AUTO:
+            self.auto_max_num_seqs, self.max_num_seqs = True, AUTO_MAX_NUM_SEQS
+        if self.max_num_batched_tokens == AUTO:
+            self.auto_max_num_batched_tokens, self.max_num_batched_tokens = True, AUTO_MAX_NUM_BATCHED_TOKENS
         if self.max_step_ms is None:
             self.max_step_ms = 0.0
         if self.policy not in SCHEDULERS:
@@ -102,6 +125,10 @@ class SchedulerConfig:
             raise ValueError(f"time_slice_tokens must be >= 0, got {self.time_slice_tokens}")
         if self.time_slice_ms < 0:
             raise ValueError(f"time_slice_ms must be >= 0, got {self.time_slice_ms}")
+        if self.level_aging_s < 0:
+            raise ValueError(f"level_aging_s must be >= 0, got {self.level_aging_s}")
+        if (self.auto_max_num_seqs or self.auto_max_num_batched_tokens) and self.policy != "stall-free":
+            raise ValueError("auto batch settings follow the step-time target, which only the stall-free scheduler has")
         if (self.time_slice_tokens or self.time_slice_ms) and self.policy == "static":
             # a static batch runs its members to the end by definition: there is no seat to hand over
             raise ValueError("time slices do not apply to the static scheduler")

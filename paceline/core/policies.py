@@ -91,15 +91,27 @@ class StallFree(Policy):
         fit = sched.chunk_within_step_time
         decodes, prefills = _split_running(sched)
         _run_decodes(sched, step, decodes)
+        ranked = sched.fair is not None or sched.slicing
+        if ranked:
+            # prompts mid-prefill share what the step's time leaves in rank order, not admission order, and a
+            # waiting prompt that ranks before some of them is admitted before they run: a light client's prompt
+            # must not wait for a heavy client's chunks to use the step (under a step-time target, the time, not
+            # the seat, is what runs out)
+            prefills.sort(key=sched.rank)
         sched.resume_swapped(step, lambda r: fit(step, r, r.num_computed_tokens,
                                                  min(r.num_tokens - r.num_computed_tokens, step.budget, cap)))
-        for r in prefills:
-            n = fit(step, r, r.num_computed_tokens, min(r.num_tokens - r.num_computed_tokens, step.budget, cap))
-            if n <= 0:
-                break
-            if r.status is RUNNING:
-                sched.run_running(step, r, n)
+        head = sched.waiting.peek() if ranked else None
+        ahead = len(prefills) if head is None else sum(1 for r in prefills if sched.rank(r) < sched.rank(head))
 
+        def run_prefills(rs: list) -> None:
+            for r in rs:
+                n = fit(step, r, r.num_computed_tokens, min(r.num_tokens - r.num_computed_tokens, step.budget, cap))
+                if n <= 0:
+                    break
+                if r.status is RUNNING:
+                    sched.run_running(step, r, n)
+
+        run_prefills(prefills[:ahead])
         limit = cfg.max_num_partial_prefills
         # prompts mid-prefill (running, not yet decoding) may not exceed the limit
         in_prefill = [len(_split_running(sched)[1])] if limit else [0]
@@ -112,6 +124,7 @@ class StallFree(Policy):
                 in_prefill[0] += 1
             return n
         sched.admit_waiting(step, chunk)
+        run_prefills(prefills[ahead:])
 
 
 class PrefillFirst(Policy):

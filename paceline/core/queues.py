@@ -20,23 +20,36 @@ RankKey = tuple
 
 
 def rank_function(scheduling_policy: str, priority_aging_s: float = 0.0,
-                  levels: bool = False) -> Callable[[Request], RankKey]:
+                  levels: bool = False, level_aging_s: float = 0.0) -> Callable[[Request], RankKey]:
     """The queue key. `levels` (time slices on): a request's MLFQ level goes between its priority and its
     arrival, so a request demoted by a used slice waits behind fresh work of its priority. Under `fair` this is
-    each client's own order; core/fair.py puts the client's counter after the priority."""
+    each client's own order; core/fair.py puts the client's counter after the priority.
+
+    Level aging (level_aging_s > 0): a request demoted to level L at time d queues as if it had arrived at
+    d + L * level_aging_s, so it waits behind fresh work only for a while, not for as long as fresh work keeps
+    coming (strict levels can starve it under sustained load). The key stays fixed (the heap stays valid): level
+    0 keys by arrival, a demoted request by that virtual arrival; both are seconds, so they compare."""
+    level = _level_key(level_aging_s) if levels else None
     if scheduling_policy == "fcfs":
-        if levels:
-            return lambda r: (r.slice_level, r.arrival_time)
+        if level is not None:
+            return lambda r: (level(r), r.arrival_time)
         return lambda r: (r.arrival_time,)
     if scheduling_policy not in ("priority", "fair"):
         raise ValueError(f"unknown scheduling policy {scheduling_policy!r}; choose fcfs, priority or fair")
     if priority_aging_s > 0:
-        if levels:
-            return lambda r: (r.priority + r.arrival_time / priority_aging_s, r.slice_level, r.arrival_time)
+        if level is not None:
+            return lambda r: (r.priority + r.arrival_time / priority_aging_s, level(r), r.arrival_time)
         return lambda r: (r.priority + r.arrival_time / priority_aging_s, r.arrival_time)
-    if levels:
-        return lambda r: (r.priority, r.slice_level, r.arrival_time)
+    if level is not None:
+        return lambda r: (r.priority, level(r), r.arrival_time)
     return lambda r: (r.priority, r.arrival_time)
+
+
+def _level_key(level_aging_s: float) -> Callable[[Request], float]:
+    if level_aging_s <= 0:
+        return lambda r: r.slice_level
+    # slice_since: when the request was demoted (time_slice.py sets it at the demotion; admission resets it)
+    return lambda r: r.arrival_time if r.slice_level == 0 else r.slice_since + r.slice_level * level_aging_s
 
 
 def effective_priority(request: Request, now: float, priority_aging_s: float) -> int:

@@ -5,10 +5,12 @@ The time is always an argument: the simulator drives this class in virtual time.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from paceline.config import CacheConfig, SchedulerConfig
+from paceline.core.auto_batch import apply_auto_limits
 from paceline.core.batch_shape import BatchShape, batch_shape
 from paceline.core.fair import FairQueue, FairShare
 from paceline.core.kv_cache import KVCacheManager, cdiv
@@ -79,13 +81,19 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None) -> None:
         if config.max_step_ms > 0 and step_time is None:
             raise ValueError("max_step_ms needs a step-time model: pass step_time (seconds for a BatchShape)")
+        self.auto_batch = config.auto_max_num_seqs or config.auto_max_num_batched_tokens
+        if self.auto_batch:  # the limits change every step: on a copy, so the caller's config keeps its meaning
+            if config.max_step_ms <= 0:
+                raise ValueError("auto batch settings need a step-time target (max_step_ms > 0, or a TBT goal)")
+            config = copy.copy(config)
         self.config = config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, num_host_blocks,
                                  cache_config.enable_prefix_caching, cache_config.watermark)
         self.slicing = config.time_slice_tokens > 0 or config.time_slice_ms > 0
-        self.rank = rank_function(config.scheduling_policy, config.priority_aging_s, levels=self.slicing)
+        self.rank = rank_function(config.scheduling_policy, config.priority_aging_s, levels=self.slicing,
+                                  level_aging_s=config.level_aging_s)
         self.by_priority = config.scheduling_policy in ("priority", "fair")
         self.fair = FairShare() if config.scheduling_policy == "fair" else None
         if self.fair is not None:  # counters change as steps run: one queue per client, the least served first
@@ -210,6 +218,8 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         self.kv.end_step()
         self.policy.wake_time = None
+        if self.auto_batch:
+            apply_auto_limits(self)
         step = Step(now, self.config.max_num_batched_tokens, SchedulerOutput(now=now))
         if self.config.max_step_ms > 0:
             step.shape = BatchShape()

@@ -12,6 +12,9 @@ and is demoted one level, like a multi-level feedback queue (FastServe's skip-jo
   victim's demotion (its priority first, then under `fair` its client's counter, then the level, then the
   arrival), so two requests at one level do not trade places every step, and a victim must have run its whole
   slice since it was last resumed (the slice is also the minimum residency).
+- Level aging (`--level-aging-s`): a demoted request queues as if it had arrived L * level_aging_s after its
+  demotion to level L (queues.py), so under sustained load it gets its seat back within a bound instead of
+  waiting behind every fresh request.
 """
 from __future__ import annotations
 
@@ -33,12 +36,21 @@ def slice_used(sched: Scheduler, r: Request, now: float, doubled: bool = True) -
     return bool(cfg.time_slice_ms) and (now - r.slice_since) * 1e3 >= cfg.time_slice_ms * scale
 
 
-def _rank_demoted(sched: Scheduler, r: Request) -> tuple:
-    r.slice_level += 1
+def _rank_demoted(sched: Scheduler, r: Request, now: float) -> tuple:
+    since = r.slice_since
+    _demote(r, now)
     try:
         return sched.rank(r)
     finally:
         r.slice_level -= 1
+        r.slice_since = since
+
+
+def _demote(r: Request, now: float) -> None:
+    """One level down; under level aging the demotion time is what its queue key counts from (queues.py).
+    slice_since is free for that while the request is queued: admission sets it again."""
+    r.slice_level += 1
+    r.slice_since = now
 
 
 def preempt_used_slices(sched: Scheduler, step: Step) -> int:
@@ -58,7 +70,7 @@ def preempt_used_slices(sched: Scheduler, step: Step) -> int:
     rank = sched.rank
     queued = sorted(sched.waiting.first(k) + sched.swapped.first(k), key=rank)[free_seats:k]
     # (rank after demotion, rank now, whether its level's slice is used, request)
-    victims = [(_rank_demoted(sched, r), rank(r), fair is None or slice_used(sched, r, step.now), r) for r in resident]
+    victims = [(_rank_demoted(sched, r, step.now), rank(r), fair is None or slice_used(sched, r, step.now), r) for r in resident]
     preempted = 0
     for q in queued:
         q_rank = rank(q)
@@ -68,7 +80,7 @@ def preempt_used_slices(sched: Scheduler, step: Step) -> int:
         victim = max(beaten, key=lambda v: v[1])  # the worst-ranked: under fair, the most-served client's
         victims.remove(victim)
         r = victim[3]
-        r.slice_level += 1
+        _demote(r, step.now)
         sched.preempt(step, r)
         preempted += 1
     sched.num_slice_preemptions += preempted

@@ -743,6 +743,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_step_ms": (SchedulerConfig, "max_step_ms"),
     "time_slice_tokens": (SchedulerConfig, "time_slice_tokens"),
     "time_slice_ms": (SchedulerConfig, "time_slice_ms"),
+    "level_aging_s": (SchedulerConfig, "level_aging_s"),
     "step_profile": (EngineConfig, "step_profile"),
     "speculative_config": (EngineConfig, "speculative_config"),
     "tensor_parallel_size": (EngineConfig, "tensor_parallel_size"),
@@ -751,7 +752,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, scheduler_name
+    from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, int_or_auto, scheduler_name
 
     def flag(name: str, help: str, old: str | None = None, **kw: Any) -> None:
         """--name; `old`: the flag's former spelling, still accepted but not shown."""
@@ -784,8 +785,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("wide_linears", "what steps of more than 8 tokens run on a CPU without native bf16: fp32 weight copies, or "
          "int8 (faster prefill, lower quality: docs/performance.md)", choices=["auto", "fp32", "int8"])
     flag("seed", "seed for requests that give none", type=int)
-    flag("max_num_batched_tokens", "token budget of one step", type=int)
-    flag("max_num_seqs", "most requests in one step", type=int)
+    flag("max_num_batched_tokens", "token budget of one step; auto: what fits the step-time target each step",
+         type=int_or_auto)
+    flag("max_num_seqs", "most requests in one step; auto: as many as the step-time target allows each step",
+         type=int_or_auto)
     flag("max_model_len", "context length (capped by the model's)", type=int)
     flag("block_size", "tokens per KV-cache block", type=int)
     flag("kv_cache_memory_gb", "memory for the KV cache, GiB", type=float)
@@ -808,6 +811,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("time_slice_tokens", "preempt a decoding request after this many output tokens (doubling per demotion) "
          "when queued work waits for its seat (0: off)", type=int)
     flag("time_slice_ms", "the same in ms of residency (0: off)", type=float)
+    flag("level_aging_s", "time slices: a request demoted to level L queues as if it arrived L x this many seconds "
+         "after its demotion (0: strict levels)", type=float)
     flag("step_profile", "profile (paceline profile) that --max-step-ms predicts with; default: a quick "
          "profile at start-up")
     flag("speculative_config", 'speculative decoding, JSON as vLLM: {"method": "ngram", "num_speculative_tokens": K, '

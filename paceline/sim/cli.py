@@ -7,7 +7,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from paceline.bench.capacity import MAX_DELAY_S
-from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig, scheduler_name
+from paceline.config import (PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig,
+                             int_or_auto, scheduler_name)
 from paceline.sim.hardware import GPUS
 from paceline.sim.router import ROUTERS
 
@@ -45,8 +46,10 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router", default="round-robin", choices=ROUTERS)
     g.add_argument("--scheduler", default=SchedulerConfig.policy, choices=SCHEDULERS, type=scheduler_name)
     g.add_argument("--scheduling-policy", default=SchedulerConfig.scheduling_policy, choices=SCHEDULING_POLICIES)
-    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int_or_auto, default=SchedulerConfig.max_num_batched_tokens,
+                   help="a number, or auto (what fits --max-step-ms each step)")
+    g.add_argument("--max-num-seqs", type=int_or_auto, default=SchedulerConfig.max_num_seqs,
+                   help="a number, or auto (as many as --max-step-ms allows each step)")
     g.add_argument("--max-model-len", type=int, default=None, help="default: the workload's (8192 unless it says)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--max-num-partial-prefills", type=int, default=0)
@@ -56,6 +59,8 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-slice-tokens", type=int, default=0,
                    help="preempt a decoding request after this many output tokens when queued work waits (0: off)")
     g.add_argument("--time-slice-ms", type=float, default=0.0, help="the same in ms of residency (0: off)")
+    g.add_argument("--level-aging-s", type=float, default=SchedulerConfig.level_aging_s,
+                   help="time slices: a request demoted to level L queues as if it arrived L x this after (0: strict levels)")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as the server takes it, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                         "a proposal is accepted with the workload's spec_acceptance")
@@ -103,7 +108,7 @@ def deployment_from_args(args: argparse.Namespace):
                             max_num_partial_prefills=args.max_num_partial_prefills, preemption_mode=args.preemption_mode,
                             priority_aging_s=args.priority_aging_s, max_batch_wait_ms=args.max_batch_wait_ms,
                             max_step_ms=args.max_step_ms, time_slice_tokens=args.time_slice_tokens,
-                            time_slice_ms=args.time_slice_ms)
+                            time_slice_ms=args.time_slice_ms, level_aging_s=args.level_aging_s)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         swap_space_gb=args.swap_space_gb, enable_prefix_caching=args.enable_prefix_caching)
     from paceline.spec_config import SpeculativeConfig

@@ -192,7 +192,60 @@ def test_fair_with_slices_gives_the_light_client_a_heavy_clients_seat():
     assert light.first_scheduled_time == now + 2 and sched.num_slice_preemptions >= 1
 
 
+def _prefill_time(shape) -> float:
+    return 0.010 + 0.001 * shape.num_prefill_tokens + 0.001 * shape.num_decodes
+
+
+def test_under_a_step_time_target_the_less_served_clients_prompt_gets_the_step_first():
+    """The step's time, not a seat, is what runs out: a light client's prompt admitted while a heavy client's long
+    prompt is mid-prefill takes its chunk before the heavy one's, not what the heavy one leaves (nothing). A third
+    client's request decodes throughout, so the step-time limit applies (a step without decodes has none)."""
+    sched = make_scheduler(scheduling_policy="fair", budget=512, max_seqs=4, max_step_ms=50.0,
+                           step_time=_prefill_time)
+    sched.add_request(req("d", 4, max_tokens=100, client="other"))
+    step(sched, 1.0)
+    sched.add_request(req("h", 400, max_tokens=4, client="heavy", arrival=1.5))
+    v = step(sched, 2.0)
+    assert v.batch == [("d", 1), ("h", 39)]  # 50 ms = 10 + 1 decode + 39 prompt tokens
+    light = req("l", 30, max_tokens=4, client="light", arrival=2.5)
+    sched.add_request(light)  # lifted to the lowest backlogged counter (other's), below heavy's
+    v = step(sched, 3.0)
+    assert v.batch == [("d", 1), ("l", 30), ("h", 9)] and light.num_output_tokens == 1
+
+
+@pytest.mark.parametrize("aging", [0.0, 3.0])
+def test_level_aging_brings_a_demoted_request_back_under_sustained_fresh_work(aging):
+    """One seat, 2-token slices, a fresh request arriving every step: with strict levels the demoted r1 waits for
+    every fresh (level 0) request and never comes back while they keep coming; with level aging it ranks as if it
+    had arrived `aging` seconds after its demotion, so it resumes once the fresh work that arrived before then
+    has had its slices."""
+    sched = make_scheduler(budget=64, max_seqs=1, time_slice_tokens=2, preemption_mode="swap", host_blocks=500,
+                           level_aging_s=aging)
+    r1 = req("r1", 4, max_tokens=200, arrival=0.0)
+    sched.add_request(r1)
+    demoted_at = None
+    now = 0.0
+    for i in range(60):
+        now += 1.0
+        sched.add_request(req(f"f{i}", 4, max_tokens=200, arrival=now - 0.5))
+        step(sched, now)
+        if demoted_at is None and r1.slice_level == 1:
+            demoted_at = now
+        if demoted_at is not None and r1.status is RequestStatus.RUNNING:
+            break
+    assert demoted_at == 3.0  # admitted at 1, its 2 output tokens by 2, cut at the start of step 3
+    if aging == 0.0:
+        assert r1.status is RequestStatus.SWAPPED and now == 60.0  # starved for as long as fresh work came
+    else:
+        # fresh arrivals after demoted_at + aging rank behind it; the ones before (one a second, aging + 3 of them
+        # counting those queued at the demotion) each get one slice: two steps (prompt and first token, one decode)
+        assert r1.status is RequestStatus.RUNNING and now <= demoted_at + 2 * (aging + 3)
+        assert r1.num_output_tokens >= 2
+
+
 def test_config_checks():
+    with pytest.raises(ValueError, match="level_aging_s"):
+        SchedulerConfig(level_aging_s=-1.0)
     assert SchedulerConfig(scheduling_policy="fair").scheduling_policy == "fair"
     with pytest.raises(ValueError, match="static"):
         SchedulerConfig(policy="static", time_slice_tokens=8)
