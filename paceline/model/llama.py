@@ -68,45 +68,54 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-WEIGHT_LEVELS = 127  # int8 weights use -127..127
-
-
 class Int8Linear:
-    """y = x W^T (+ b) for float32 x, with W held as int8 per output channel (symmetric, one float scale per row)
-    and x quantized at every call (dynamic quantization, 7 bits: see reduce_range), run by torch's x86 quantized
-    engine (fbgemm). Opt-in: it costs quality (benchmarks/summaries/int8_wide.md).
+    """y = x W^T (+ b) for float32 x, with W held as 7-bit integers per output channel (symmetric, one float scale
+    per row) and x quantized to 8 bits at every call (dynamic quantization), run by torch's x86 quantized engine
+    (fbgemm); a few outlier input channels stay float32. It costs some quality (benchmarks/summaries/int8_wide.md).
 
-    This serves the wide steps (many rows, where compute bounds the step): an int8 matmul does several times
-    the multiply-adds per instruction of a float32 one. Measured on this VM (AVX2, 2 threads), against the
-    prepacked float32 Linear: [576 -> 3072] at 512 rows 11.9 -> 6.6 ms, [1536 -> 576] 6.4 -> 3.7 ms, the LM
-    head [576 -> 49152] at 32 rows 15.2 -> 6.8 ms; at 1-8 rows there is nothing to gain (memory bounds them).
+    This serves the wide steps (many rows, where compute bounds the step): an int8 matmul does about twice the
+    multiply-adds per instruction of a float32 one on AVX2. Measured on this VM (2 threads, the int8 product alone),
+    against the prepacked float32 Linear: [576 -> 3072] at 512 rows 11.9 -> 6.6 ms, [1536 -> 576] 6.4 -> 3.7 ms,
+    the LM head [576 -> 49152] at 32 rows 15.2 -> 6.8 ms; at 1-8 rows there is nothing to gain (memory bounds them).
 
-    The engine's own activation quantization is per tensor (one scale and zero point over every row), which
-    would let one row with large values coarsen every other request's rows in the batch. So each row is first
-    divided by its largest magnitude and one anchor row [1, -1, 0, ...] is added: the tensor then always spans
-    exactly [-1, 1], each row is quantized on its own scale, and a row's result does not depend on which other
-    rows share its step; the output rows are multiplied back.
+    Per row: the engine's own activation quantization is per tensor (one scale and zero point over every row),
+    which would let one row with large values coarsen every other request's rows in the batch. So each row is
+    first divided by its largest magnitude and one anchor row [1, -1, 0, ...] is added: the tensor then always
+    spans exactly [-1, 1], each row is quantized on its own scale, and a row's result does not depend on which
+    other rows share its step; the output rows are multiplied back.
 
-    reduce_range: activations use 7 of their 8 bits. Without AVX512-VNNI, fbgemm's u8 x s8 kernel adds pairs of
-    products in 16 bits, which 8-bit activations can saturate (2 x 255 x 127 > 32767); 7 bits cannot.
+    8-bit activations, 7-bit weights: without AVX512-VNNI, fbgemm's u8 x s8 kernel adds pairs of products in
+    16 bits with saturation. With weights in -63..63 a pair is at most 2 x 255 x 63 = 32130 < 32767, so it can
+    never saturate; measured on the bundled model this split (8/7) loses less than 7-bit activations with 8-bit
+    weights (the other split that fits).
 
     input_absmax (SmoothQuant, Xiao et al. 2023): a transformer's activations have a few input channels far larger
-    than the rest, which a per-row scale then spends most of its 7 bits on (measured on the bundled model: 3-7 %
-    error per linear, perplexity +13 %). Given each input channel's largest magnitude on calibration tokens, the
-    channel is divided by s = sqrt(absmax_x / absmax_w) and the weight's column multiplied by it: the product is
-    unchanged, and activations and weights share the range."""
+    than the rest, which a per-row scale then spends most of its bits on. Given each input channel's largest
+    magnitude on calibration tokens, the channel is divided by s = sqrt(absmax_x / absmax_w) and the weight's
+    column multiplied by it: the product is unchanged, and activations and weights share the range. Then the
+    `outliers` channels that are still the largest (LLM.int8(), Dettmers et al. 2022, chosen once at load so
+    that a row's result still does not depend on the other rows) are taken out of the int8 product and
+    multiplied in float32: a [rows, outliers] x [outliers, out] matmul, small next to the int8 one."""
 
-    REDUCE_RANGE = True
+    WEIGHT_LEVELS = 63  # 7-bit weights: see the class docstring (no 16-bit saturation with 8-bit activations)
+    REDUCE_RANGE = False  # 8-bit activations
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 input_absmax: torch.Tensor | None = None):
-        w = weight.float()
+                 input_absmax: torch.Tensor | None = None, outliers: int = 0):
+        w = weight.float().clone()
         self.inv_smooth = None
+        channel_size = torch.ones(w.shape[1])
         if input_absmax is not None:
             smooth = (input_absmax.float().clamp_min(1e-5) / w.abs().amax(0).clamp_min(1e-5)).sqrt()
             w = w * smooth
             self.inv_smooth = 1.0 / smooth
-        scale = (w.abs().amax(1) / WEIGHT_LEVELS).clamp_min(1e-12).double()
+            channel_size = input_absmax.float() / smooth
+        self.outlier_idx, self.outlier_weight = None, None
+        if outliers > 0 and input_absmax is not None:
+            self.outlier_idx = channel_size.topk(min(outliers, w.shape[1])).indices.sort().values
+            self.outlier_weight = w[:, self.outlier_idx].t().contiguous()  # [outliers, out], float32
+            w[:, self.outlier_idx] = 0  # the int8 product leaves them out (their inputs are zeroed too)
+        scale = (w.abs().amax(1) / self.WEIGHT_LEVELS).clamp_min(1e-12).double()
         with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; linear_prepack takes one
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
@@ -131,10 +140,16 @@ class Int8Linear:
             torch.mul(rows, self.inv_smooth, out=body)
         else:
             body.copy_(rows)
+        outlier_part = None
+        if self.outlier_idx is not None:
+            outlier_part = body.index_select(1, self.outlier_idx) @ self.outlier_weight
+            body.index_fill_(1, self.outlier_idx, 0.0)
         peak = body.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
         body.div_(peak)
         scaled[m, 0], scaled[m, 1] = 1.0, -1.0  # the anchor: the tensor's range is [-1, 1] whatever the rows
         y = torch.ops.quantized.linear_dynamic(scaled, self.packed, self.REDUCE_RANGE)[:m].mul_(peak)
+        if outlier_part is not None:
+            y += outlier_part
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -159,6 +174,8 @@ class _x86_quantized_engine:
 # quality and speed of both).
 WIDE_LINEARS = ("auto", "fp32", "int8")
 AUTO_WIDE_LINEARS = "fp32"
+# int8 wide steps: the input channels per linear that stay float32 (Int8Linear's outliers)
+OUTLIER_CHANNELS = 64
 
 
 class Calibrating(Linear):
@@ -177,7 +194,7 @@ class Calibrating(Linear):
 
     def int8(self) -> "Int8Linear | Linear":
         try:
-            return Int8Linear(*self.source, input_absmax=self.input_absmax)
+            return Int8Linear(*self.source, input_absmax=self.input_absmax, outliers=OUTLIER_CHANNELS)
         except (RuntimeError, AttributeError):  # a torch build whose quantized ops are gone: float32 serves
             return Linear(self.source[0].float().contiguous(), None if self.source[1] is None else
                           self.source[1].float(), True)
@@ -329,7 +346,10 @@ class LlamaLayer(nn.Module):
         self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), pack, quantization, dtype, wide)
         self.o = make_linear(w["o"], None, pack, quantization, dtype, wide)
         self.gate_up = make_linear(w["gate_up"], None, pack, quantization, dtype, wide)
-        self.down = make_linear(w["down"], None, pack, quantization, dtype, wide)
+        # int8 wide steps keep `down` in float32: its input has outliers that belong to tokens (up to ~90x the
+        # row's median), which neither smoothing nor fixed outlier channels catch; int8 there alone cost ~3 % of
+        # top-1 agreement on the bundled model (benchmarks/summaries/int8_wide.md)
+        self.down = make_linear(w["down"], None, pack, quantization, dtype, "fp32" if wide == "int8" else wide)
         self.register_buffer("input_norm", w["input_norm"])
         self.register_buffer("post_norm", w["post_norm"])
         # float32 steps (wide) read float32 norm weights: rms_norm wants its input's dtype

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from paceline.config import EngineConfig
 from paceline.engine.runner import ModelRunner
 from paceline.model.attention import SeqSlice
-from paceline.model.llama import AUTO_WIDE_LINEARS, Calibrating, Int4Linear, Int8Linear, Linear, LlamaModel, wide_linear
+from paceline.model.llama import (AUTO_WIDE_LINEARS, OUTLIER_CHANNELS, Calibrating, Int4Linear, Int8Linear, Linear,
+                                  LlamaModel, wide_linear)
 
 pytestmark = pytest.mark.skipif(not Int8Linear.supports(torch.zeros(1)), reason="no x86 quantized engine in torch")
 
@@ -43,6 +44,35 @@ def test_int8_linear_row_does_not_depend_on_the_other_rows():
     assert torch.equal(lin(x[3:4]), alone[3:4])
 
 
+def test_int8_linear_cannot_saturate_with_8_bit_activations():
+    """The worst case for fbgemm's 16-bit pair sums on AVX2: every activation at the top of its range and every
+    weight at its largest magnitude, with the same sign. 8-bit activations with 7-bit weights stay exact there
+    (8-bit weights would clip each pair at 32767 and lose ~half the output)."""
+    k = 256
+    w = torch.cat([torch.ones(1, k), -torch.ones(1, k), torch.linspace(-1, 1, k)[None]])
+    x = torch.cat([torch.ones(1, k), -torch.ones(1, k), torch.linspace(-1, 1, k).flip(0)[None]])
+    assert _rel(Int8Linear(w)(x), F.linear(x, w)) < 0.01
+
+
+def test_int8_linear_outlier_channels_run_in_float32():
+    """A few input channels 100x larger than the rest: with them taken out of the int8 product (chosen from the
+    calibration magnitudes) the error falls several times; the chosen ones are the loud ones."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 128, generator=g) * 0.1
+    loud = torch.tensor([5, 77, 100])
+    x = torch.randn(32, 128, generator=g)
+    x[:, loud] *= 100
+    ref = F.linear(x, w)
+    absmax = x.abs().amax(0)
+    plain = _rel(Int8Linear(w, input_absmax=absmax)(x), ref)
+    split = Int8Linear(w, input_absmax=absmax, outliers=3)
+    assert set(split.outlier_idx.tolist()) == set(loud.tolist())
+    assert _rel(split(x), ref) < plain / 3 and _rel(split(x), ref) < 0.01
+    # rows stay independent of each other with outliers too (up to float32 rounding: the small float32 matmul's
+    # summation order may follow the row count; the int8 part stays bit-equal)
+    assert torch.allclose(split(x[7:9]), split(x)[7:9], rtol=1e-5, atol=1e-4)
+
+
 def test_int8_linear_zero_rows_give_the_bias():
     b = torch.arange(8, dtype=torch.float32)
     got = Int8Linear(torch.randn(8, 16), b)(torch.zeros(3, 16))
@@ -70,6 +100,8 @@ def test_wide_linears_knob(tiny, hf_llama):
     int8 = _runner(tiny, hf_llama, wide_above=4, wide_linears="int8").model
     assert int8.wide_linears == "int8"
     assert isinstance(int8.layers[0].qkv.wide, Int8Linear) and isinstance(int8.lm_head.wide, Int8Linear)
+    # `down` stays float32 in int8 mode (token outliers in its input)
+    assert type(int8.layers[0].down.wide) is Linear and int8.layers[0].down.wide.dtype == torch.float32
     fp32 = _runner(tiny, hf_llama, wide_above=4, wide_linears="fp32").model
     assert type(fp32.layers[0].down.wide) is Linear and fp32.layers[0].down.wide.dtype == torch.float32
     assert _runner(tiny, hf_llama, wide_above=4).model.wide_linears == AUTO_WIDE_LINEARS
@@ -131,5 +163,7 @@ def test_engine_config_reaches_the_model():
     if model.wide_above is None:
         pytest.skip("this CPU has native bf16 math: no wide steps")
     assert model.wide_linears == "int8" and isinstance(model.lm_head.wide, Int8Linear)
-    # the bundled model's layers are int4 (a Q4_1 GGUF): their wide copies are the int8 ones
-    assert isinstance(model.layers[0].down.dense, Int8Linear)
+    # the bundled model's layers are int4 (a Q4_1 GGUF): their wide copies are the int8 ones, but for `down`
+    assert isinstance(model.layers[0].gate_up.dense, Int8Linear)
+    assert model.layers[0].gate_up.dense.outlier_idx.numel() == OUTLIER_CHANNELS
+    assert type(model.layers[0].down.dense) is Linear and model.layers[0].down.dense.dtype == torch.float32
