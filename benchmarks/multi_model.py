@@ -35,11 +35,11 @@ MODELS = {"smol-fp32": ["--dtype", "float32"], "smol-int4": ["--quantization", "
 
 
 class Served:
-    def __init__(self, args: list[str], threads: int, log_dir: Path, label: str) -> None:
+    def __init__(self, args: list[str], threads: int, log_dir: Path, label: str, env: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / f"{label}.log", "w")
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "paceline.entrypoints.server", "--port", str(self.port),
                                       "--no-dashboard", *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 900
@@ -93,12 +93,15 @@ def models_yaml(path: Path, lazy: set[str] = frozenset()) -> Path:
     return path
 
 
-def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource) -> dict:
+def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, variant: str = "") -> dict:
     """int4 streams run; a request for the unloaded fp32 model (the converted cache's own dtype: no quantizing on
     load) arrives mid-run. Its TTFT (the load included) and the int4 streams' largest gap while it loads, against
-    their p99 over the rest of the run."""
+    their p99 over the rest of the run. variant "pack-first": the loader packs the weights before the model
+    serves (PACELINE_DEFER_PACKING=0), as before 2026-11-23."""
+    env = {"PACELINE_DEFER_PACKING": "0"} if variant == "pack-first" else {}
+    label = f"switch{'-' + variant if variant else ''}"
     server = Served(["--models-config", str(models_yaml(log_dir / "switch.yaml", {"smol-fp32"}))], args.threads,
-                    log_dir, "switch")
+                    log_dir, label, env)
     try:
         steady = generate(replace(load_workload("chat"), output_tokens=LengthDist("fixed", value=args.output_tokens),
                                   prompt_tokens=LengthDist("lognormal", median=300, sigma=0.8, min=16, max=1000)),
@@ -120,7 +123,10 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource) ->
     for r in res.records[:-1]:
         for a, b in zip(r.token_times, r.token_times[1:]):
             (inside if b > window[0] and a < window[1] else outside).append(b - a)
+    log_lines = [line.strip() for line in (log_dir / f"{label}.log").read_text().splitlines()
+                 if "smol-fp32" in line and ("loaded in" in line or "packed" in line)]
     return {"switch_ttft_s": (first - rec.sent_s) if first is not None else None, "error": rec.error,
+            "log": log_lines,
             "others_max_gap_during_load_ms": 1e3 * max(inside, default=0.0),
             "others_p99_gap_elsewhere_ms": 1e3 * float(np.percentile(outside, 99)) if outside else None,
             "gaps_during_load": len(inside), "models": models}
@@ -135,7 +141,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for logs and results.json (default: a temp folder)")
-    p.add_argument("--only", default="alone,one-loop,two-processes,switch")
+    p.add_argument("--only", default="alone,one-loop,two-processes,switch",
+                   help="comma-separated parts; switch-pack-first: the switch with packing before serving")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="multi-model-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -185,9 +192,11 @@ def main() -> None:
             for s in servers.values():
                 s.stop()
         print("two processes", results["two_processes"], flush=True)
-    if "switch" in only:
-        results["switch"] = switch_run(args, out, source)
-        print("switch", {k: v for k, v in results["switch"].items() if k != "models"}, flush=True)
+    for variant in ("pack-first", ""):  # the switch, before (pack, then serve) and after (serve, then pack)
+        key = f"switch{'-' + variant if variant else ''}"
+        if key in only:
+            results[key] = switch_run(args, out, source, variant)
+            print(key, {k: v for k, v in results[key].items() if k != "models"}, flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"results: {out / 'results.json'}")
 

@@ -158,9 +158,11 @@ def _shapes(model: str | None) -> tuple[list[tuple[int, ...]], int, int]:
     """(every tensor's shape, layers, KV heads x head dim) read from a file's header, not its weights."""
     import json
 
-    from paceline.model.loader import default_model_path, read_gguf
+    from paceline.model.loader import converted_folder, default_model_path, read_gguf
 
     path = Path(model if model is not None else default_model_path()).expanduser()
+    if path.is_file():  # a GGUF's converted folder, once written, has the same tensors behind a 0.01 s header
+        path = converted_folder(path) or path  # (reading the GGUF's own header parses its vocabulary: 0.2 s)
     if path.is_dir():
         from safetensors import safe_open
 

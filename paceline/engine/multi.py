@@ -11,8 +11,9 @@ the same time and share the cores badly):
    that has waited longest. With equal priorities this alternates the busy models step by step, so every stream
    keeps a steady TBT.
 
-While k models have running streams, a stream waits for k steps between two of its tokens, so each model's
-step-time target (`max_step_ms`, which cuts prompt chunks) is its own target divided by k.
+While k models have unfinished requests and any of them has running streams, a stream waits for k steps
+between two of its tokens, so each model's step-time target (`max_step_ms`, which cuts prompt chunks) is its own
+target divided by k: a model that only has prompts waiting takes its turn too.
 
 With one model busy the pick is skipped: the single-model path costs one dict walk per step.
 MultiEngine is not thread-safe; AsyncEngine calls it from its engine thread only, as it does an Engine.
@@ -140,11 +141,15 @@ class MultiEngine:
         return min(busy, key=key)
 
     def _share_step_target(self, busy: list[str]) -> None:
-        streaming = sum(1 for name in busy if self.engines[name].scheduler.running) or 1
+        # Every busy model counts, not only those with running streams: a model whose requests all still wait for
+        # their first chunk takes a step in the rotation too, and with a whole target to itself that one step
+        # (a prompt chunk) was what stretched the other models' gaps (p99 TBT 1.59x alone, 2026-11-23).
+        # With no stream running anywhere there is no gap to protect: each model keeps its whole target.
+        shares = len(busy) if any(self.engines[name].scheduler.running for name in busy) else 1
         for name in busy:
             config = self.engines[name].config.scheduler
             if self._step_ms[name] > 0:
-                config.max_step_ms = self._step_ms[name] / streaming
+                config.max_step_ms = self._step_ms[name] / shares
 
 
 def best_priority(engine: Engine) -> int:

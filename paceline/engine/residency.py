@@ -8,7 +8,9 @@ per thread that ever ran a parallel op, and a second team would make libgomp cou
 stop spin-waiting on the engine thread for good (see AsyncEngine). One thread also leaves the other core to the
 streams of the models already loaded. The loader skips the start-up step-time profile (it would time one
 thread); the engine thread installs the cached profile of that exact setup if there is one, else the model
-serves without a step-time target until a start-up load (which profiles) has cached it.
+serves without a step-time target until a start-up load (which profiles) has cached it. A float32 model is
+built on plain weights and joins the loop at once; the loader then packs its linears for oneDNN one at a time
+while it serves (~0.4 s of work that would otherwise come before its first token).
 
 Memory is counted as each model's weights plus its KV pool (and host swap pool): measured once loaded, estimated
 from the file's header before its first load.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import logging
 import math
@@ -32,10 +35,13 @@ from paceline.config import EngineConfig
 from paceline.engine.engine import Engine
 from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
 from paceline.engine.multi import MultiEngine
+from paceline.model.llama import Linear, deferred_packing
 
 log = logging.getLogger("paceline.residency")
 
 REAP_INTERVAL_S = 0.5
+DEFER_PACKING = os.environ.get("PACELINE_DEFER_PACKING", "1") != "0"  # 0: pack before serving (the A/B's before)
+PACK_PAUSE_S = 0.002  # between two Linears packed in the background
 
 
 class UnknownModelError(KeyError):
@@ -88,6 +94,7 @@ class Residency:
         self._lock = asyncio.Lock()  # one load or eviction decision at a time
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paceline-loader")
         self._reaper: asyncio.Task | None = None
+        self._packing: set[asyncio.Future] = set()  # background packing of freshly loaded models
         self.on_unload: list[Any] = []  # callbacks(name): the server drops what it built on that Engine
 
     @property
@@ -102,6 +109,8 @@ class Residency:
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        for task in list(self._packing):
+            task.cancel()
         self._loader.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests ------------------------------------------------------------------------------------------------
@@ -158,8 +167,25 @@ class Residency:
                 slot.load_s = time.perf_counter() - t0
                 slot.last_used = time.monotonic()
                 log.info("model %s loaded in %.2f s (%.0f MiB)", name, slot.load_s, slot.nbytes / 2**20)
+                linears = unpacked_linears(engine)
+                if linears:  # the requests waiting for this load go on now; the packing follows
+                    self._packing.add(asyncio.ensure_future(self._pack(name, linears)))
         finally:
             slot.loading = None
+
+    async def _pack(self, name: str, linears: list[Linear]) -> None:
+        """Pack a freshly loaded model's linears for oneDNN while it serves (see _build_engine)."""
+        try:
+            t0 = time.perf_counter()
+            async with self._lock:  # a load that comes next waits for these ~0.4 s, not the other way round
+                await asyncio.get_running_loop().run_in_executor(self._loader, _pack_slowly, linears)
+            await self.async_engine.call(lambda: drop_plain_weights(linears))
+            log.info("model %s: %d linears packed in %.2f s while serving", name, len(linears),
+                     time.perf_counter() - t0)
+        except Exception:  # it serves on, unpacked
+            log.exception("packing model %s failed", name)
+        finally:
+            self._packing.discard(asyncio.current_task())
 
     def _fits(self, need: int, exclude: ModelSlot) -> tuple[bool, str]:
         loaded = [s for s in self.slots.values() if s.state != "unloaded" and s is not exclude]
@@ -254,10 +280,52 @@ def _build_engine(config: EngineConfig) -> tuple[Engine, float]:
         pass
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    # float32 linears start on plain weights (F.linear) and are packed for oneDNN once the model serves: packing
+    # is ~0.4 s of a switch's 0.5 s budget. Other dtypes pack now: unpacked bfloat16 runs several times slower
+    # on CPUs without native bf16 math, which would cost more than the packing saves.
+    defer = (deferred_packing() if config.dtype == "float32" and config.quantization == "none" and DEFER_PACKING
+             else contextlib.nullcontext())
     try:
-        return Engine(config), step_ms
+        with defer:
+            return Engine(config), step_ms
     finally:
         torch.set_num_threads(threads)
+
+
+def unpacked_linears(engine: Engine) -> list[Linear]:
+    """The model's Linears left on plain weights by deferred_packing (layers, their wide or dense copies, LM head)."""
+    model = getattr(engine.runner, "model", None)
+    if model is None or not hasattr(model, "lm_head"):  # a parallel runner: its workers built their own parts
+        return []
+    out, stack = [], [model.lm_head] + [getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up",
+                                                                                               "down")]
+    while stack:
+        lin = stack.pop()
+        stack += [part for part in (getattr(lin, "wide", None), getattr(lin, "dense", None)) if part is not None]
+        if isinstance(lin, Linear) and lin.packed is None and lin.weight is not None:
+            out.append(lin)
+    return out
+
+
+def _pack_slowly(linears: list[Linear]) -> None:
+    """On the loader thread (one torch thread, lowest CPU priority), while the model already serves: pack one
+    Linear at a time. The engine thread may be calling it meanwhile; Linear reads `packed` first, so a call uses
+    either the plain weight or the packed copy, both whole. The short sleep hands the core back between two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for lin in linears:
+            lin.packed = Linear._pack(lin.weight, lin.bias)
+            time.sleep(PACK_PAUSE_S)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def drop_plain_weights(linears: list[Linear]) -> None:
+    """On the engine thread, between two steps: free the plain copies of the weights that now have packed ones."""
+    for lin in linears:
+        if lin.packed is not None:
+            lin.weight = None
 
 
 def _install(multi: MultiEngine, name: str, engine: Engine, step_ms: float) -> None:

@@ -9,7 +9,9 @@ Load-time choices that keep a step's op count low (batch-1 decode on CPU is boun
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import warnings
 
 import torch
@@ -33,6 +35,20 @@ def cpu_has_bf16_math() -> bool:
         return False
 
 
+_defer = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_packing():
+    """Linears built on this thread inside the block keep plain weights; the caller packs them later with
+    Linear._pack (engine/residency.py: a model loaded beside others packs after it has started serving)."""
+    _defer.on = True
+    try:
+        yield
+    finally:
+        _defer.on = False
+
+
 class Linear:
     """y = x W^T (+ b). On CPU the weight is prepacked once into oneDNN's blocked layout when this torch build
     has the op inductor uses for frozen linears: measured here 2-4x faster than F.linear (MKL) for fp32 at
@@ -50,7 +66,7 @@ class Linear:
 
     @staticmethod
     def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() or getattr(_defer, "on", False):
             return None
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)

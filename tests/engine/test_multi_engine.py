@@ -16,7 +16,7 @@ from paceline.engine.engine import Engine
 from paceline.engine.model_specs import (FOREVER, ModelSpec, estimate_bytes, load_models_config, parse_keep_alive,
                                          parse_model_flag)
 from paceline.engine.multi import MultiEngine
-from paceline.engine.residency import engine_bytes
+from paceline.engine.residency import _build_engine, _pack_slowly, drop_plain_weights, engine_bytes, unpacked_linears
 from paceline.model.loader import write_hf_folder
 from paceline.sampling import SamplingParams
 
@@ -114,6 +114,26 @@ def test_unknown_model_and_duplicate_id_are_plain_errors(tiny_dirs):
     multi.abort("r")
     multi.step()
     assert isinstance(multi.remove_model("a"), Engine) and list(multi.engines) == ["b"]
+
+
+def test_a_model_loaded_beside_others_serves_unpacked_then_packs_with_the_same_tokens(tiny_dirs):
+    want, _ = run_all(Engine(config(tiny_dirs["llama"])), [("r", PROMPTS[0], None)], max_tokens=16)
+    engine, _ = _build_engine(config(tiny_dirs["llama"]))  # what the loader thread builds
+    linears = unpacked_linears(engine)
+    if not linears:
+        pytest.skip("this torch build has no oneDNN linear packing")
+    assert len(linears) == 4 * engine.arch.num_layers + 1 and all(lin.packed is None for lin in linears)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine.add_request("r", PROMPTS[0], params)
+    got: list[int] = []
+    for _ in range(3):
+        got += [t for out in engine.step() for t in out.new_token_ids]
+    _pack_slowly(linears)  # between steps here; in a server, on the loader thread while the engine steps
+    drop_plain_weights(linears)
+    assert unpacked_linears(engine) == [] and all(lin.weight is None for lin in linears)
+    while engine.has_unfinished():
+        got += [t for out in engine.step() for t in out.new_token_ids]
+    assert got == want["r"]
 
 
 def test_estimate_is_close_to_what_a_loaded_model_holds(tiny_dirs):
