@@ -1,6 +1,7 @@
 """Decode-step time of the bundled model at batch B with every request under a JSON-schema constraint, against the
 same batch unconstrained (one process, interleaved rounds). The difference is the grammar's cost per step (mask fill
-for the batch + applying it in the sampler).
+for the batch + applying it in the sampler). Also prints what the step-time model charges for it: the start-up
+profile's per-masked-row term (model/structured.py mask_time_per_row) times the batch, timed in the same process.
 
     flock -x /tmp/paceline-cpu.lock .venv/bin/python benchmarks/structured_overhead.py --batch 32
 """
@@ -16,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "entry
 from json_schemas import SCHEMAS  # noqa: E402
 
 from paceline import LLM, SamplingParams  # noqa: E402
-from paceline.model.structured import GrammarCompiler  # noqa: E402
+from paceline.model.structured import GrammarCompiler, mask_time_per_row  # noqa: E402
 from paceline.sampling import StructuredOutputs  # noqa: E402
 
 
@@ -53,13 +54,16 @@ def main() -> None:
             out.append(SamplingParams(temperature=1.0, seed=i, max_tokens=args.tokens, ignore_eos=True, structured=so))
         return out
 
-    free, con = [], []
+    free, con, per_row = [], [], []
     for _ in range(args.rounds):
         free += decode_steps(llm, params(False))
         con += decode_steps(llm, params(True))
-    f, c = statistics.median(free), statistics.median(con)
+        per_row.append(mask_time_per_row(llm.engine.tokenizer, llm.engine.arch.vocab_size, rows=args.batch))
+    f, c, m = statistics.median(free), statistics.median(con), statistics.median(per_row)
     print(f"batch {args.batch}: decode step median unconstrained {1e3 * f:.2f} ms ({len(free)} steps), "
           f"JSON-schema constrained {1e3 * c:.2f} ms ({len(con)} steps): overhead {100 * (c - f) / f:+.1f} %")
+    print(f"step-time model's mask term: {1e3 * m:.3f} ms per masked row x {args.batch} = {1e3 * m * args.batch:.2f} ms "
+          f"predicted extra, measured {1e3 * (c - f):.2f} ms")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ class BatchShape:
     prefill_kv_tokens: int = 0  # sum over chunks of start + c: KV rows a chunk reads
     decode_context: int = 0  # sum over decodes of the context each attends to
     num_swapped_blocks: int = 0
+    num_masked: int = 0  # sampled rows under a grammar (structured outputs): each costs a mask fill
 
     @property
     def num_tokens(self) -> int:
@@ -57,12 +58,14 @@ class BatchShape:
             self.add_decode(end)
         else:
             self.add_chunk(start, num_tokens, sampled=end == len(request.token_ids))
+        if end == len(request.token_ids) and request.sampling_params.structured is not None:
+            self.num_masked += 1
 
 
 def batch_shape(output: SchedulerOutput) -> BatchShape:
     s = BatchShape(num_swapped_blocks=len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out))
     # BatchShape.add_slice per item, inlined: this runs once per simulated step
-    decodes = decode_ctx = chunks = prefill = sampled = kv = 0
+    decodes = decode_ctx = chunks = prefill = sampled = kv = masked = 0
     pairs = 0.0
     for item in output.scheduled:
         req, start, c = item.request, item.start, item.num_tokens
@@ -70,6 +73,7 @@ def batch_shape(output: SchedulerOutput) -> BatchShape:
         k = len(item.spec_token_ids)  # a verification: k + 1 query tokens, each reaching the LM head
         if start + c - k == n:
             sampled += 1 + k
+            masked += req.sampling_params.structured is not None
             if c == 1 and n > len(req.prompt_token_ids):
                 decodes += 1
                 decode_ctx += n
@@ -80,4 +84,5 @@ def batch_shape(output: SchedulerOutput) -> BatchShape:
         kv += start + c
     s.num_decodes, s.decode_context, s.num_prefill_tokens = decodes, decode_ctx, prefill
     s.num_requests, s.num_sampled, s.prefill_attn_pairs, s.prefill_kv_tokens = decodes + chunks, sampled, pairs, kv
+    s.num_masked = masked
     return s

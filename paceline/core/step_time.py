@@ -39,6 +39,8 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class ProfiledCostModel:
     coefficients: dict[str, float]
     swap_s_per_block: float = 0.0
+    # a grammar mask per constrained row (fill + apply), timed apart: the grid's batches are unconstrained
+    mask_s_per_row: float = 0.0
     meta: dict = field(default_factory=dict)  # machine, model, dtype, fit error: what the numbers mean
 
     kind = "profiled"
@@ -53,7 +55,7 @@ class ProfiledCostModel:
         c = self._coef
         return (c[0] + c[1] * s.num_requests + c[2] * s.num_prefill_tokens + c[3] * s.num_decodes
                 + c[4] * s.prefill_attn_pairs + c[5] * s.decode_context + c[6] * s.num_sampled
-                + self.swap_s_per_block * s.num_swapped_blocks)
+                + self.swap_s_per_block * s.num_swapped_blocks + self.mask_s_per_row * s.num_masked)
 
     @classmethod
     def fit(cls, shapes: list[BatchShape], times: list[float], meta: dict | None = None) -> "ProfiledCostModel":
@@ -72,7 +74,8 @@ class ProfiledCostModel:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"kind": self.kind, "coefficients": self.coefficients,
-                                          "swap_s_per_block": self.swap_s_per_block, "meta": self.meta}, indent=2) + "\n")
+                                          "swap_s_per_block": self.swap_s_per_block,
+                                          "mask_s_per_row": self.mask_s_per_row, "meta": self.meta}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "ProfiledCostModel":
@@ -82,4 +85,4 @@ class ProfiledCostModel:
             raise ValueError(f"cannot read profile {path}: {e}") from None
         if d.get("kind") != "profiled":
             raise ValueError(f"{path} is not a paceline profile (kind={d.get('kind')!r})")
-        return cls(d["coefficients"], d.get("swap_s_per_block", 0.0), d.get("meta", {}))
+        return cls(d["coefficients"], d.get("swap_s_per_block", 0.0), d.get("mask_s_per_row", 0.0), d.get("meta", {}))

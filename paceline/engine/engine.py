@@ -193,7 +193,7 @@ class Engine:
                 log.warning("ignoring the cached step-time profile %s: %s", cached, e)
         try:
             model = quick_step_time_model(self.runner, self.arch.vocab_size, self.block_size, self.num_blocks,
-                                          self.max_model_len)
+                                          self.max_model_len, self.tokenizer)
         except ValueError as e:
             if self.config.scheduler.max_step_ms_given and self.config.scheduler.max_step_ms > 0:
                 raise

@@ -94,7 +94,7 @@ def time_grid(runner, vocab_size: int, points: list[GridPoint], repeats: int = 3
 
 
 def quick_step_time_model(runner, vocab_size: int, block_size: int, num_blocks: int,
-                          max_len: int | None = None) -> ProfiledCostModel:
+                          max_len: int | None = None, tokenizer=None) -> ProfiledCostModel:
     """A quick profile of a live runner (an engine's own, before it serves): what max_step_ms predicts with
     when no profile file is given. Uses the runner's KV cache as scratch, so call it before any request."""
     # a block per request of rounding slack: the grid's largest batch has 32 requests
@@ -103,4 +103,17 @@ def quick_step_time_model(runner, vocab_size: int, block_size: int, num_blocks: 
         raise ValueError(f"a KV cache of {num_blocks} blocks (context {max_len}) is too small for the start-up profile; "
                          "give a profile file (paceline profile) instead")
     shapes, times = time_grid(runner, vocab_size, points, repeats=2, block_size=block_size)
-    return ProfiledCostModel.fit(shapes, times, {"quick": True, "source": "engine start-up"})
+    model = ProfiledCostModel.fit(shapes, times, {"quick": True, "source": "engine start-up"})
+    if tokenizer is not None:
+        model.mask_s_per_row = mask_cost(tokenizer, vocab_size)
+    return model
+
+
+def mask_cost(tokenizer, vocab_size: int) -> float:
+    """Per constrained row; 0 when this tokenizer cannot be constrained (structured outputs are refused then)."""
+    from paceline.model.structured import mask_time_per_row
+
+    try:
+        return mask_time_per_row(tokenizer, vocab_size)
+    except ValueError:
+        return 0.0

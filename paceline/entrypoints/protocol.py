@@ -173,6 +173,8 @@ UNSUPPORTED: dict[str, str] = {
     "reasoning_effort": "this server runs no reasoning models",
     "verbosity": "`verbosity` is not supported",
     "metadata": "stored completions are not supported, so `metadata` has nothing to label",
+    "moderation": "moderation is not supported",
+    "prompt_cache_options": "cache breakpoints and lifetimes are not supported; prefix caching is automatic",
     "guided_json": "use `response_format` or `structured_outputs` (vLLM's current spelling)",
     "guided_regex": "use `structured_outputs` (vLLM's current spelling)",
     "guided_choice": "use `structured_outputs` (vLLM's current spelling)",
@@ -343,6 +345,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     modalities: list[Literal["text"]] | None = None
+    # prefix-cache blocks live in memory until evicted, never longer: "in_memory" is what happens anyway
+    prompt_cache_retention: Literal["in_memory"] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

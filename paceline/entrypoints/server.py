@@ -556,6 +556,12 @@ class OpenAIServing:
                         if rest:
                             delta["content"] = delta.get("content", "") + rest
                 logprobs = self._chat_logprobs(out.new_token_ids, out.new_logprobs, top) if out.new_logprobs else None
+                if "tool_calls" in delta:
+                    # the calls, then finish_reason in a chunk of its own, as OpenAI sends them: the openai
+                    # client's stream helper closes a call (its arguments.done event) only on a later chunk
+                    yield sse({**chunk, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                                     "finish_reason": None}], **extra})
+                    delta, logprobs = {}, None
                 yield sse({**chunk, "choices": [{
                     "index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                     **({"stop_reason": out.stop_reason} if out.finished else {})}], **extra})

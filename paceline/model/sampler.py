@@ -86,7 +86,7 @@ class Sampler:
             state = state.advance(rows[i].output_token_ids)
             self._grammars[so] = state
             states.append(state)
-        allowed = fill_masks(states, logits.shape[1])
+        banned = fill_masks(states, logits.shape[1])
         watch = []
         for j, (i, state) in enumerate(zip(constrained, states)):
             r = rows[i]
@@ -96,23 +96,26 @@ class Sampler:
             left = r.params.max_tokens - len(r.output_token_ids)
             plan = state.closing_plan(left)
             first = (plan[0] if plan else r.eos_token_id) if plan is not None else None
-            if first is None or not allowed[j, first]:
+            if first is None or banned[j, first]:
                 continue
             if state.must_close(plan, left):
-                allowed[j] = False
-                allowed[j, first] = True
+                banned[j] = True
+                banned[j, first] = False
                 r.params.structured.cut_by_budget = True
             else:
                 watch.append((i, state, first, left))  # the model's pick is checked once sampled
-        allowed = allowed.to(logits.device)
-        sub = logits[constrained].masked_fill(~allowed, _NEG_INF)
+        banned = banned.to(logits.device)
+        whole = len(constrained) == logits.shape[0]  # every row constrained: mask in place, no gather/scatter
+        sub = logits if whole else logits[constrained]
+        sub.masked_fill_(banned, _NEG_INF)
         # nothing allowed (the grammar is done but min_tokens bans EOS): let EOS through rather than draw garbage
-        dead = torch.isinf(sub).all(dim=-1).nonzero().flatten().tolist()
+        dead = (sub.amax(dim=-1) == _NEG_INF).nonzero().flatten().tolist()
         for j in dead:
             eos = rows[constrained[j]].eos_token_id
             if eos is not None:
                 sub[j, eos] = 0.0
-        logits[constrained] = sub
+        if not whole:
+            logits[constrained] = sub
         return watch
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -7,7 +7,7 @@ CPU, compile time, and no triton/tvm dependency); outlines-core builds a full in
     so.compiled = compiler.compile(so)              # per request: ValueError for a bad schema/regex/grammar
     state = GrammarState(so.compiled)               # per request, in the sampler
     state.advance(output_token_ids)                 # feed what was sampled since last time
-    allowed = fill_masks([state, ...], vocab_size)  # bool [rows, vocab]
+    banned = fill_masks([state, ...], vocab_size)   # bool [rows, vocab], True where the grammar bans the token
 
 A matcher's state is a function of the request's output tokens only, so a preempted request (recompute or swap)
 keeps it, and one that is lost is rebuilt by replaying the output (GrammarState.advance does that when needed).
@@ -26,12 +26,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance as llg
 import llguidance.torch as llt
+import numpy as np
 import torch
 
 from paceline.sampling import StructuredOutputs
@@ -220,7 +222,9 @@ _executor: Any = None
 
 
 def fill_masks(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
-    """Allowed tokens of each state's next position: bool [len(states), vocab_size], filled in parallel."""
+    """Tokens each state's grammar bans at its next position: bool [len(states), vocab_size] (True = banned),
+    the batch filled in parallel by llguidance. The bitmask is unpacked by numpy in one pass: the torch shift-and
+    version runs many multithreaded passes, which cost ~10x more on a loaded 2-core host."""
     global _executor
     if _executor is None:
         _executor = llg.LLExecutor()
@@ -228,10 +232,32 @@ def fill_masks(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
     live = [(s.matcher, i) for i, s in enumerate(states) if not s.failed]
     if live:
         llt.fill_next_token_bitmask_par(_executor, live, bitmask)
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.view(len(states), -1)[:, :vocab_size].bool()
     for i, s in enumerate(states):
         if s.failed:  # a token the grammar refused got in (a stop id, ignore_eos): do not mask what is left
             log.debug("grammar matcher stopped or failed: %s", s.matcher.get_error())
-            allowed[i] = True
-    return allowed
+            bitmask[i] = -1
+    banned = np.unpackbits((~bitmask.numpy()).view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(banned).view(torch.bool)
+
+
+# what the start-up profile times masks on: a small record, the kind of schema apps send
+_PROFILE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                                     "tags": {"type": "array", "items": {"type": "string"}}},
+                   "required": ["name", "age", "tags"], "additionalProperties": False}
+_PROFILE_INSTANCE = '{"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "engines"]}'
+
+
+def mask_time_per_row(tokenizer: Any, vocab_size: int, rows: int = 32, repeats: int = 5) -> float:
+    """Seconds one constrained row adds to a step on this machine: one batch mask fill plus its application to
+    the logits, for `rows` matchers spread over the positions of a JSON record (inside strings, at keys, in an
+    array), divided by rows. The step-time model's per-masked-row term (core/step_time.py)."""
+    compiled = GrammarCompiler(tokenizer, vocab_size).compile(StructuredOutputs(json=json.dumps(_PROFILE_SCHEMA)))
+    path = tokenizer.encode(_PROFILE_INSTANCE, add_special_tokens=False)
+    states = [GrammarState(compiled).advance(path[:i * len(path) // rows]) for i in range(rows)]
+    logits = torch.zeros(rows, vocab_size)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first fill warms llguidance's per-state caches
+        t0 = time.perf_counter()
+        logits.masked_fill_(fill_masks(states, vocab_size), float("-inf"))
+        best = min(best, time.perf_counter() - t0)
+    return best / rows

@@ -8,6 +8,7 @@ import time
 
 from paceline.core.step_time import ProfiledCostModel
 from paceline.engine.profile import (BLOCK_SIZE, GridPoint, build_output, grid,  # noqa: F401  (re-exported)
+                                     mask_cost,
                                      quick_step_time_model, time_grid)
 
 
@@ -40,6 +41,7 @@ def run_profile(out_path: str, model: str | None = None, dtype: str = "float32",
             "quick": quick, "grid": [[p.chunks, p.decode_contexts] for p in points], "times_s": times}
     fitted = ProfiledCostModel.fit(shapes, times, meta)
     fitted.swap_s_per_block = _swap_time_per_block(bytes_per_token * BLOCK_SIZE)
+    fitted.mask_s_per_row = mask_cost(ckpt.tokenizer, arch.vocab_size)
     fitted.save(out_path)
     return fitted
 

@@ -90,9 +90,77 @@ def test_tool_round_trip(server, stream, choice):
                       {"id": call["id"], "type": "function",
                        "function": {"name": call["name"], "arguments": call["arguments"]}}]},
                  {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 18, "sky": "clear"}'}]
-    answer = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=30,
-                                            temperature=0)
+    if stream:  # the answer streamed too, gathered by the client's own accumulator
+        with client.chat.completions.stream(model=model, messages=messages, tools=[WEATHER], max_tokens=30,
+                                            temperature=0) as s:
+            answer = s.get_final_completion()
+    else:
+        answer = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=30,
+                                                temperature=0)
     assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_streamed_tool_call_deltas_through_the_clients_accumulator(server):
+    """The openai client's stream helper rebuilds the message from our deltas (index, id, type, name, arguments)
+    and fires its tool-call events: the shape is the one it expects, not just parseable JSON."""
+    client = server.openai
+    events = []
+    with client.chat.completions.stream(model=client.models.list().data[0].id, max_tokens=60, temperature=0,
+                                        messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER],
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}}) as s:
+        for event in s:
+            events.append(event.type)
+        final = s.get_final_completion()
+    call = final.choices[0].message.tool_calls[0]
+    assert final.choices[0].finish_reason == "tool_calls" and call.id and call.type == "function"
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "unit"}
+    assert "tool_calls.function.arguments.done" in events
+
+
+def test_parallel_tool_calls_caps_the_calls(server):
+    """required + parallel_tool_calls: false is at most one call; true lets the model list several (the grammar
+    still closes the list before max_tokens, so every call is whole)."""
+    client = server.openai
+    model = client.models.list().data[0].id
+    second = {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+                                               "parameters": {"type": "object", "additionalProperties": False,
+                                                              "properties": {"city": {"type": "string",
+                                                                                      "maxLength": 20}},
+                                                              "required": ["city"]}}}
+    kw = dict(model=model, messages=[{"role": "user", "content": "Weather and time in Paris, Rome and Oslo?"}],
+              tools=[WEATHER, second], tool_choice="required", max_tokens=120, temperature=1.0, seed=11, n=3)
+    one = client.chat.completions.create(parallel_tool_calls=False, **kw)
+    many = client.chat.completions.create(parallel_tool_calls=True, **kw)
+    assert [len(c.message.tool_calls) for c in one.choices] == [1, 1, 1]
+    counts = [len(c.message.tool_calls) for c in many.choices]
+    assert all(k >= 1 for k in counts) and max(counts) > 1, counts
+    for c in one.choices + many.choices:
+        assert c.finish_reason == "tool_calls"
+        for tc in c.message.tool_calls:
+            assert tc.function.name in ("get_weather", "get_time") and isinstance(json.loads(tc.function.arguments), dict)
+
+
+def test_chat_n_seed_stop_streamed_equal_whole(server):
+    """n, seed and stop through the openai client on chat: a seeded n=2 sample is the same streamed and whole,
+    and again; the stop string ends the choice that meets it, and is not in its text."""
+    client = server.openai
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=[{"role": "user", "content": "Tell me a short story about a cat."}],
+              max_tokens=24, temperature=1.0, seed=1234, n=2)
+    whole = client.chat.completions.create(**kw)
+    again = client.chat.completions.create(**kw)
+    texts = [c.message.content for c in whole.choices]
+    assert texts == [c.message.content for c in again.choices] and texts[0] != texts[1]
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == texts
+    stop = texts[0].split()[3]  # a word the seeded first choice writes
+    cut = client.chat.completions.create(stop=[stop], **kw)
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].message.content
+    assert texts[0].startswith(cut.choices[0].message.content)
 
 
 def test_tool_choice_none_and_logit_bias(server):
