@@ -39,8 +39,8 @@ def bench_linears(shapes: list[tuple[str, int, int]], rows: list[int], repeats: 
         first: dict[str, float] = {}
         for m in rows:
             x = torch.randn(m, k).to(torch.bfloat16)
-            fns = {"torch": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, tpack, INT4_GROUP, sz),
-                   "paceline": lambda: op(x, ppack, n, None)}
+            fns = {"torch": lambda x=x, tpack=tpack, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, tpack, INT4_GROUP, sz),
+                   "paceline": lambda x=x, ppack=ppack, n=n: op(x, ppack, n, None)}
             for f in fns.values():
                 timed(f, 5)
             ts = {name_: [] for name_ in fns}
@@ -76,7 +76,7 @@ def bench_steps(drafts: list[int], repeats: int, ctx: int) -> None:
         ts = {name: [] for name in engines}
         for _ in range(repeats):
             for name, e in engines.items():
-                ts[name] += timed(lambda: e.runner.execute(outs[name]), 1)
+                ts[name] += timed(lambda e=e, batch=outs[name]: e.runner.execute(batch), 1)
         med = {name: statistics.median(v) * 1e3 for name, v in ts.items()}
         if j == 0:
             plain = med

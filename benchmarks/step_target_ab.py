@@ -4,7 +4,8 @@ Run it from two checkouts back to back to compare a change (benchmarks/summaries
 
     flock -x /tmp/paceline-cpu.lock sh -c 'cd OLD && python NEW/benchmarks/step_target_ab.py tput; cd NEW && python benchmarks/step_target_ab.py tput'
 """
-import sys, json, statistics, time
+import json
+import sys
 from pathlib import Path
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
@@ -18,7 +19,8 @@ extra = sys.argv[2:]  # extra serve flags
 model = bundled_gguf()
 prompts = V.Prompts(PromptSource(load_tokenizer(model)), 0)
 sysm = V.this_checkout(paceline_system("sarathi", 0, model, 2, extra=extra))
-i = sysm.argv.index("--scheduler"); del sysm.argv[i:i + 4]
+i = sysm.argv.index("--scheduler")
+del sysm.argv[i:i + 4]
 print(" ".join(sysm.argv), flush=True)
 srv, st = V.start(sysm, Path(f"/tmp/lead/srv-{what}.log"))
 
@@ -46,6 +48,8 @@ try:
         st = steps_since(n0)
         show(st)
         top = sorted(st, key=lambda s: -s.get("duration", s.get("dur", 0)))[:8]
-        print("longest steps:"); [print(s) for s in top]
+        print("longest steps:")
+        for s in top:
+            print(s)
 finally:
     srv.stop()

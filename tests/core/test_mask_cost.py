@@ -40,7 +40,7 @@ def test_constrained_decodes_leave_a_smaller_chunk() -> None:
         for i in range(4):
             sched.add_request(constrained(f"d{i}", 8, 50) if kind == "constrained" else make_request(f"d{i}", 8, 50))
         t = 1.0
-        while not all(r.is_decoding for r in sched.running):
+        while sched.num_waiting or not all(r.is_decoding for r in sched.running):
             t += 1
             step(sched, t)
         sched.add_request(make_request("long", 1000, max_tokens=2, arrival=t))

@@ -53,7 +53,7 @@ def test_the_start_up_profile_is_kept_on_disk_per_setup(monkeypatch, tmp_path) -
 
     taken = []
 
-    def quick(runner, vocab_size, block_size, num_blocks, max_len):  # stands in for the ~10-30 s real one
+    def quick(runner, vocab_size, block_size, num_blocks, max_len, *rest):  # stands in for the ~10-30 s real one
         taken.append(num_blocks)
         return ProfiledCostModel(dict.fromkeys(FEATURES, 0.0) | {"constant": 0.01}, meta={"median_rel_error": 0.0})
 
