@@ -45,6 +45,10 @@ def step_summary(url: str, since: int) -> dict:
             "pred_p50_ms": statistics.median(s["pred"] for s in steps) * 1e3,
             "busy_fraction": sum(dur) / max(span, 1e-9),  # the rest is the engine between steps, or idle
             "seat_free_while_waiting": sum(1 for s in steps if s["running"] < SEATS and s["waiting"] > 0),
+            # what the server computed, whoever it was for: a fair order runs the light client's prompts (4 prompt
+            # tokens per output token) where fcfs runs heavy decodes, so output tokens alone understate its work
+            "decode_per_s": sum(s["decode"] for s in steps) / max(span, 1e-9),
+            "prefill_per_s": sum(s["prefill"] for s in steps) / max(span, 1e-9),
             "preempted": sum(s["preempted"] for s in steps), "records": steps}
 
 
@@ -147,10 +151,12 @@ def main() -> None:
                      f"{f['jain_index']:.3f}", f"{total:.1f}", f"{total / base_total:.3f}x" if base_total else "–",
                      f"{pre.get('per_s', 0):.2f}" if pre else "–", f"{pre.get('recomputed_tokens', 0):.0f}" if pre else "–",
                      f"{done['completed']}/{done['num_requests']}", f"{s['completed']}/{s['num_requests']}",
-                     f"{st['dur_p50_ms']:.0f} / {st['pred_p50_ms']:.0f}" if st.get("steps") else "–"])
+                     f"{st['dur_p50_ms']:.0f} / {st['pred_p50_ms']:.0f}" if st.get("steps") else "–",
+                     f"{st['decode_per_s']:.1f} / {st['prefill_per_s']:.1f}" if st.get("decode_per_s") is not None else "–"])
     table = markdown_table(["system", "round", "light TTFT p50 (ms)", "light TTFT p99 (ms)", "vs fcfs", "heavy TTFT p50 (s)",
                             "TBT p99 (ms)", "Jain", "out tok/s (window)", "vs fcfs", "preemptions/s",
-                            "recomputed tokens", "light done", "all done", "step p50 ms, measured / predicted"], rows)
+                            "recomputed tokens", "light done", "all done", "step p50 ms, measured / predicted",
+                            "server decode / prompt tok/s (run)"], rows)
     env = environment()
     text = (f"two-tenants, rate {args.rate}, {args.duration:.0f} s window, seed {args.seed}, {time.strftime('%Y-%m-%d')}, "
             f"{env['cpu']} ({env['cpus']} CPUs), commit {env['commit']}{' (dirty)' if env['dirty'] else ''}\n\n{table}\n")
