@@ -11,6 +11,7 @@ between settings of one run mean anything on a shared machine.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def main() -> None:
     p.add_argument("--settings", default="auto/auto,128/512", help="comma list of SEATS/BUDGET")
     p.add_argument("--max-step-ms", type=float, default=112.0, help="the step-time target every server gets")
     args = p.parse_args()
+    # a `timeout` around the run sends SIGTERM: exit through the `with Server` blocks so no server is left behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     spec = load_workload(args.workload)
     bench = Bench(args, spec, PromptSource(load_tokenizer(args.tokenizer)))
     model = bundled_gguf()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import time
@@ -141,6 +142,8 @@ def main() -> None:
                    help="simulate the paceline systems with this `paceline profile` JSON instead of serving")
     p.add_argument("--sim-slowdown", type=float, default=1.0, help="--simulate: multiply the profile's costs by this")
     args = p.parse_args()
+    # a `timeout` around the run sends SIGTERM: exit through the `with Server` blocks so no server is left behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     if args.table_only:
         saved = json.loads(Path(args.table_only).read_text())
