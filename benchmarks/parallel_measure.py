@@ -411,7 +411,7 @@ def workload_bodies(name: str, groups: int, per_group: int, seed: int) -> list[d
 ROUTERS = {"round_robin": {"policy": "round_robin"}, "least_outstanding": {"policy": "least_outstanding"},
            "prefix": {"policy": "prefix"},
            # the router before min_match_fraction: any match of a first chunk is followed
-           "prefix, any match": {"policy": "prefix", "min_match_fraction": 1e-9}}
+           "prefix_any_match": {"policy": "prefix", "min_match_fraction": 1e-9}}
 
 
 def replay_hits(bodies: list[dict], router_kwargs: dict, blocks: int, tokenizer, replicas: int = 2) -> dict:
