@@ -21,16 +21,22 @@ from paceline.model.structured import GrammarCompiler, mask_time_per_row  # noqa
 from paceline.sampling import StructuredOutputs  # noqa: E402
 
 
-def decode_steps(llm: LLM, params: list[SamplingParams]) -> list[float]:
+def decode_steps(llm: LLM, params: list[SamplingParams], steps: int) -> list[float]:
+    """Durations of the first `steps` steps that decode the whole batch (the requests are aborted after them)."""
     engine = llm.engine
-    for i, p in enumerate(params):
-        engine.add_request(f"r{i}-{id(p)}", "Give me a JSON record:", p)
-    times = []
-    while engine.has_unfinished():
+    ids = [f"r{i}-{id(p)}" for i, p in enumerate(params)]
+    for rid, p in zip(ids, params):
+        engine.add_request(rid, "Give me a JSON record:", p)
+    times: list[float] = []
+    while engine.has_unfinished() and len(times) < steps:
         engine.step()
         s = engine.last_step
         if s is not None and s.num_prefill_tokens == 0 and s.num_decode_tokens == len(params):
             times.append(s.duration)
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
     return times
 
 
@@ -38,8 +44,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=40)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="each request's budget (default --tokens: the whole run is within the budget closer's "
+                             "reach, the worst case; a larger one shows the mask alone)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    budget = args.max_tokens or args.tokens
     llm = LLM(kv_cache_memory_gb=0.5)
     compiler = GrammarCompiler(llm.engine.tokenizer, llm.engine.arch.vocab_size)
     names = list(SCHEMAS)
@@ -51,13 +61,13 @@ def main() -> None:
             if constrained:
                 so = StructuredOutputs(json=json.dumps(SCHEMAS[names[i % len(names)]][0]))
                 so.compiled = compiler.compile(so)
-            out.append(SamplingParams(temperature=1.0, seed=i, max_tokens=args.tokens, ignore_eos=True, structured=so))
+            out.append(SamplingParams(temperature=1.0, seed=i, max_tokens=budget, ignore_eos=True, structured=so))
         return out
 
     free, con, per_row = [], [], []
     for _ in range(args.rounds):
-        free += decode_steps(llm, params(False))
-        con += decode_steps(llm, params(True))
+        free += decode_steps(llm, params(False), args.tokens)
+        con += decode_steps(llm, params(True), args.tokens)
         per_row.append(mask_time_per_row(llm.engine.tokenizer, llm.engine.arch.vocab_size, rows=args.batch))
     f, c, m = statistics.median(free), statistics.median(con), statistics.median(per_row)
     print(f"batch {args.batch}: decode step median unconstrained {1e3 * f:.2f} ms ({len(free)} steps), "

@@ -66,7 +66,8 @@ class Sampler:
             tokens = self._choose(logits, rows)
             for i, state, first, left in watch:
                 if not state.keeps_budget(int(tokens[i]), left):  # it would leave too little room to finish
-                    tokens[i] = first
+                    plan = state.fresh_plan()  # the shortest way, as a forced close takes (first may be a longer one's)
+                    tokens[i] = plan[0] if plan else first
                     rows[i].params.structured.cut_by_budget = True
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw, tokens, rows)

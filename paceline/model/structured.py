@@ -144,6 +144,11 @@ class GrammarState:
     consumed: list[int] = field(default_factory=list)
     matcher: Any = None
     last_close: int = 0  # length of the closing path when last searched
+    # the last closing path found, reused while it still finishes the output: a search costs ~1 ms (hundreds of
+    # matcher probes), a check one call, and most tokens (string contents, digits) leave the way to finish unchanged
+    plan: list[int] | None = None
+    walk: bytes | None = None  # closing_bytes from the state after consumed[:walk_at]
+    walk_at: int = 0
 
     def __post_init__(self) -> None:
         self.matcher = llg.LLMatcher(self.compiled.tokenizer, self.compiled.grammar)
@@ -166,14 +171,32 @@ class GrammarState:
         return self.matcher.is_error()
 
     def closing_plan(self, tokens_left: int) -> list[int] | None:
-        """The tokens that finish the output from here, when `tokens_left` is within reach of needing them; None
-        further away (not searched) or when no short way was found."""
+        """A way to finish the output from here, when `tokens_left` is within reach of needing one; None further
+        away (not searched) or when no short way was found. The last path found is returned while it still
+        finishes; it may be longer than the shortest, so where it would force the close a fresh search decides."""
         if self.failed or tokens_left > max(self.compiled.initial_close, self.last_close) + 1 + CLOSE_SLACK + CLOSE_WINDOW:
             return None
-        plan = closing_tokens(self.matcher, self.compiled)
-        if plan is not None:
-            self.last_close = len(plan)
-        return plan
+        if self.plan is not None and _still_closes(self.matcher, self.plan) and not self.must_close(self.plan, tokens_left):
+            return self.plan
+        return self.fresh_plan()
+
+    def fresh_plan(self) -> list[int] | None:
+        """The shortest way to finish found by search (closing_tokens), remembered for later steps."""
+        self.plan = self._shortest()
+        if self.plan is not None:
+            self.last_close = len(self.plan)
+        return self.plan
+
+    def _shortest(self) -> list[int] | None:
+        """closing_tokens from here. The greedy walk is deterministic, so when what was consumed since the last
+        walk is a prefix of it (a forced close, token by token), the rest of it is what a new walk finds."""
+        if self.walk is not None:
+            done = self.compiled.tokenizer.decode_bytes(self.consumed[self.walk_at:])
+            if self.walk.startswith(done):
+                self.walk, self.walk_at = self.walk[len(done):], len(self.consumed)
+                return closing_tokens(self.matcher, self.compiled, self.walk)
+        self.walk, self.walk_at = closing_bytes(self.matcher, self.compiled), len(self.consumed)
+        return None if self.walk is None else closing_tokens(self.matcher, self.compiled, self.walk)
 
     @staticmethod
     def must_close(plan: list[int], tokens_left: int) -> bool:
@@ -184,8 +207,23 @@ class GrammarState:
         m = self.matcher.deep_copy()
         if m.try_consume_tokens([token]) != 1:
             return True  # EOS or a stop id: nothing left to close
-        plan = closing_tokens(m, self.compiled)
+        if self.plan is not None and _still_closes(m, self.plan) and not self.must_close(self.plan, tokens_left - 1):
+            return True  # the known way still fits, so the shortest one does too
+        path = None  # the walk from here, when the token is its first bytes (see _shortest)
+        if self.walk is not None and self.walk_at == len(self.consumed):
+            head = self.compiled.tokenizer.decode_bytes([token])
+            path = self.walk[len(head):] if self.walk.startswith(head) else None
+        plan = closing_tokens(m, self.compiled, path)
         return plan is not None and not self.must_close(plan, tokens_left - 1)
+
+
+def _still_closes(matcher: Any, plan: list[int]) -> bool:
+    """Whether `plan` takes `matcher` to a state that accepts EOS; the matcher is left as it was."""
+    n = matcher.try_consume_tokens(plan)
+    done = n == len(plan) and matcher.is_accepting()
+    if n:
+        matcher.rollback(n)
+    return done
 
 
 def closing_bytes(matcher: Any, compiled: CompiledGrammar) -> bytes | None:
@@ -206,9 +244,10 @@ def closing_bytes(matcher: Any, compiled: CompiledGrammar) -> bytes | None:
     return bytes(out)
 
 
-def closing_tokens(matcher: Any, compiled: CompiledGrammar) -> list[int] | None:
-    """closing_bytes as few tokens as the tokenizer makes of them (one per byte if that tokenization is refused)."""
-    path = closing_bytes(matcher, compiled)
+def closing_tokens(matcher: Any, compiled: CompiledGrammar, path: bytes | None = None) -> list[int] | None:
+    """closing_bytes (or `path`, found by it) as few tokens as the tokenizer makes of them (one per byte if that
+    tokenization is refused)."""
+    path = closing_bytes(matcher, compiled) if path is None else path
     if path is None:
         return None
     tokens = compiled.tokenizer.tokenize_bytes(path)
