@@ -3,6 +3,12 @@ without speculation, with n-gram speculation at a fixed k, and with adaptive k; 
 acceptance. Engines are built once; the runs alternate by configuration within each rate and workload.
 
     python benchmarks/spec_load.py --workloads quote,chat --rates 0.3 --num-requests 16
+    python benchmarks/spec_load.py --workloads chat --rates 0.5 --num-requests 16 --repeats 2
+
+With --repeats N the configurations run N times in turn, the order reversed every other time (A B C, C B A, ...)
+so that a drifting machine does not always favour the one that runs first; each repeat sends new prompts (another
+prompt epoch: no prefix-cache hits from the previous repeat) at the same arrival times. Each run is printed, then
+the mean over the repeats.
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--dtype", default="auto", help="auto: the default mode (int4 on this CPU); float32")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=1)
     args = p.parse_args()
     configs = {"plain": None,
                f"fixed k={args.k}": SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=3, adaptive=False),
@@ -71,12 +78,25 @@ def main() -> None:
         for rate in map(float, args.rates.split(",")):
             epoch += 1
             reqs = generate(spec, rate=rate, num_requests=args.num_requests, seed=args.seed)
-            prompts = build_prompts(source, reqs, args.seed, as_text=False, epoch=epoch, style=spec.prompt_style)
-            for name, eng in engines.items():
-                m = run(eng, reqs, prompts, f"{wl}{rate}")
-                print(f"| {wl} | {rate:g} | {name} | {m['tok_s']:.1f} | {m['tpot']:.1f} | {m['tbt_p50']:.0f} / {m['tbt_p99']:.0f} | "
-                      f"{m['ttft_p50']:.0f} | {m['acceptance']:.0%} | {m['mean_accepted']:.2f} |", flush=True)
+            runs: dict[str, list[dict]] = {name: [] for name in engines}
+            for rep in range(args.repeats):
+                prompts = build_prompts(source, reqs, args.seed, as_text=False, epoch=epoch + 1000 * rep,
+                                        style=spec.prompt_style)
+                names = list(engines) if rep % 2 == 0 else list(reversed(engines))
+                for name in names:
+                    m = run(engines[name], reqs, prompts, f"{wl}{rate}r{rep}")
+                    runs[name].append(m)
+                    label = name if args.repeats == 1 else f"{name} (run {rep + 1})"
+                    print(row(wl, rate, label, m), flush=True)
+            if args.repeats > 1:
+                for name, ms in runs.items():
+                    mean = {key: statistics.mean(m[key] for m in ms) for key in ms[0]}
+                    print(row(wl, rate, f"{name}, mean of {args.repeats}", mean), flush=True)
 
+
+def row(wl: str, rate: float, name: str, m: dict) -> str:
+    return (f"| {wl} | {rate:g} | {name} | {m['tok_s']:.1f} | {m['tpot']:.1f} | {m['tbt_p50']:.0f} / {m['tbt_p99']:.0f} | "
+            f"{m['ttft_p50']:.0f} | {m['acceptance']:.0%} | {m['mean_accepted']:.2f} |")
 
 if __name__ == "__main__":
     main()

@@ -223,7 +223,8 @@ def _library_path() -> tuple[Path, str, list[str]]:
     return cache_root() / "kernels" / f"int4_mm-{key}.so", f"paceline_int4_{key}", flags
 
 
-def _build(path: Path, namespace: str, flags: list[str]) -> None:
+def _build(path: Path, namespace: str, flags: list[str], source: str = SOURCE, what: str = "int4 matmul") -> None:
+    """Compile `source` (its NAMESPACE placeholder set) into `path` once; logits_kernel.py builds its op here too."""
     from torch.utils import cpp_extension
     cxx = _compiler()
     if cxx is None:
@@ -235,12 +236,12 @@ def _build(path: Path, namespace: str, flags: list[str]) -> None:
             return
         src = path.with_suffix(f".{os.getpid()}.cpp")
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        src.write_text(SOURCE.replace("NAMESPACE", namespace))
+        src.write_text(source.replace("NAMESPACE", namespace))
         lib_dirs = cpp_extension.library_paths()
         cmd = [cxx, *flags, *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
                str(src), "-o", str(tmp), *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
                "-lc10", "-ltorch_cpu"]
-        log.info("building the CPU int4 matmul kernel once (about a minute): %s", path)
+        log.info("building the CPU %s kernel once (about a minute): %s", what, path)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:

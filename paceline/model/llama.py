@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paceline.model import int4_kernel
+from paceline.model import int4_kernel, logits_kernel
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
@@ -420,9 +420,16 @@ class LlamaModel(nn.Module):
         self.norm32 = norm.float() if wide else None
         self.register_buffer("embed", embed)
         self.register_buffer("norm", norm)
-        self.lm_head = Linear(embed if lm_head is None else lm_head, None, pack)  # tied: shares the embedding
+        head = embed if lm_head is None else lm_head  # tied: shares the embedding
+        # the few rows of a decode or a verification on a CPU without native bf16 math: paceline's op reads the
+        # bf16 weight once for all rows (logits_kernel.py). With wide steps, oneDNN's bf16 matmul would then serve
+        # no row at all, so it is left unpacked (the plain weight is the embedding itself when tied: no copy).
+        op = (logits_kernel.load() if head.device.type == "cpu" and head.dtype == torch.bfloat16
+              and head.shape[1] % 8 == 0 and not cpu_has_bf16_math() else None)
+        self.few_row_logits = logits_kernel.FewRowLogits(head, op) if op is not None else None
+        self.lm_head = Linear(head, None, pack and not (self.few_row_logits is not None and wide))
         if wide:  # logits of many rows (a batch of decodes) in float32 too: several times faster than bf16 here
-            self.lm_head.wide = wide_linear(embed if lm_head is None else lm_head, None, pack, wide)
+            self.lm_head.wide = wide_linear(head, None, pack, wide)
         self.max_positions = max_positions or arch.max_position_embeddings
         self.register_buffer("rope", rope_table(arch, self.max_positions, embed.device))
         if wide == "int8":
@@ -541,4 +548,6 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for the rows that need a sample, in float32."""
         wide = self.wide_above is not None and hidden.shape[0] > self.wide_above
+        if not wide and self.few_row_logits is not None and hidden.shape[0] <= logits_kernel.MAX_ROWS:
+            return self.few_row_logits(hidden)
         return self.lm_head(hidden.float() if wide else hidden.to(self.dtype)).float()
