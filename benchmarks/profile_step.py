@@ -94,6 +94,7 @@ def scenarios(vocab: int, bs: int):
         "chunk 64 + 6 decodes": [[(1500, 0, 512, 64)] + [(150, 1, 150, 1)] * 6],
         "prefill 512 (fresh)": [[(512, 0, 0, 512)]],
         "prefill 1500 in 512-chunks": [[(1500, 0, s, min(512, 1500 - s))] for s in range(0, 1500, 512)],
+        "prefill 1500 in 1024-chunks": [[(1500, 0, s, min(1024, 1500 - s))] for s in range(0, 1500, 1024)],
         "prefill 1500 whole": [[(1500, 0, 0, 1500)]],
         # vs_vllm's 32-stream probe under the 150 ms step target: the step log's steady step (16-17 decodes at
         # context ~150 beside a ~25-token chunk of a fresh 100-token prompt), and the 64 decode-only steps
