@@ -236,9 +236,13 @@ INT4_GROUP = 32  # input features per scale/offset pair, as in GGUF's Q4_0/Q4_1 
 # 8x fewer bytes as codes than as float32: measured here (benchmarks/profile_step.py --compare
 # "int4_rows=0,int4_rows=64,int4_rows=512", 2026-11-23, whole steps of the bundled model) 9 rows 80.0 -> 33.9 ms,
 # 16 rows 87.1 -> 50.5, 32 rows 116.7 -> 81.7, 64 rows 176.0 -> 153.0, 32 decodes 172.1 -> 138.3; at 128 rows and
-# above the dense float32 matmul wins (306.9 vs 331.3 ms), compute then bounds the step.
+# above the dense float32 matmul wins (306.9 vs 331.3 ms), compute then bounds the step. The switch sits where the
+# two lines cross (~95 rows), so a step's cost has no jump there: the step-time model is linear in rows, and a jump
+# just past the rows a step-time target allows (~60-70 in a 150 ms step of the 32-stream probe) would make those
+# steps run ~15 % over their prediction (the likely cause of the 32-stream probe's p99 TBT of 215 ms, against 173
+# before, in a first run with the switch at 64: benchmarks/summaries/vs_vllm.md).
 # 0 or anything up to Int4Linear.DENSE_ABOVE: only the few-row steps.
-INT4_KERNEL_ROWS = 64
+INT4_KERNEL_ROWS = 96
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
