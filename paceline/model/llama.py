@@ -465,7 +465,9 @@ class LlamaModel(nn.Module):
         then replace each by an Int8Linear smoothed with the input magnitudes it saw. Random ids stand in for
         text: the large channels come from the weights (they are the same for any input), which is what the
         smoothing needs; the held-out quality (benchmarks/quality.py) is the check that this holds."""
-        n, bs = min(max(self.CALIBRATION_TOKENS, self.wide_above + 1), self.max_positions), 16
+        # more rows than the int4 codes serve (Int4Linear.kernel_rows): the stand-ins must see the calibration pass
+        kernel_rows = max((getattr(lin, "kernel_rows", 0) for lin, _ in self._wide_slots()), default=0)
+        n, bs = min(max(self.CALIBRATION_TOKENS, self.wide_above + 1, kernel_rows + 1), self.max_positions), 16
         ids = torch.randint(0, self.arch.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
         blocks = (n + bs - 1) // bs
         kv = torch.zeros(len(self.layers), 2, blocks, bs, self.arch.num_kv_heads, self.arch.head_dim,
