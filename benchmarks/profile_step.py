@@ -94,7 +94,15 @@ def scenarios(vocab: int, bs: int):
         "chunk 64 + 6 decodes": [[(1500, 0, 512, 64)] + [(150, 1, 150, 1)] * 6],
         "prefill 512 (fresh)": [[(512, 0, 0, 512)]],
         "prefill 1500 in 512-chunks": [[(1500, 0, s, min(512, 1500 - s))] for s in range(0, 1500, 512)],
+        "prefill 1500 in 1024-chunks": [[(1500, 0, s, min(1024, 1500 - s))] for s in range(0, 1500, 1024)],
         "prefill 1500 whole": [[(1500, 0, 0, 1500)]],
+        # vs_vllm's 32-stream probe under the 150 ms step target: the step log's steady step (16-17 decodes at
+        # context ~150 beside a ~25-token chunk of a fresh 100-token prompt), and the 64 decode-only steps
+        "probe32: 25-token chunk + 17 decodes": [[(100, 0, 0, 25)] + [(c, 1, c, 1) for c in ctx32[:17]]],
+        "probe32: 100-token prompt + 17 decodes": [[(100, 0, 0, 100)] + [(c, 1, c, 1) for c in ctx32[:17]]],
+        "probe32: 4 prompts of 100 + 16 decodes": [[(100, 0, 0, 100)] * 4 + [(c, 1, c, 1) for c in ctx32[:16]]],
+        # a wide step's cost against its rows (fresh prompt chunks): the intercept is the per-step cost
+        **{f"rows {n} (fresh chunk)": [[(n, 0, 0, n)]] for n in (9, 16, 32, 64, 128, 256)},
     }
 
 

@@ -73,6 +73,8 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
     ap.add_argument("--whole-only", action="store_true", help="skip the 8-token-chunk pass (the narrow path)")
+    ap.add_argument("--chunks", default="", help="further chunk sizes to prefill in, e.g. 64 (int4: steps up to "
+                    "INT4_KERNEL_ROWS rows run the int4 op on float32 activations)")
     ap.add_argument("--output", default=None, help="default benchmarks/results/quality-<time>.json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -85,7 +87,8 @@ def main() -> int:
         engine = Engine(EngineConfig(model=args.model, tbt_goal_ms=0, cache=CacheConfig(kv_cache_memory_gb=0.1), **kw))
         if windows is None:
             windows = held_out_windows(engine, args.tokens, args.window)
-        for chunk in (None,) if args.whole_only else (None, NARROW):
+        extra = [int(c) for c in args.chunks.split(",") if c]
+        for chunk in ((None,) if args.whole_only else (None, NARROW)) + tuple(extra):
             t0 = time.perf_counter()
             logits = logits_of(engine, windows, chunk)
             elapsed = time.perf_counter() - t0

@@ -5,6 +5,7 @@ Run it from two checkouts back to back to compare a change (benchmarks/summaries
     flock -x /tmp/paceline-cpu.lock sh -c 'cd OLD && python NEW/benchmarks/step_target_ab.py tput; cd NEW && python benchmarks/step_target_ab.py tput'
 """
 import json
+import tempfile
 import sys
 from pathlib import Path
 sys.path.insert(0, ".")
@@ -22,7 +23,7 @@ sysm = V.this_checkout(paceline_system("sarathi", 0, model, 2, extra=extra))
 i = sysm.argv.index("--scheduler")
 del sysm.argv[i:i + 4]
 print(" ".join(sysm.argv), flush=True)
-srv, st = V.start(sysm, Path(f"/tmp/lead/srv-{what}.log"))
+srv, st = V.start(sysm, Path(tempfile.gettempdir()) / f"paceline-step-ab-{what}.log")
 
 def steps_since(n0):
     return [s for s in httpx.get(srv.url + "/dashboard/steps").json()["models"][0]["steps"] if s["seq"] > n0]
@@ -31,7 +32,13 @@ def show(steps):
     print("keys", list(steps[0].keys()))
     for s in steps[:: max(1, len(steps)//50)]:
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if k not in ("t",)})
-    print("nsteps", len(steps), flush=True)
+    busy = sum(s["dur"] for s in steps)
+    span = steps[-1]["t"] - steps[0]["t"] + steps[0]["dur"]  # "t": when a step was recorded, after it ran
+    rows = [s["decode"] + s["prefill"] for s in steps]
+    print(f"nsteps {len(steps)}; model time {busy:.2f} s of {span:.2f} s from the first step's start to the last's end "
+          f"({100 * (1 - busy / span):.1f} % outside execute); rows per step mean {sum(rows) / len(rows):.1f}; "
+          f"measured / predicted {sum(s['dur'] for s in steps if s['pred']) / max(1e-9, sum(s['pred'] for s in steps if s['pred'])):.2f}",
+          flush=True)
 
 try:
     ep = sysm.endpoint(srv.url)

@@ -231,6 +231,18 @@ def wide_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, kin
 WIDE_ABOVE = 8
 
 INT4_GROUP = 32  # input features per scale/offset pair, as in GGUF's Q4_0/Q4_1 blocks
+# int4 models: steps of up to this many rows run paceline's own int4 op (int4_kernel.py) on the 4-bit codes, float32
+# (wide) steps included; larger ones the dense copy. A step of a few dozen rows is bound by reading the weights,
+# 8x fewer bytes as codes than as float32: measured here (benchmarks/profile_step.py --compare
+# "int4_rows=0,int4_rows=64,int4_rows=512", 2026-11-23, whole steps of the bundled model) 9 rows 80.0 -> 33.9 ms,
+# 16 rows 87.1 -> 50.5, 32 rows 116.7 -> 81.7, 64 rows 176.0 -> 153.0, 32 decodes 172.1 -> 138.3; at 128 rows and
+# above the dense float32 matmul wins (306.9 vs 331.3 ms), compute then bounds the step. The switch sits where the
+# two lines cross (~95 rows), so a step's cost has no jump there: the step-time model is linear in rows, and a jump
+# just past the rows a step-time target allows (~60-70 in a 150 ms step of the 32-stream probe) would make those
+# steps run ~15 % over their prediction (the likely cause of the 32-stream probe's p99 TBT of 215 ms, against 173
+# before, in a first run with the switch at 64: benchmarks/summaries/vs_vllm.md).
+# 0 or anything up to Int4Linear.DENSE_ABOVE: only the few-row steps.
+INT4_KERNEL_ROWS = 96
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,9 +275,12 @@ class Int4Linear:
 
     DENSE_ABOVE = 8
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, wide: str | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, wide: str | None = None,
+                 kernel_rows: int = 0):
         codes, scale, lo = int4_codes(weight)
         self.kernel = int4_kernel.load()
+        # rows up to which paceline's own int4 op serves any step, float32 (wide) inputs included; 0: DENSE_ABOVE
+        self.kernel_rows = max(kernel_rows, self.DENSE_ABOVE) if self.kernel is not None else 0
         if self.kernel is not None:
             self.packed = int4_kernel.pack(codes, scale, lo + 8 * scale)
         else:
@@ -287,6 +302,8 @@ class Int4Linear:
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.kernel_rows:  # reads x as float32 whatever its dtype, returns x's dtype
+            return self.kernel(x, self.packed, self.out_features, self.bias)
         if x.shape[0] > self.DENSE_ABOVE or x.dtype == torch.float32:
             return self.dense(x.to(self.dense.dtype)).to(x.dtype)
         if self.kernel is not None:
@@ -296,13 +313,13 @@ class Int4Linear:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, quantization: str,
-                dtype: torch.dtype, wide: str | None = None) -> "Linear | Int4Linear":
+                dtype: torch.dtype, wide: str | None = None, int4_rows: int = 0) -> "Linear | Int4Linear":
     """wide: None, or what serves the model's float32 (wide) steps: "fp32" or "int8" (see wide_linear)."""
     if quantization == "int4":
         if not Int4Linear.supports(weight, dtype):
             raise ValueError(f"int4 quantization needs a CPU, dtype bfloat16 and input sizes that are multiples "
                              f"of {INT4_GROUP}; got {weight.device.type}, {dtype} and {weight.shape[1]}")
-        return Int4Linear(weight, None if bias is None else bias.to(dtype), dtype, wide)
+        return Int4Linear(weight, None if bias is None else bias.to(dtype), dtype, wide, int4_rows)
     # the wide copy comes from the checkpoint's weight, not from its rounding to the run dtype
     lin = Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack)
     if wide and dtype != torch.float32:
@@ -353,19 +370,20 @@ def _permute_heads(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tens
 
 class LlamaLayer(nn.Module):
     def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor], pack: bool = True, quantization: str = "none",
-                 dtype: torch.dtype | None = None, wide: str | None = None):
+                 dtype: torch.dtype | None = None, wide: str | None = None, int4_rows: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
         self.scale = arch.head_dim ** -0.5
         dtype = dtype or w["qkv"].dtype
-        self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), pack, quantization, dtype, wide)
-        self.o = make_linear(w["o"], None, pack, quantization, dtype, wide)
-        self.gate_up = make_linear(w["gate_up"], None, pack, quantization, dtype, wide)
+        self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), pack, quantization, dtype, wide, int4_rows)
+        self.o = make_linear(w["o"], None, pack, quantization, dtype, wide, int4_rows)
+        self.gate_up = make_linear(w["gate_up"], None, pack, quantization, dtype, wide, int4_rows)
         # int8 wide steps keep `down` in float32: its input has outliers that belong to tokens (up to ~90x the
         # row's median), which neither smoothing nor fixed outlier channels catch; int8 there alone cost ~3 % of
         # top-1 agreement on the bundled model (benchmarks/summaries/int8_wide.md)
-        self.down = make_linear(w["down"], None, pack, quantization, dtype, "fp32" if wide == "int8" else wide)
+        self.down = make_linear(w["down"], None, pack, quantization, dtype, "fp32" if wide == "int8" else wide,
+                                int4_rows)
         self.register_buffer("input_norm", w["input_norm"])
         self.register_buffer("post_norm", w["post_norm"])
         # float32 steps (wide) read float32 norm weights: rms_norm wants its input's dtype
@@ -397,7 +415,8 @@ class LlamaModel(nn.Module):
 
     def __init__(self, arch: ModelArch, layers: list[dict[str, torch.Tensor]], embed: torch.Tensor, norm: torch.Tensor,
                  lm_head: torch.Tensor | None, max_positions: int | None = None, pack: bool = True,
-                 quantization: str = "none", wide_above: int | str | None = "auto", wide_linears: str = "auto"):
+                 quantization: str = "none", wide_above: int | str | None = "auto", wide_linears: str = "auto",
+                 int4_rows: int | None = None):
         super().__init__()
         self.arch = arch
         self.quantization = quantization
@@ -416,7 +435,9 @@ class LlamaModel(nn.Module):
         # what the wide steps' linears run: None when there are no wide steps
         self.wide_linears = wide = wide_linears if self.wide_above is not None else None
         # the LM head (and the embedding it may share) stays in the run dtype: GGUFs keep it at 6-8 bits
-        self.layers = nn.ModuleList(LlamaLayer(arch, w, pack, quantization, embed.dtype, wide) for w in layers)
+        int4_rows = INT4_KERNEL_ROWS if int4_rows is None else int4_rows
+        self.layers = nn.ModuleList(LlamaLayer(arch, w, pack, quantization, embed.dtype, wide, int4_rows)
+                                    for w in layers)
         self.norm32 = norm.float() if wide else None
         self.register_buffer("embed", embed)
         self.register_buffer("norm", norm)
@@ -451,7 +472,9 @@ class LlamaModel(nn.Module):
         then replace each by an Int8Linear smoothed with the input magnitudes it saw. Random ids stand in for
         text: the large channels come from the weights (they are the same for any input), which is what the
         smoothing needs; the held-out quality (benchmarks/quality.py) is the check that this holds."""
-        n, bs = min(max(self.CALIBRATION_TOKENS, self.wide_above + 1), self.max_positions), 16
+        # more rows than the int4 codes serve (Int4Linear.kernel_rows): the stand-ins must see the calibration pass
+        kernel_rows = max((getattr(lin, "kernel_rows", 0) for lin, _ in self._wide_slots()), default=0)
+        n, bs = min(max(self.CALIBRATION_TOKENS, self.wide_above + 1, kernel_rows + 1), self.max_positions), 16
         ids = torch.randint(0, self.arch.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
         blocks = (n + bs - 1) // bs
         kv = torch.zeros(len(self.layers), 2, blocks, bs, self.arch.num_kv_heads, self.arch.head_dim,
@@ -476,7 +499,8 @@ class LlamaModel(nn.Module):
     def from_weights(cls, arch: ModelArch, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32, max_positions: int | None = None,
                      pack: bool = True, quantization: str = "none",
-                     wide_above: int | str | None = "auto", wide_linears: str = "auto") -> "LlamaModel":
+                     wide_above: int | str | None = "auto", wide_linears: str = "auto",
+                     int4_rows: int | None = None) -> "LlamaModel":
         """Build from Hugging Face-named tensors; a missing tensor is a ValueError naming it.
 
         pack=False keeps plain F.linear weights (no oneDNN prepacking). quantization="int4" holds the layers'
@@ -531,7 +555,7 @@ class LlamaModel(nn.Module):
         else:
             lm_head = put(weights["lm_head.weight"])
         return cls(arch, layers, embed, put(get("model.norm.weight")), lm_head, max_positions, pack, quantization,
-                   wide_above, wide_linears)
+                   wide_above, wide_linears, int4_rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
