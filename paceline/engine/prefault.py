@@ -4,8 +4,8 @@ Why: the KV pool (2 GiB by default) is allocated with torch.empty, which on CPU 
 zeroes page by page on first write. Start-up stays fast, but the process then grows for hours as blocks are first
 written (the free queue hands out never-used blocks before cached ones), each first write of a block pays a few
 hundred page faults inside a step, and a machine short of memory fails late, under load, instead of at start.
-Measured: a 30-minute soak's RSS rose +17.8 % after warm-up (benchmarks/summaries/soak.md), while a server whose
-pool is resident from the start stays flat. vLLM allocates its KV cache up front for the same reasons.
+A 30-minute soak's RSS rose +17.8 % after its warm-up that way (benchmarks/summaries/soak.md). vLLM allocates its
+KV cache up front for the same reasons.
 
 How: madvise(MADV_POPULATE_WRITE) (Linux >= 5.14) faults every page in as if written, but writes nothing, so it
 may run on a background thread while the engine already writes blocks: no race on the contents, and start-up
