@@ -37,6 +37,7 @@ QUESTIONS = ["Why is the sky blue?", "What is a prime number?", "How do bees mak
 MAX_TOKENS = (16, 32, 48)
 FAULTS = ("sampler", "nan", "detokenize", "stop")
 AUTH: dict[str, str] = {}  # {"Authorization": "Bearer KEY"} for a server started with --api-key
+CLIENT_TIMEOUT_S = [300.0]  # a well-behaved client's patience (--client-timeout-s); past it, its request is lost
 
 
 @dataclass
@@ -312,7 +313,7 @@ async def phase(name: str, url: str, seconds: float, rate: float, abuse_rate: fl
                 book: Book, rng: random.Random, stream_share: float) -> None:
     host, port = url.split("//")[1].split(":")
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=50)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits, headers=AUTH) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S[0], limits=limits, headers=AUTH) as client:
         tasks = []
         end = time.monotonic() + seconds
 
@@ -329,9 +330,17 @@ async def phase(name: str, url: str, seconds: float, rate: float, abuse_rate: fl
         await asyncio.gather(*tasks)
 
 
-async def sampler(url: str, pid: int | None, samples: list, stop: asyncio.Event, every_s: float) -> None:
+async def sampler(url: str, pid: int | None, samples: list, stop: asyncio.Event, every_s: float,
+                  partial: str | None = None) -> None:
+    """Samples /metrics and the memory every every_s; every minute they also go to `partial` (a run cut short
+    keeps its memory curve)."""
     t0 = time.monotonic()
+    next_dump = t0 + 60
     while not stop.is_set():
+        if partial and time.monotonic() >= next_dump:
+            next_dump += 60
+            with open(partial, "w") as f:
+                json.dump(samples, f)
         try:
             m = await asyncio.to_thread(metrics, url)
             samples.append({"t": time.monotonic() - t0, "rss_mb": rss_mb(pid), "memory_mb": memory_mb(pid),
@@ -349,11 +358,12 @@ async def sampler(url: str, pid: int | None, samples: list, stop: asyncio.Event,
 async def main_async(args: argparse.Namespace, pid: int | None) -> dict:
     rng = random.Random(args.seed)
     book = Book()
-    async with httpx.AsyncClient(base_url=args.url, timeout=300, headers=AUTH) as c:
+    async with httpx.AsyncClient(base_url=args.url, timeout=CLIENT_TIMEOUT_S[0], headers=AUTH) as c:
         refs = await reference(c)
     samples: list = []
     stop = asyncio.Event()
-    watch = asyncio.ensure_future(sampler(args.url, pid, samples, stop, args.sample_s))
+    watch = asyncio.ensure_future(sampler(args.url, pid, samples, stop, args.sample_s,
+                                          args.output + ".partial" if args.output else None))
     t0 = time.monotonic()
     clean_s = args.phase_s if args.clean_s is None else args.clean_s
     abuse_s = args.phase_s if args.abuse_s is None else args.abuse_s
@@ -456,6 +466,8 @@ def main() -> None:
     p.add_argument("--abuse-rate", type=float, default=2.0, help="abusive requests per second in the abuse phase")
     p.add_argument("--sample-s", type=float, default=2.0, help="how often /metrics and the RSS are sampled")
     p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    p.add_argument("--client-timeout-s", type=float, default=300.0,
+                   help="how long a client waits for an answer (a niced run on a busy machine is slow, not broken)")
     p.add_argument("--start-timeout-s", type=float, default=300.0,
                    help="how long the started server may take to answer /health (a niced run on a busy machine)")
     p.add_argument("--seed", type=int, default=0)
@@ -463,6 +475,7 @@ def main() -> None:
     args = p.parse_args(argv)
     if args.api_key:
         AUTH["Authorization"] = f"Bearer {args.api_key}"
+    CLIENT_TIMEOUT_S[0] = args.client_timeout_s
     proc = None
     if args.start_server:
         proc, args.url = start_server(server_args, args.start_timeout_s)
