@@ -6,7 +6,7 @@ OpenAI-style, and whether the server still answers a plain request afterwards.
 The same document and the same generated cases (hypothesis derandomized) go to every system, so a peer is
 judged on the very requests paceline got; where a peer lacks an operation it answers 404, counted like any 4xx.
 The cases are changed in two ways only, for time on a 2-core CPU: max_tokens / max_completion_tokens / min_tokens
-are capped at 8 (and set to 8 where absent, else a valid request could generate up to the context length), n and
+are capped at 8 (and set to 8 where absent or null, else a valid request could generate up to the context length), n and
 best_of at 4, a batch of prompts at its first 4; `model`, where a positive case carries one, is the server's own name (else every positive case is a 404).
 
     python benchmarks/fuzz_api.py --system paceline --examples 300 --output /tmp/fuzz-paceline.json
@@ -54,7 +54,8 @@ def adjust(case, model: str, mode: GenerationMode) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         body["prompt"] = prompt[:MAX_PROMPTS]
-    if case.path.startswith("/v1/") and "max_tokens" not in body and "max_completion_tokens" not in body:
+    # absent or null (a null asks for as many as the context allows: thousands of tokens, minutes on a CPU)
+    if case.path.startswith("/v1/") and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 8
     if mode == GenerationMode.POSITIVE and isinstance(body.get("model"), str):
         body["model"] = model
