@@ -363,7 +363,7 @@ async def main_async(args: argparse.Namespace, pid: int | None) -> dict:
     samples: list = []
     stop = asyncio.Event()
     watch = asyncio.ensure_future(sampler(args.url, pid, samples, stop, args.sample_s,
-                                          args.output + ".partial" if args.output else None))
+                                          args.output + ".partial" if getattr(args, "output", None) else None))
     t0 = time.monotonic()
     clean_s = args.phase_s if args.clean_s is None else args.clean_s
     abuse_s = args.phase_s if args.abuse_s is None else args.abuse_s
