@@ -49,7 +49,8 @@ def adjust(case, model: str, mode: GenerationMode) -> None:
     if not isinstance(body, dict):
         return
     for key, cap in CAPS.items():
-        if isinstance(body.get(key), int) and not isinstance(body[key], bool) and body[key] > cap:
+        value = body.get(key)  # 2255.0 too: JSON Schema's integer includes it, and vLLM takes it as 2255
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > cap:
             body[key] = cap
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
