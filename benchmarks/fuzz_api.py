@@ -50,7 +50,8 @@ def adjust(case, model: str, mode: GenerationMode) -> None:
         return
     for key, cap in CAPS.items():
         value = body.get(key)  # 2255.0 too: JSON Schema's integer includes it, and vLLM takes it as 2255
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > cap:
+        whole = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+        if whole and value > cap:  # a fraction stays: it is a negative case's invalid value
             body[key] = cap
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
