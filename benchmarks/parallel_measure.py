@@ -3,6 +3,8 @@
     python benchmarks/parallel_measure.py tp   # step time and time in collectives, TP=2 vs one process
     python benchmarks/parallel_measure.py pp   # PP=2 Engine vs one process: per-step overhead, bubble; chunked vs whole
     python benchmarks/parallel_measure.py ray  # prefix-cache hit rate over 2 Ray Serve replicas, by routing policy
+    python benchmarks/parallel_measure.py replay  # the same without Ray or a model: the real Router and KV cache
+    python benchmarks/parallel_measure.py overhead  # one process vs TP=2 vs PP=2, same steps: compute vs waiting
     python benchmarks/parallel_measure.py allreduce  # microseconds per gloo all-reduce between 2 processes
 
 Every rank runs one thread (the driver too). On a machine with fewer cores than ranks nothing can get faster; the
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -25,10 +28,17 @@ from paceline.engine.engine import Engine
 from paceline.model.loader import load_checkpoint
 from paceline.parallel.executor import build_runner
 from paceline.parallel.pipeline import run_pipelined
-from paceline.parallel.routing import shared_prefix_workload
+from paceline.core.kv_cache import KVCacheManager
+from paceline.parallel.routing import Router, common_preamble_chats, shared_prefix_workload
+from paceline.request import Request
 from paceline.sampling import SamplingParams
 
 BLOCK_SIZE = 16
+
+
+def down(x: float, digits: int = 4) -> float:
+    """x cut to `digits` decimals, never rounded up (figures in the docs are not)."""
+    return math.floor(x * 10 ** digits) / 10 ** digits
 
 
 def prompt_lengths(n: int, low: int, high: int) -> list[int]:
@@ -199,6 +209,113 @@ def measure_pp(args) -> dict:
     return out
 
 
+def timed_steps(tp: int, pp: int, prompts: list[list[int]], max_tokens: int, budget: int) -> dict:
+    """The prompts through a real Engine (float32, token budget only, so every layout runs the same steps), every
+    rank one thread. Per step: the step's time, rank 0's time inside the model call (forward_tokens: for TP=2 and
+    PP=2 it includes sending the step and waiting for the other rank), and each rank's timers (compute, waiting),
+    read after the step so that reading them is not timed."""
+    torch.set_num_threads(1)
+    config = EngineConfig(dtype="float32", quantization="none", tbt_goal_ms=0, tensor_parallel_size=tp,
+                          pipeline_parallel_size=pp, cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=256,
+                                                                       swap_space_gb=0),
+                          scheduler=SchedulerConfig("stall-free", max_num_batched_tokens=budget))
+    engine = Engine(config)
+    torch.set_num_threads(1)
+    runner = engine.runner
+    parallel = tp * pp > 1
+    if parallel:
+        runner.collect_stats()
+    model_s = [0.0]
+    forward = runner.forward_tokens
+
+    def timed_forward(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return forward(*a, **kw)
+        finally:
+            model_s[0] += time.perf_counter() - t0
+
+    runner.forward_tokens = timed_forward
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    steps, outputs = [], {}
+    while engine.has_unfinished():
+        model_s[0] = 0.0
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        s = engine.last_step
+        if s is None:
+            continue
+        step = {"prefill": s.num_prefill_tokens, "decode": s.num_decode_tokens, "step_s": s.duration,
+                "model_s": model_s[0]}
+        if parallel:
+            step["ranks"] = [(t.forward_s, t.comm_s) for t in runner.collect_stats()]
+        steps.append(step)
+    if parallel:
+        runner.close()
+    return {"steps": steps, "outputs": outputs}
+
+
+def breakdown(tp: int, pp: int, steps: list[dict]) -> dict:
+    """Mean ms per step of each part. TP: the all-reduces run inside the layers, so a rank's compute is its model
+    time less its time in collectives (rank 0's also counts broadcasting the step); PP with one step in flight:
+    the stages run one after the other, so rank 0's model call minus both stages' compute is the time the step
+    spent on neither: sending the step, the hidden states and the logits rows, and waking the other process."""
+    n = len(steps)
+    ms = lambda xs: round(1e3 * sum(xs) / n, 2)  # noqa: E731
+    out = {"steps": n, "step_ms": ms(s["step_s"] for s in steps), "model_call_ms": ms(s["model_s"] for s in steps)}
+    if tp > 1:
+        out["rank0_compute_ms"] = ms(s["model_s"] - s["ranks"][0][1] for s in steps)
+        out["rank0_in_collectives_ms"] = ms(s["ranks"][0][1] for s in steps)
+        out["rank1_compute_ms"] = ms(s["ranks"][1][0] - s["ranks"][1][1] for s in steps)
+        out["rank1_in_collectives_ms"] = ms(s["ranks"][1][1] for s in steps)
+    elif pp > 1:
+        out["stage0_compute_ms"] = ms(s["ranks"][0][0] for s in steps)
+        out["stage1_compute_ms"] = ms(s["ranks"][1][0] for s in steps)
+        out["neither_stage_computing_ms"] = ms(s["model_s"] - s["ranks"][0][0] - s["ranks"][1][0] for s in steps)
+    return out
+
+
+def measure_overhead(args) -> dict:
+    """One process, TP=2 and PP=2 on the same steps, twice in turn (one, TP, PP, one, TP, PP) so that drift shows
+    as a difference between the rounds; how much CPU other processes took meanwhile (the run is clean only if
+    that is near 0)."""
+    import psutil
+
+    vocab = load_checkpoint(None).arch.vocab_size
+    prompts = prompts_of(prompt_lengths(args.requests, 8, args.max_prompt), vocab)
+    layouts = {"one process": (1, 1), "TP=2": (2, 1), "PP=2": (1, 2)}
+    me = psutil.Process()
+    busy0, t0 = psutil.cpu_times(), time.perf_counter()
+    mine0 = sum(me.cpu_times()[:4])
+    rounds, reference, ours_children = [], None, 0.0
+    for _ in range(args.rounds):
+        result: dict = {}
+        for name, (tp, pp) in layouts.items():
+            run = timed_steps(tp, pp, prompts, args.max_tokens, args.budget)
+            ct = me.cpu_times()
+            ours_children = ct.children_user + ct.children_system  # joined ranks count here
+            reference = reference or run["outputs"]
+            kinds = {"prefill steps": [s for s in run["steps"] if s["prefill"]],
+                     "decode-only steps": [s for s in run["steps"] if not s["prefill"]]}
+            result[name] = {k: breakdown(tp, pp, v) for k, v in kinds.items() if v}
+            result[name]["same_tokens"] = run["outputs"] == reference
+            result[name]["schedule"] = [(s["prefill"], s["decode"]) for s in run["steps"]]
+        same_steps = len({json.dumps(r["schedule"]) for r in result.values()}) == 1
+        for r in result.values():
+            del r["schedule"]
+        result["same steps in every layout"] = same_steps
+        rounds.append(result)
+    wall = time.perf_counter() - t0
+    busy1 = psutil.cpu_times()
+    system = sum(getattr(busy1, f) - getattr(busy0, f) for f in ("user", "nice", "system", "irq", "softirq"))
+    ours = sum(me.cpu_times()[:2]) - mine0 + ours_children
+    return {"rounds": rounds, "wall_s": round(wall, 1), "cpu_count": os.cpu_count(),
+            "cpu_s_all_processes": round(system, 1), "cpu_s_this_benchmark": round(ours, 1),
+            "other_processes_share_of_2_cores": round(max(0.0, system - ours) / (wall * os.cpu_count()), 4)}
+
+
 def _allreduce_rank(rank: int, port: int, shapes: list[tuple[int, int]], repeats: int, results) -> None:
     from paceline.parallel.comm import init_groups
 
@@ -252,48 +369,141 @@ def measure_ray(args) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    prompts = shared_prefix_workload(args.groups, args.per_group)
-    out: dict = {"requests": len(prompts), "groups": args.groups}
-    for blocks in [int(b) for b in str(args.replica_blocks).split(",")]:
-        engine = {"block_size": BLOCK_SIZE, "num_blocks": blocks, "served_model_name": "m"}
-        rates: dict = {}
-        for policy in ("round_robin", "least_outstanding", "prefix"):
-            t0 = time.perf_counter()
-            serve.run(ray_serve.build(2, engine, policy), name="paceline", route_prefix="/")
-            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-            for p in prompts:
-                client.completions.create(model="m", prompt=p, max_tokens=1, temperature=0)
-            stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/paceline/replicas").read())
-            hits, queries = sum(s["prefix_cache_hits"] for s in stats), sum(s["prefix_cache_queries"] for s in stats)
-            rates[policy] = {"hit_rate": round(hits / queries, 4), "hit_tokens": hits, "prompt_tokens": queries,
-                             "routed_per_replica": [s["routed"] for s in stats],
-                             "elapsed_s": round(time.perf_counter() - t0, 1)}
-            serve.delete("paceline")
-        rates["prefix / round_robin"] = round(rates["prefix"]["hit_rate"] / rates["round_robin"]["hit_rate"], 3)
-        rates["prefix / least_outstanding"] = round(rates["prefix"]["hit_rate"]
-                                                    / rates["least_outstanding"]["hit_rate"], 3)
-        out[f"{blocks} blocks per replica"] = rates
+    out: dict = {"groups": args.groups, "per_group": args.per_group}
+    for workload in args.workload.split(","):
+        bodies = workload_bodies(workload, args.groups, args.per_group, 0)
+        for blocks in [int(b) for b in str(args.replica_blocks).split(",")]:
+            engine = {"block_size": BLOCK_SIZE, "num_blocks": blocks, "served_model_name": "m"}
+            rates: dict = {}
+            for name in args.routers.split(","):
+                kwargs = dict(ROUTERS[name])
+                t0 = time.perf_counter()
+                serve.run(ray_serve.build(2, engine, kwargs.pop("policy"), router_kwargs=kwargs), name="paceline",
+                          route_prefix="/")
+                client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+                for b in bodies:
+                    if "messages" in b:
+                        client.chat.completions.create(model="m", messages=b["messages"], max_tokens=1, temperature=0)
+                    else:
+                        client.completions.create(model="m", prompt=b["prompt"], max_tokens=1, temperature=0)
+                stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/paceline/replicas").read())
+                hits, queries = (sum(s["prefix_cache_hits"] for s in stats),
+                                 sum(s["prefix_cache_queries"] for s in stats))
+                rates[name] = {"hit_rate": down(hits / queries), "hit_tokens": hits, "prompt_tokens": queries,
+                               "routed_per_replica": [s["routed"] for s in stats],
+                               "elapsed_s": round(time.perf_counter() - t0, 1)}
+                serve.delete("paceline")
+            if "prefix" in rates and "round_robin" in rates:
+                rates["prefix / round_robin"] = down(rates["prefix"]["hit_tokens"] / rates["round_robin"]["hit_tokens"], 3)
+            out[f"{workload}, {blocks} blocks per replica"] = rates
     serve.shutdown()
     ray.shutdown()
     return out
 
 
+def workload_bodies(name: str, groups: int, per_group: int, seed: int) -> list[dict]:
+    """The requests of a shared-prefix workload as OpenAI request bodies, each tagged with its group (`_group`,
+    stripped before sending). system-prompts: completions under `groups` long system prompts; chat-preamble: chats
+    that all start with the stock system prompt, then share a document by group."""
+    if name == "system-prompts":
+        return [{"prompt": p, "_group": p.split("(desk ")[1].split(")")[0]}
+                for p in shared_prefix_workload(groups, per_group, seed)]
+    if name == "chat-preamble":
+        return [{"messages": m, "_group": m[1]["content"].split("(file ")[1].split(")")[0]}
+                for m in common_preamble_chats(groups, per_group, seed)]
+    raise ValueError(f"unknown workload {name!r}")
+
+
+ROUTERS = {"round_robin": {"policy": "round_robin"}, "least_outstanding": {"policy": "least_outstanding"},
+           "prefix": {"policy": "prefix"},
+           # the router before min_match_fraction: any match of a first chunk is followed
+           "prefix_any_match": {"policy": "prefix", "min_match_fraction": 1e-9}}
+
+
+def replay_hits(bodies: list[dict], router_kwargs: dict, blocks: int, tokenizer, replicas: int = 2) -> dict:
+    """The bodies sent one at a time to `replicas` replicas, each with the engine's own KV cache manager of `blocks`
+    blocks (prefix caching on, one output token, freed tail first as the engine does): the prefix-cache hit rate
+    the Ray run measures, with no model and no Ray. Every miss of a shared block is put down to its cause: `cold`
+    (the group's first request: no router avoids it), `split` (its group went to another replica before), `evicted`
+    (this replica had the group's blocks and evicted them)."""
+    router = Router(replicas, **router_kwargs)
+    kvs = [KVCacheManager(blocks, BLOCK_SIZE) for _ in range(replicas)]
+    params = SamplingParams(max_tokens=1)
+    ids = [tokenizer.encode(tokenizer.apply_chat_template(b["messages"]), add_special_tokens=False)
+           if "messages" in b else tokenizer.encode(b["prompt"]) for b in bodies]
+    shared: dict[str, list[int]] = {}  # group -> the token prefix all its requests share
+    for b, t in zip(bodies, ids):
+        s = shared.setdefault(b["_group"], t)
+        n = next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
+        shared[b["_group"]] = s[:n]
+    seen: dict[str, set[int]] = {}
+    misses = {"cold": 0, "split": 0, "evicted": 0}
+    for i, (body, tokens) in enumerate(zip(bodies, ids)):
+        r = router.order({k: v for k, v in body.items() if k != "_group"})[0]
+        kv, req = kvs[r], Request(f"r{i}", tokens, params, 0.0)
+        cached = kv.find_cached_prefix(req)
+        assert kv.allocate(req, len(tokens) - len(cached) * BLOCK_SIZE, cached)
+        kv.record_prefix_query(len(tokens), len(cached) * BLOCK_SIZE)
+        req.num_computed_tokens = len(tokens)
+        kv.register_computed(req)
+        kv.free(req)
+        kv.forget(req.request_id)
+        group = body["_group"]
+        if len(cached) < min(len(shared[group]), len(tokens) - 1) // BLOCK_SIZE:
+            cause = "cold" if group not in seen else "split" if r not in seen[group] else "evicted"
+            misses[cause] += 1
+        seen.setdefault(group, set()).add(r)
+    hits, queries = sum(k.prefix_hits for k in kvs), sum(k.prefix_queries for k in kvs)
+    return {"hit_rate": down(hits / queries), "hit_tokens": hits, "prompt_tokens": queries,
+            "requests_missing_shared_blocks": misses, "routed_per_replica": router.routed}
+
+
+def measure_replay(args) -> dict:
+    """Every router on every workload, cache size and shuffle (seed), by replay_hits: which misses each router has
+    and why, and how far the prefix / round-robin ratio moves with the order the requests come in."""
+    from paceline.bench.prompts import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    out: dict = {"groups": args.groups, "per_group": args.per_group}
+    for workload in args.workload.split(","):
+        for blocks in [int(b) for b in str(args.replica_blocks).split(",")]:
+            runs, ratios = {}, []
+            for seed in range(args.seeds):
+                bodies = workload_bodies(workload, args.groups, args.per_group, seed)
+                run = {name: replay_hits(bodies, kw, blocks, tokenizer) for name, kw in ROUTERS.items()}
+                ratios.append(run["prefix"]["hit_tokens"] / run["round_robin"]["hit_tokens"])  # same prompt tokens
+                run["prefix / round_robin"] = down(ratios[-1], 3)
+                runs[f"seed {seed}"] = run
+            runs["prefix / round_robin over the seeds"] = {
+                "median": down(statistics.median(ratios), 3), "min": down(min(ratios), 3),
+                "max": down(max(ratios), 3), "seeds at or above 2x": sum(r >= 2 for r in ratios)}
+            out[f"{workload}, {blocks} blocks per replica"] = runs
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["tp", "pp", "ray", "allreduce"])
+    p.add_argument("what", choices=["tp", "pp", "overhead", "ray", "replay", "allreduce"])
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--budget", type=int, default=64, help="token budget of a step (the chunk size under sarathi)")
     p.add_argument("--groups", type=int, default=12, help="ray: shared prefixes")
     p.add_argument("--per-group", type=int, default=4, help="ray: requests per shared prefix")
-    p.add_argument("--replica-blocks", default="256", help="ray: KV blocks per replica (several, comma-separated)")
+    p.add_argument("--replica-blocks", default="256", help="ray, replay: KV blocks per replica (comma-separated)")
+    p.add_argument("--workload", default="system-prompts",
+                   help="ray, replay: system-prompts and/or chat-preamble (comma-separated)")
+    p.add_argument("--routers", default="round_robin,least_outstanding,prefix",
+                   help=f"ray: which of {', '.join(ROUTERS)} (comma-separated)")
+    p.add_argument("--seeds", type=int, default=1, help="replay: shuffles of the workload, seeds 0..N-1 (ray: seed 0)")
     p.add_argument("--arrive-every-tokens", default="0",
                    help="pp: a new request each time this many more tokens have been run (0: all at once); "
                         "several, comma-separated, run one after another")
+    p.add_argument("--rounds", type=int, default=2, help="overhead: times every layout runs, in turn")
     p.add_argument("--repeats", type=int, default=1000, help="allreduce: timed all-reduces per shape")
     args = p.parse_args(argv)
-    result = {"tp": measure_tp, "pp": measure_pp, "ray": measure_ray, "allreduce": measure_allreduce}[args.what](args)
+    result = {"tp": measure_tp, "pp": measure_pp, "overhead": measure_overhead, "ray": measure_ray, "replay": measure_replay,
+              "allreduce": measure_allreduce}[args.what](args)
     print(json.dumps({"what": args.what, "args": vars(args), **result}, indent=2))
 
 

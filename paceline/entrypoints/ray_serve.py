@@ -60,9 +60,9 @@ class EngineReplica:
 class Ingress:
     """Takes every HTTP request (Serve hands `__call__` the Starlette request) and forwards it to a replica."""
 
-    def __init__(self, replicas: list, policy: str = "prefix"):
+    def __init__(self, replicas: list, policy: str = "prefix", router_kwargs: dict | None = None):
         self.replicas = replicas
-        self.router = Router(len(replicas), policy)
+        self.router = Router(len(replicas), policy, **(router_kwargs or {}))
         self.failovers = [0] * len(replicas)  # per replica: requests it dropped that another one then served
 
     async def __call__(self, request: Request) -> Response:
@@ -102,10 +102,12 @@ class Ingress:
         return out
 
 
-def build(num_replicas: int, engine_kwargs: dict, policy: str = "prefix", threads: int = 1):
-    """The Serve application: `num_replicas` engines and the ingress in front of them."""
+def build(num_replicas: int, engine_kwargs: dict, policy: str = "prefix", threads: int = 1,
+          router_kwargs: dict | None = None):
+    """The Serve application: `num_replicas` engines and the ingress in front of them (`router_kwargs`: the
+    Router's other settings, say min_match_fraction)."""
     replicas = [EngineReplica.options(name=f"engine-{i}").bind(engine_kwargs, threads) for i in range(num_replicas)]
-    return Ingress.bind(replicas, policy)
+    return Ingress.bind(replicas, policy, router_kwargs)
 
 
 def run(num_replicas: int, engine_kwargs: dict, policy: str, host: str = "127.0.0.1", port: int = 8000,

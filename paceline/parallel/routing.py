@@ -4,10 +4,13 @@ Prefix routing keeps, per replica, an index of the prompt prefixes it was sent: 
 `chunk_chars`-character chunks, each chunk keyed by a hash chained over every chunk before it (the engine's own
 prefix cache chains its block hashes the same way, so a key stands for the whole start of a prompt, and finding the
 longest match costs one dict lookup per chunk, not a scan of past prompts). A prompt goes to the replica holding the
-longest chain of its chunks (at least one); with no match, to the least busy replica, ties going to the one whose
-index holds the fewest chunks (spreading the prefixes, so the replicas' caches together hold more of them), then to
-the one given the fewest requests. A matching replica with `max_imbalance` more requests in flight than the least
-busy one is passed over: load beats affinity then.
+longest chain of its chunks, if that chain covers at least `min_match_fraction` of the prompt's chunks; otherwise it
+counts as new and goes to the least busy replica, ties going to the one whose index holds the fewest chunks
+(spreading the prefixes, so the replicas' caches together hold more of them), then to the one given the fewest
+requests. The share matters where every prompt starts alike (a chat's JSON and a stock "You are a helpful
+assistant." fill the first chunk): following any match sent every new conversation to the replica that saw the first
+one, one cache for all of them. A matching replica with `max_imbalance` more requests in flight than the least busy
+one is passed over: load beats affinity then.
 
 The index mirrors what a replica's prefix cache can still hold, approximately: each replica's is bounded to
 `capacity_chunks` and evicted least recently used, tail chunks before the start they extend (as the engine frees a
@@ -49,6 +52,9 @@ class Router:
     policy: str = "least_outstanding"
     chunk_chars: int = 64  # the shortest prefix worth following; ~16 tokens of English, one KV block of 16
     max_imbalance: int = 4
+    # a replica holding less than this share of the prompt saves less than half its prefill: spreading new prefixes
+    # over the caches is worth more (the vLLM router and SGLang's gateway follow a match above 0.3 by default)
+    min_match_fraction: float = 0.5
     capacity_chunks: int = 16384  # per replica: ~1M characters, ~250k tokens of prompt
     retry_after_s: float = 5.0  # a failed replica is tried first again after this long (it may have restarted)
     outstanding: list[int] = field(default_factory=list)
@@ -65,6 +71,8 @@ class Router:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if self.chunk_chars < 1 or self.capacity_chunks < 1:
             raise ValueError("chunk_chars and capacity_chunks must be >= 1")
+        if not 0.0 < self.min_match_fraction <= 1.0:
+            raise ValueError(f"min_match_fraction must be in (0, 1], got {self.min_match_fraction}")
         self.outstanding = [0] * self.num_replicas
         self.index = [OrderedDict() for _ in range(self.num_replicas)]
         self.routed = [0] * self.num_replicas
@@ -110,11 +118,13 @@ class Router:
             return []
         least = self.outstanding[by_load[0]]
         match = {r: self.matched_chunks(r, keys) for r in live}
-        eligible = [r for r in live if match[r] and self.outstanding[r] - least <= self.max_imbalance]
+        enough = max(1.0, self.min_match_fraction * len(keys))
+        eligible = [r for r in live if match[r] >= enough and self.outstanding[r] - least <= self.max_imbalance]
         if eligible:
             best = max(eligible, key=lambda r: (match[r], -self.outstanding[r], -len(self.index[r])))
             return [best] + [r for r in by_load if r != best]
-        # no replica holds the prefix (or those that do are too busy): it gets a home, preferably the emptier cache
+        # no replica holds enough of the prompt (or those that do are too busy): it gets a home, preferably the
+        # emptier cache
         return sorted(live, key=lambda r: (self.outstanding[r], len(self.index[r]), self.routed[r], r))
 
     def _remember(self, replica: int, keys: list[int]) -> None:
@@ -133,13 +143,27 @@ class Router:
         self.down.pop(replica, None)
 
 
+TOPICS = ["cooking", "chess", "tax law", "gardening", "astronomy", "poetry", "sailing", "databases", "music", "geology",
+          "knitting", "cycling"]
+
+
 def shared_prefix_workload(groups: int, per_group: int, seed: int = 0) -> list[str]:
     """`groups` long system prompts, `per_group` questions under each, in a shuffled order."""
     import random
 
-    topics = ["cooking", "chess", "tax law", "gardening", "astronomy", "poetry", "sailing", "databases", "music",
-              "geology", "knitting", "cycling"]
-    prompts = [f"You are an assistant who knows {topics[g % len(topics)]} (desk {g}) well and answers briefly. " * 8
+    prompts = [f"You are an assistant who knows {TOPICS[g % len(TOPICS)]} (desk {g}) well and answers briefly. " * 8
                + f"Question {j}: name one fact." for g in range(groups) for j in range(per_group)]
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+def common_preamble_chats(groups: int, per_group: int, seed: int = 0) -> list[list[dict]]:
+    """Chat requests that all begin alike (the stock system prompt) and then share a document by group:
+    `groups` documents, `per_group` questions on each, in a shuffled order."""
+    import random
+
+    chats = [[{"role": "system", "content": "You are a helpful assistant."},
+              {"role": "user", "content": f"My notes on {TOPICS[g % len(TOPICS)]} (file {g}), keep them in mind. " * 7
+               + f"Question {j}: name one fact."}] for g in range(groups) for j in range(per_group)]
+    random.Random(seed).shuffle(chats)
+    return chats

@@ -192,6 +192,40 @@ def test_fair_with_slices_gives_the_light_client_a_heavy_clients_seat():
     assert light.first_scheduled_time == now + 2 and sched.num_slice_preemptions >= 1
 
 
+def test_under_fair_one_clients_requests_never_cut_one_another():
+    """Under fair a slice moves seats between clients only: a client's own queued request waits for a seat as
+    under fcfs (no MLFQ within the client), and no victim is demoted."""
+    sched = make_scheduler(scheduling_policy="fair", budget=64, max_seqs=1, time_slice_tokens=2,
+                           preemption_mode="swap", host_blocks=64)
+    r1, r2 = req("r1", 4, max_tokens=12, client="heavy"), req("r2", 4, max_tokens=12, client="heavy", arrival=0.5)
+    sched.add_request(r1)
+    sched.add_request(r2)
+    run(sched, 0.0, lambda: not sched.has_unfinished())
+    assert sched.num_preemptions == 0 and r2.first_scheduled_time > r1.finish_time - 1.0
+
+
+def test_under_fair_a_victim_keeps_its_level_and_resumes_before_its_clients_later_requests():
+    """The light client's request takes the heavy one's seat once it has run its first slice; the heavy victim is
+    not demoted, so when the seat frees it comes back (swapped in, its context kept) before a heavy request that
+    arrived after it and would need its whole prompt computed."""
+    sched = make_scheduler(scheduling_policy="fair", budget=64, max_seqs=1, time_slice_tokens=2,
+                           preemption_mode="swap", host_blocks=64)
+    h1 = req("h1", 8, max_tokens=20, client="heavy")
+    sched.add_request(h1)
+    now = run(sched, 0.0, lambda: h1.num_output_tokens >= 3)
+    h2 = req("h2", 8, max_tokens=20, client="heavy", arrival=now)
+    light = req("l", 4, max_tokens=2, client="light", arrival=now)
+    sched.add_request(h2)
+    sched.add_request(light)
+    now = run(sched, now, lambda: light.status is RequestStatus.RUNNING)
+    assert h1.status is RequestStatus.SWAPPED and h1.slice_level == 0 and sched.num_slice_preemptions == 1
+    run(sched, now, lambda: light.is_finished)
+    run(sched, now, lambda: h1.status is RequestStatus.RUNNING)
+    assert h2.status is RequestStatus.WAITING and h2.num_computed_tokens == 0
+    run(sched, now, lambda: not sched.has_unfinished())
+    assert sched.num_preemptions == 1  # h2 never cut h1, nor h1 h2
+
+
 def _prefill_time(shape) -> float:
     return 0.010 + 0.001 * shape.num_prefill_tokens + 0.001 * shape.num_decodes
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from paceline.parallel.routing import Router, chunk_keys
+from paceline.parallel.routing import Router, chunk_keys, common_preamble_chats
 
 
 def system(topic: str) -> str:
@@ -67,7 +67,8 @@ def test_a_match_is_a_prefix_not_a_shared_chunk_elsewhere() -> None:
 
 def test_longest_match_wins_and_an_overloaded_home_hands_over_to_the_next_match() -> None:
     router = Router(3, "prefix", max_imbalance=1)
-    long, short = system("chess") + "Q?", system("chess")[:64] + "other"
+    long = system("chess") + "Q?"
+    short = long[:128] + "other"  # 2 of the 3 chunks of `long + " more"`: enough of the prompt to follow
     router._remember(0, chunk_keys(long, 64))
     router._remember(1, chunk_keys(short, 64))
     assert router.order({"prompt": long + " more"})[0] == 0
@@ -91,6 +92,22 @@ def test_new_prefixes_go_to_the_emptier_index() -> None:
     assert Router(2, "round-robin").policy == "round_robin"  # the simulator's spelling
 
 
-def test_unknown_policy_is_a_value_error() -> None:
+def test_a_preamble_every_prompt_shares_is_no_reason_to_follow() -> None:
+    # every chat starts with the same JSON and system prompt (a whole 64-character chunk): following that match sent
+    # every new conversation, sent one at a time, to the replica that saw the first one
+    router = Router(2, "prefix")
+    chats = common_preamble_chats(6, 2)
+    homes: dict[str, int] = {}
+    for chat in chats:
+        first = router.order({"messages": chat})[0]
+        assert homes.setdefault(chat[1]["content"][:40], first) == first  # a document's questions stay together
+    assert sorted(homes.values()) == [0, 0, 0, 1, 1, 1]
+    assert router.routed == [6, 6]
+
+
+def test_unknown_policy_and_bad_settings_are_value_errors() -> None:
     with pytest.raises(ValueError, match="unknown routing policy"):
         Router(2, "random")
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="min_match_fraction"):
+            Router(2, "prefix", min_match_fraction=bad)
