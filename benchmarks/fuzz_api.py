@@ -6,7 +6,7 @@ OpenAI-style, and whether the server still answers a plain request afterwards.
 The same document and the same generated cases (hypothesis derandomized) go to every system, so a peer is
 judged on the very requests paceline got; where a peer lacks an operation it answers 404, counted like any 4xx.
 The cases are changed in two ways only, for time on a 2-core CPU: max_tokens / max_completion_tokens / min_tokens
-are capped at 8 (and set to 8 where absent, else a valid request could generate up to the context length), n and
+are capped at 8 (and set to 8 where absent or null, else a valid request could generate up to the context length), n and
 best_of at 4, a batch of prompts at its first 4; `model`, where a positive case carries one, is the server's own name (else every positive case is a 404).
 
     python benchmarks/fuzz_api.py --system paceline --examples 300 --output /tmp/fuzz-paceline.json
@@ -20,6 +20,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import requests
@@ -48,12 +49,15 @@ def adjust(case, model: str, mode: GenerationMode) -> None:
     if not isinstance(body, dict):
         return
     for key, cap in CAPS.items():
-        if isinstance(body.get(key), int) and not isinstance(body[key], bool) and body[key] > cap:
+        value = body.get(key)  # 2255.0 too: JSON Schema's integer includes it, and vLLM takes it as 2255
+        whole = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+        if whole and value > cap:  # a fraction stays: it is a negative case's invalid value
             body[key] = cap
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         body["prompt"] = prompt[:MAX_PROMPTS]
-    if case.path.startswith("/v1/") and "max_tokens" not in body and "max_completion_tokens" not in body:
+    # absent or null (a null asks for as many as the context allows: thousands of tokens, minutes on a CPU)
+    if case.path.startswith("/v1/") and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 8
     if mode == GenerationMode.POSITIVE and isinstance(body.get("model"), str):
         body["model"] = model
@@ -75,11 +79,17 @@ def classify(r: requests.Response) -> tuple[str, str | None]:
     return f"{r.status_code}", None
 
 
+class BudgetSpent(Exception):
+    """Raised inside a hypothesis run once the time budget is spent: generating the rest would take minutes too."""
+
+
 def run(url: str, doc: dict, model: str, examples: int, timeout_s: float, headers: dict | None = None,
-        budget_s: float | None = None) -> dict:
-    """budget_s: after this long, the remaining cases are generated but not sent (counted as unsent)."""
+        budget_s: float | None = None, progress: Callable[[dict], None] | None = None) -> dict:
+    """budget_s: the time every operation and mode share (evenly, what one leaves going to the next); a run that
+    spends its share stops generating and is listed as cut short. progress(tally so far) after each operation and
+    mode, so a run cut short from outside still leaves its figures."""
     stop_at = time.monotonic() + budget_s if budget_s else float("inf")
-    unsent = Counter()
+    not_reached: list[str] = []
     schema = schemathesis.openapi.from_dict(doc)
     statuses: Counter = Counter()
     by_op: dict[str, Counter] = {}
@@ -87,27 +97,38 @@ def run(url: str, doc: dict, model: str, examples: int, timeout_s: float, header
     bad_4xx: list[str] = []
     by_mode: dict[str, Counter] = {"positive": Counter(), "negative": Counter()}
     positive_4xx: Counter = Counter()  # why a case the document calls valid was refused (drift, or a cross-field rule)
+
+    def tally() -> dict:
+        return {"requests": sum(statuses.values()), "statuses": dict(sorted(statuses.items())),
+                "server_errors": len(server_errors), "server_error_examples": server_errors[:20],
+                "4xx_without_openai_error_body": len(bad_4xx), "bad_4xx_examples": bad_4xx[:10],
+                "by_operation": {k: dict(v) for k, v in by_op.items()},
+                "by_mode": {k: dict(v) for k, v in by_mode.items()},
+                "positive_4xx_top": positive_4xx.most_common(15), "cut_short_by_budget": list(not_reached)}
     session = requests.Session()
     session.headers.update(headers or {})
-    for result in schema.get_all_operations():
-        op = result.ok()
+    operations = [result.ok() for result in schema.get_all_operations()]
+    runs_left = 2 * len(operations)  # each operation's positive and negative cases share the budget evenly;
+    for op in operations:  # what a quick one (GET /health) leaves goes to the ones after it
         label = f"{op.method.upper()} {op.path}"
         by_op[label] = Counter()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            now = time.monotonic()
+            run_stop = now + (stop_at - now) / runs_left if budget_s else float("inf")
+            runs_left -= 1
             try:
                 strategy = op.as_strategy(generation_mode=mode)
             except Exception as e:  # an operation with nothing to make invalid has no negative cases
                 by_op[label][f"no {mode.value} cases: {type(e).__name__}"] += 1
                 continue
 
-            def sender(strategy, label: str, mode: GenerationMode):  # binds this operation's case source
+            def sender(strategy, label: str, mode: GenerationMode, run_stop: float):  # binds this run's source and end
                 @given(case=strategy)
                 @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
                           phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
                 def send(case) -> None:
-                    if time.monotonic() > stop_at:
-                        unsent[label] += 1
-                        return
+                    if time.monotonic() > run_stop:
+                        raise BudgetSpent
                     adjust(case, model, mode)
                     try:
                         r = case.call(base_url=url, session=session, timeout=timeout_s)
@@ -128,21 +149,22 @@ def run(url: str, doc: dict, model: str, examples: int, timeout_s: float, header
 
                 return send
 
-            fuzz = sender(strategy, label, mode)
+            fuzz = sender(strategy, label, mode, run_stop)
             try:
                 fuzz()
+            except BudgetSpent:
+                not_reached.append(f"{label} {mode.value}")
             except Exception as e:  # hypothesis gave up generating (an unsatisfiable filter): say so, go on
-                by_op[label][f"generation stopped: {type(e).__name__}"] += 1
+                if isinstance(getattr(e, "__cause__", None), BudgetSpent) or "BudgetSpent" in repr(e):
+                    not_reached.append(f"{label} {mode.value}")
+                else:
+                    by_op[label][f"generation stopped: {type(e).__name__}"] += 1
+            if progress is not None:
+                progress(tally())
+
     after = httpx.post(url + "/v1/completions", headers=headers, timeout=120,
                        json={"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
-    return {"requests": sum(statuses.values()), "statuses": dict(sorted(statuses.items())),
-            "server_errors": len(server_errors), "server_error_examples": server_errors[:20],
-            "4xx_without_openai_error_body": len(bad_4xx), "bad_4xx_examples": bad_4xx[:10],
-            "by_operation": {k: dict(v) for k, v in by_op.items()},
-            "by_mode": {k: dict(v) for k, v in by_mode.items()},
-            "positive_4xx_top": positive_4xx.most_common(15),
-            "unsent_after_budget": dict(unsent),
-            "still_serves": after.status_code == 200 and bool(after.json()["choices"][0]["text"])}
+    return {**tally(), "still_serves": after.status_code == 200 and bool(after.json()["choices"][0]["text"])}
 
 
 def main() -> None:
@@ -152,7 +174,8 @@ def main() -> None:
     p.add_argument("--schema", default=None, help="OpenAPI JSON file (default: the server's own /openapi.json)")
     p.add_argument("--examples", type=int, default=300, help="cases per operation and mode (positive, negative)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="a request with no answer by then is a hang")
-    p.add_argument("--budget-s", type=float, default=None, help="stop sending after this many seconds")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop generating and sending after this many seconds (the rest is listed as not reached)")
     p.add_argument("--output", default=None, help="write the tally here (and the schema beside it)")
     args = p.parse_args()
     system = system_for(args.system)
@@ -167,18 +190,26 @@ def main() -> None:
     try:
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         doc = json.loads(Path(args.schema).read_text()) if args.schema else httpx.get(url + "/openapi.json").json()
-        report = {"system": args.system, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  "argv": sys.argv[1:], "schema": args.schema or f"{args.system}'s own /openapi.json",
-                  "schemathesis": schemathesis.__version__, "model": model,
-                  **run(url, doc, model, args.examples, args.timeout_s, budget_s=args.budget_s)}
+        if args.output and not args.schema:  # now, so a peer's run has the document even if this one is cut short
+            Path(args.output).with_suffix(".schema.json").write_text(json.dumps(doc))
+        head = {"system": args.system, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "argv": sys.argv[1:], "schema": args.schema or f"{args.system}'s own /openapi.json",
+                "schemathesis": schemathesis.__version__, "model": model}
+
+        def progress(tally: dict) -> None:
+            print(f"{time.monotonic() - t0:6.0f} s: {tally['requests']} requests, {tally['server_errors']} server "
+                  f"errors, statuses {tally['statuses']}", file=sys.stderr, flush=True)
+            if args.output:
+                Path(args.output).write_text(json.dumps({**head, "partial": True, **tally}, indent=1))
+
+        report = {**head, **run(url, doc, model, args.examples, args.timeout_s, budget_s=args.budget_s,
+                                progress=progress)}
     finally:
         if server is not None:
             server.stop()
     report["elapsed_s"] = round(time.monotonic() - t0, 1)
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=1))
-        if not args.schema:
-            Path(args.output).with_suffix(".schema.json").write_text(json.dumps(doc))
     print(json.dumps(report, indent=1))
 
 

@@ -5,9 +5,14 @@ Reported per configuration: admitted streams (finished with every token) and the
 p50/p99; requests answered 503, split into those rejected at arrival (predicted wait over the limit) and those
 that waited the limit out, with how long the client waited for the 503 (send to answer); any other error. A
 configuration's requests that have not finished `--grace-s` after the last arrival are cancelled and counted as
-unfinished (without admission control the queue only grows, so it would never drain in a bounded run).
+unfinished (without admission control the queue only grows, so it would never drain in a bounded run). The
+server's running and waiting gauges are sampled every second (their peaks say where the load went).
 
-    python benchmarks/overload.py --rate 2.8 --seconds 90 --configs off,5 --output /tmp/overload.json
+A configuration is `off` (no limit) or a `--max-queue-delay-s` value, optionally with `+auto`, which adds
+`--max-num-seqs auto` (seats that follow the step-time target, so the running batch keeps the TBT goal and the
+rest queues, where the queue-delay limit sees it):
+
+    python benchmarks/overload.py --rate 2.8 --seconds 90 --configs off,5,5+auto --output /tmp/overload.json
 """
 from __future__ import annotations
 
@@ -32,7 +37,33 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(1000 * float(np.percentile(xs, q)), 1) if xs else None
 
 
-async def drive(url: str, requests, prompts, grace_s: float) -> tuple[list[RequestRecord], dict[int, float]]:
+def config_flags(config: str) -> list[str]:
+    """`off` | `S` | `S+auto` -> the `paceline serve` flags of that configuration."""
+    delay, _, extra = config.partition("+")
+    if extra not in ("", "auto"):
+        raise ValueError(f"unknown configuration {config!r}: off, S or S+auto")
+    flags = [] if delay == "off" else ["--max-queue-delay-s", str(float(delay))]
+    return flags + (["--max-num-seqs", "auto"] if extra else [])
+
+
+async def gauges(client: httpx.AsyncClient, url: str, peaks: dict[str, float], stop: asyncio.Event) -> None:
+    """The peaks of the running / waiting gauges, sampled every second."""
+    while not stop.is_set():
+        try:
+            for line in (await client.get(url + "/metrics", timeout=5)).text.splitlines():
+                for name in ("running", "waiting"):
+                    if line.startswith((f"paceline:num_requests_{name} ", f"paceline:num_requests_{name}{{")):
+                        peaks[name] = max(peaks.get(name, 0.0), float(line.split()[-1]))
+        except httpx.HTTPError:
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def drive(url: str, requests, prompts, grace_s: float,
+                peaks: dict[str, float]) -> tuple[list[RequestRecord], dict[int, float]]:
     ep = Endpoint(url, send_priority=False)
     records = [RequestRecord(r.index, r.prompt_tokens, r.output_tokens, scheduled_s=r.arrival_s) for r in requests]
     answered: dict[int, float] = {}  # index -> seconds from send to the end of the response (errors included)
@@ -46,12 +77,16 @@ async def drive(url: str, requests, prompts, grace_s: float) -> tuple[list[Reque
             await send_one(client, ep, model, spec, prompt, rec, t0)
             answered[rec.index] = time.perf_counter() - t0 - rec.sent_s
 
+        stop = asyncio.Event()
+        poll = asyncio.create_task(gauges(client, url, peaks, stop))
         tasks = [asyncio.create_task(one(s, p, r)) for s, p, r in zip(requests, prompts, records)]
         end = max(r.arrival_s for r in requests) + grace_s
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, end - (time.perf_counter() - t0)))
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        stop.set()
+        await poll
         for rec in records:
             if rec.index not in answered:
                 rec.error = rec.error or "unfinished"
@@ -79,16 +114,39 @@ def summarize(records: list[RequestRecord], answered: dict[int, float], tbt_slo_
     }
 
 
+def step_records(url: str) -> list[dict]:
+    """The server's last steps (its dashboard ring): duration, prediction, decodes, prefill tokens, queue sizes."""
+    try:
+        models = httpx.get(url + "/dashboard/steps", timeout=30).json()["models"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+    return [s for m in models for s in m["steps"]]
+
+
+def summarize_steps(steps: list[dict]) -> dict:
+    """Where the long steps came from: steps over the SLO and what they held."""
+    if not steps:
+        return {}
+    dur = [s["dur"] for s in steps]
+    slow = [s for s in steps if s["dur"] * 1000 > 190]
+    return {"n": len(steps), "dur_ms_p50": pct(dur, 50), "dur_ms_p99": pct(dur, 99), "dur_ms_max": pct(dur, 100),
+            "max_decodes": max(s["decode"] for s in steps), "max_running": max(s["running"] for s in steps),
+            "over_190ms": len(slow),
+            "slowest": [{k: s.get(k) for k in ("dur", "pred", "decode", "prefill", "running", "waiting", "preempted")}
+                        for s in sorted(steps, key=lambda s: -s["dur"])[:8]]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="chat")
     p.add_argument("--rate", type=float, required=True, help="requests per second (e.g. 3x the chat capacity)")
     p.add_argument("--seconds", type=float, default=90.0, help="arrivals for this long")
     p.add_argument("--grace-s", type=float, default=30.0, help="then wait this long before cancelling the rest")
-    p.add_argument("--configs", default="off,5", help="comma list: off, or a --max-queue-delay-s value")
+    p.add_argument("--configs", default="off,5", help="comma list: off, S (a --max-queue-delay-s value) or S+auto")
     p.add_argument("--tbt-slo-ms", type=float, default=190.0, help="the strict TBT SLO (benchmarks/summaries/chat.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
+    p.add_argument("--steps-output", default=None, help="write every step record here ({config} is replaced)")
     p.add_argument("server_args", nargs="*", help="more `paceline serve` flags for every configuration (after --)")
     args = p.parse_args()
     spec = load_workload(args.workload)
@@ -96,14 +154,22 @@ def main() -> None:
     prompts = build_prompts(PromptSource(load_tokenizer()), requests, seed=args.seed, as_text=False)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
               "workload": args.workload, "rate": args.rate, "tbt_slo_ms": args.tbt_slo_ms, "configs": {}}
-    for config in args.configs.split(","):
-        flags = [] if config == "off" else ["--max-queue-delay-s", config]
+    configs = args.configs.split(",")
+    flags_of = {c: config_flags(c) for c in configs}  # a typo fails here, before any server starts
+    for config in configs:
+        flags = flags_of[config]
         argv = [sys.executable, "-m", "paceline.entrypoints.cli", "--log-level", "WARNING", "serve", "--host",
                 "127.0.0.1", "--port", "{port}", *flags, *args.server_args]
         with Server(System(f"paceline-{config}", argv), Path(f"/tmp/paceline-overload-{config}.log")) as server:
             httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=120)
-            records, answered = asyncio.run(drive(server.url, requests, prompts, args.grace_s))
-        report["configs"][config] = summarize(records, answered, args.tbt_slo_ms)
+            peaks: dict[str, float] = {}
+            records, answered = asyncio.run(drive(server.url, requests, prompts, args.grace_s, peaks))
+            steps = step_records(server.url)
+        report["configs"][config] = {"flags": flags, **summarize(records, answered, args.tbt_slo_ms),
+                                     "peak_running": peaks.get("running"), "peak_waiting": peaks.get("waiting"),
+                                     "steps": summarize_steps(steps)}
+        if args.steps_output:  # every step record, for a closer look at what the engine did
+            Path(args.steps_output.format(config=config)).write_text(json.dumps(steps))
         print(config, json.dumps(report["configs"][config]), flush=True)
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=1))

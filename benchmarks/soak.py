@@ -37,6 +37,7 @@ QUESTIONS = ["Why is the sky blue?", "What is a prime number?", "How do bees mak
 MAX_TOKENS = (16, 32, 48)
 FAULTS = ("sampler", "nan", "detokenize", "stop")
 AUTH: dict[str, str] = {}  # {"Authorization": "Bearer KEY"} for a server started with --api-key
+CLIENT_TIMEOUT_S = [300.0]  # a well-behaved client's patience (--client-timeout-s); past it, its request is lost
 
 
 @dataclass
@@ -269,6 +270,35 @@ def rss_mb(pid: int | None) -> float | None:
     return None
 
 
+def memory_mb(pid: int | None) -> dict[str, float]:
+    """Where the RSS is: anonymous vs file-backed pages (/proc/<pid>/status; the model file's mapped pages are
+    file-backed), and the largest anonymous mapping's resident part, which is the KV pool (smaps; the kernel may
+    merge the pool with its host-swap neighbour, so its size is shown too)."""
+    out: dict[str, float] = {}
+    if pid is None:
+        return out
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:")):
+                    out[line.split(":")[0][3:].lower()] = int(line.split()[1]) / 1024
+        size = rss = 0
+        with open(f"/proc/{pid}/smaps") as f:
+            cur = None
+            for line in f:
+                parts = line.split()
+                if "-" in parts[0] and not parts[0].endswith(":"):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    cur = hi - lo if len(parts) == 5 else None  # anonymous: no path
+                elif parts[0] == "Rss:" and cur is not None and cur > size:
+                    size, rss = cur, int(parts[1]) * 1024
+        out["largest_anon_map"] = size / 2**20
+        out["largest_anon_map_rss"] = rss / 2**20
+    except OSError:
+        pass
+    return {k: round(v, 1) for k, v in out.items()}
+
+
 def metrics(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
     out = {}
@@ -283,7 +313,7 @@ async def phase(name: str, url: str, seconds: float, rate: float, abuse_rate: fl
                 book: Book, rng: random.Random, stream_share: float) -> None:
     host, port = url.split("//")[1].split(":")
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=50)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits, headers=AUTH) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S[0], limits=limits, headers=AUTH) as client:
         tasks = []
         end = time.monotonic() + seconds
 
@@ -300,12 +330,20 @@ async def phase(name: str, url: str, seconds: float, rate: float, abuse_rate: fl
         await asyncio.gather(*tasks)
 
 
-async def sampler(url: str, pid: int | None, samples: list, stop: asyncio.Event, every_s: float) -> None:
+async def sampler(url: str, pid: int | None, samples: list, stop: asyncio.Event, every_s: float,
+                  partial: str | None = None) -> None:
+    """Samples /metrics and the memory every every_s; every minute they also go to `partial` (a run cut short
+    keeps its memory curve)."""
     t0 = time.monotonic()
+    next_dump = t0 + 60
     while not stop.is_set():
+        if partial and time.monotonic() >= next_dump:
+            next_dump += 60
+            with open(partial, "w") as f:
+                json.dump(samples, f)
         try:
             m = await asyncio.to_thread(metrics, url)
-            samples.append({"t": time.monotonic() - t0, "rss_mb": rss_mb(pid),
+            samples.append({"t": time.monotonic() - t0, "rss_mb": rss_mb(pid), "memory_mb": memory_mb(pid),
                             "used_blocks": m.get("paceline:kv_cache_used_blocks"),
                             "running": m.get("paceline:num_requests_running"),
                             "waiting": m.get("paceline:num_requests_waiting")})
@@ -320,11 +358,12 @@ async def sampler(url: str, pid: int | None, samples: list, stop: asyncio.Event,
 async def main_async(args: argparse.Namespace, pid: int | None) -> dict:
     rng = random.Random(args.seed)
     book = Book()
-    async with httpx.AsyncClient(base_url=args.url, timeout=300, headers=AUTH) as c:
+    async with httpx.AsyncClient(base_url=args.url, timeout=CLIENT_TIMEOUT_S[0], headers=AUTH) as c:
         refs = await reference(c)
     samples: list = []
     stop = asyncio.Event()
-    watch = asyncio.ensure_future(sampler(args.url, pid, samples, stop, args.sample_s))
+    watch = asyncio.ensure_future(sampler(args.url, pid, samples, stop, args.sample_s,
+                                          args.output + ".partial" if getattr(args, "output", None) else None))
     t0 = time.monotonic()
     clean_s = args.phase_s if args.clean_s is None else args.clean_s
     abuse_s = args.phase_s if args.abuse_s is None else args.abuse_s
@@ -369,7 +408,10 @@ async def main_async(args: argparse.Namespace, pid: int | None) -> dict:
                    "growth_after_clean_pct": 100 * (rss_end - rss_after_clean) / rss_after_clean
                    if rss_end and rss_after_clean else None,
                    "every_5_min": [round(s["rss_mb"], 1) for s in samples if s["rss_mb"] is not None
-                                   and int(s["t"] // 300) != int((s["t"] - args.sample_s) // 300)]},
+                                   and int(s["t"] // 300) != int((s["t"] - args.sample_s) // 300)],
+                   "split_every_5_min": [{"t": round(s["t"]), **s["memory_mb"]} for s in samples
+                                         if int(s["t"] // 300) != int((s["t"] - args.sample_s) // 300)],
+                   "split_end": memory_mb(pid)},
         "max_used_blocks": max((s["used_blocks"] or 0 for s in samples), default=None),
         "tbt_ms": {p: {"n": len(g), "p50": _ms(percentile(g, 50)), "p99": _ms(percentile(g, 99))}
                    for p, g in book.gaps.items()},
@@ -385,7 +427,7 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(1000 * x, 1)
 
 
-def start_server(server_args: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(server_args: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -394,7 +436,7 @@ def start_server(server_args: list[str]) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "paceline.entrypoints.server", "--port", str(port), *server_args],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
@@ -424,14 +466,19 @@ def main() -> None:
     p.add_argument("--abuse-rate", type=float, default=2.0, help="abusive requests per second in the abuse phase")
     p.add_argument("--sample-s", type=float, default=2.0, help="how often /metrics and the RSS are sampled")
     p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    p.add_argument("--client-timeout-s", type=float, default=300.0,
+                   help="how long a client waits for an answer (a niced run on a busy machine is slow, not broken)")
+    p.add_argument("--start-timeout-s", type=float, default=300.0,
+                   help="how long the started server may take to answer /health (a niced run on a busy machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the full JSON here")
     args = p.parse_args(argv)
     if args.api_key:
         AUTH["Authorization"] = f"Bearer {args.api_key}"
+    CLIENT_TIMEOUT_S[0] = args.client_timeout_s
     proc = None
     if args.start_server:
-        proc, args.url = start_server(server_args)
+        proc, args.url = start_server(server_args, args.start_timeout_s)
     if args.url is None:
         raise SystemExit("give --url or --start-server")
     try:

@@ -6,6 +6,7 @@ import time
 import torch
 
 from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
+from paceline.engine.prefault import populate_in_background
 from paceline.model.arch import ModelArch
 from paceline.model.attention import GatherWorkspace, SeqSlice, build_metadata
 from paceline.model.llama import LlamaModel
@@ -26,12 +27,17 @@ class ModelRunner:
         # uninitialised NaN bits would survive that. On CPU an allocation over glibc's largest mmap threshold
         # (32 MiB) is always fresh mmap'd memory the OS hands out zeroed page by page, so empty() is zeros without
         # faulting in every page at startup (torch.zeros took 4.5 s for 3 GiB here); smaller ones are zeroed.
-        def alloc(shape: tuple, **kw) -> torch.Tensor:
+        def lazy(shape: tuple) -> bool:
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            lazy = self.device.type == "cpu" and nbytes > 64 * 2**20
-            return (torch.empty if lazy else torch.zeros)(shape, dtype=dtype, **kw)
+            return self.device.type == "cpu" and nbytes > 64 * 2**20
+
+        def alloc(shape: tuple, **kw) -> torch.Tensor:
+            return (torch.empty if lazy(shape) else torch.zeros)(shape, dtype=dtype, **kw)
 
         self.kv_cache = alloc(shape, device=self.device)
+        # a lazy pool is made resident now, off the start-up path: memory is what was configured from the first
+        # seconds rather than a growth over hours of traffic, and no step pays a first write's page faults
+        self.prefault = populate_in_background(self.kv_cache) if lazy(shape) else None
         host_shape = (arch.num_layers, 2, num_host_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         pin = self.device.type == "cuda"
         self.host_cache = alloc(host_shape, pin_memory=pin) if num_host_blocks else None

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from paceline.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
@@ -76,9 +76,25 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 # ---- request bodies ----------------------------------------------------------------------------------------------
 
+def whole_numbers(value: Any, depth: int = 2) -> Any:
+    """1.0 as 1, in a field or in its lists (token ids, lists of them): JSON Schema's `integer` includes a number
+    with no fractional part (schemathesis sends 2255.0 where the document says integer), and OpenAI's and vLLM's
+    servers take it. Everything else goes to the strict check unchanged: "1", true and 1.5 are still refused, and
+    1.0 for a float field is the same number."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list) and depth > 0:
+        return [whole_numbers(v, depth - 1) for v in value]
+    return value
+
 class Strict(BaseModel):
     # strict: "0.5" is not a number and true is not an integer; unknown fields are rejected (OpenAI's rule)
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_numbers(cls, value: Any) -> Any:
+        return whole_numbers(value)
 
 
 class StreamOptions(Strict):
@@ -372,8 +388,11 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    # the document states what the handler enforces (its 400 names the field and why): no fill-in-the-middle, and
+    # best_of only as n. `maxLength` applies to the string branch only, so null stays valid
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0},
+                               description="fill-in-the-middle is not supported: empty or null only")
+    best_of: int | None = Field(None, ge=1, description="best-of sampling is not supported: equal to n, or absent")
 
     def sampling_params(self, vocab_size: int | None = None) -> SamplingParams:
         if self.suffix:

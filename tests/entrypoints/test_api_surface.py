@@ -121,3 +121,20 @@ def test_echo_with_logprobs_and_prompt_logprobs(client):
     error(client.post("/v1/completions", json={"prompt": "hi", "prompt_logprobs": 1, "stream": True}), 400,
           "prompt_logprobs")
     error(client.post("/v1/completions", json={"prompt": "hi", "prompt_logprobs": 21}), 400, "prompt_logprobs")
+
+
+def test_whole_numbers_in_integer_fields_are_integers(client):
+    # JSON Schema's `integer` includes 2.0, so a client generated from the document (schemathesis did) sends it
+    r = client.post("/v1/completions", json={"prompt": [97.0, 98.0], "max_tokens": 3.0, "n": 1.0, "top_k": -1.0,
+                                             "seed": 7.0, "stop_token_ids": [0.0]})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert client.post("/detokenize", json={"tokens": [97.0, 98]}).json()["prompt"] == "ab"
+    for bad in (2.5, "2", True):  # a fraction, a string and a boolean are still not integers
+        error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": bad}), 400, "max_tokens")
+    error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0.0}), 400, "max_tokens")  # ranges hold
+
+
+def test_the_document_states_the_completion_only_rules(client):
+    props = client.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert props["suffix"]["maxLength"] == 0 and "not supported" in props["best_of"]["description"]
+    assert props["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}  # a range stays a JSON Schema range
