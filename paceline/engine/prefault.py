@@ -1,7 +1,7 @@
 """Make a lazily allocated CPU tensor resident, page by page, without writing to it.
 
-Why: the KV pool (2 GiB by default) is allocated with torch.empty, which on CPU is fresh mmap'd memory the kernel
-zeroes page by page on first write. Start-up stays fast, but the process then grows for hours as blocks are first
+Why: the KV pool (2 GiB by default) is its own anonymous mapping (runner.py), which the kernel zeroes page by
+page on first write. Start-up stays fast, but the process then grows for hours as blocks are first
 written (the free queue hands out never-used blocks before cached ones), each first write of a block pays a few
 hundred page faults inside a step, and a machine short of memory fails late, under load, instead of at start.
 A 30-minute soak's RSS rose +17.8 % after its warm-up that way (benchmarks/summaries/soak.md). vLLM allocates its

@@ -1,6 +1,7 @@
 """ModelRunner: SchedulerOutput -> tensors -> model -> sampled tokens. It runs exactly what it is told."""
 from __future__ import annotations
 
+import mmap
 import time
 
 import torch
@@ -24,15 +25,21 @@ class ModelRunner:
         self.device, self.dtype = torch.device(device), dtype
         shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # The caches must start as zeros: masked slots of a gathered block are multiplied by 0 in attention, and
-        # uninitialised NaN bits would survive that. On CPU an allocation over glibc's largest mmap threshold
-        # (32 MiB) is always fresh mmap'd memory the OS hands out zeroed page by page, so empty() is zeros without
-        # faulting in every page at startup (torch.zeros took 4.5 s for 3 GiB here); smaller ones are zeroed.
+        # uninitialised NaN bits would survive that. A large CPU cache is its own anonymous mapping: the kernel's
+        # zero pages, committed on first touch, so it is zeros without faulting in every page at startup
+        # (torch.zeros took 4.5 s for 3 GiB here). torch.empty is not enough: in a long-lived process (a test
+        # run, a server that unloads one model and loads another) it has returned memory the allocator already
+        # held, dirty. Smaller caches are zeroed.
+        def nbytes(shape: tuple) -> int:
+            return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
         def lazy(shape: tuple) -> bool:
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            return self.device.type == "cpu" and nbytes > 64 * 2**20
+            return self.device.type == "cpu" and nbytes(shape) > 64 * 2**20
 
         def alloc(shape: tuple, **kw) -> torch.Tensor:
-            return (torch.empty if lazy(shape) else torch.zeros)(shape, dtype=dtype, **kw)
+            if lazy(shape):  # the tensor keeps the mapping alive; it is unmapped when the tensor is freed
+                return torch.frombuffer(mmap.mmap(-1, nbytes(shape)), dtype=dtype).view(shape)
+            return torch.zeros(shape, dtype=dtype, **kw)
 
         self.kv_cache = alloc(shape, device=self.device)
         # a lazy pool is made resident now, off the start-up path: memory is what was configured from the first

@@ -26,8 +26,15 @@ def resident_share(t: torch.Tensor) -> float:
     return sum(b & 1 for b in vec) / pages
 
 
+def fresh_pages(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A float tensor on a new anonymous mapping: untouched pages, not resident, reading as zeros. (torch.empty in a
+    long test process may get memory the allocator already holds, resident and dirty.)"""
+    buf = mmap.mmap(-1, nbytes)
+    return buf, torch.frombuffer(buf, dtype=torch.float32)
+
+
 def test_populate_makes_a_lazy_tensor_resident_without_changing_it() -> None:
-    t = torch.empty(96 * 2**20 // 4)  # 96 MiB: over glibc's mmap threshold, so fresh untouched pages
+    buf, t = fresh_pages(96 * 2**20)
     assert resident_share(t) < 0.01  # lazily committed: nothing written yet
     t[::1024 * 1024] = 7.0  # a few pages written before: populate must not touch what they hold
     assert populate(t)
@@ -36,7 +43,7 @@ def test_populate_makes_a_lazy_tensor_resident_without_changing_it() -> None:
 
 
 def test_populate_in_background_returns_a_thread_to_join() -> None:
-    t = torch.empty(80 * 2**20 // 4)
+    buf, t = fresh_pages(80 * 2**20)
     populate_in_background(t).join(timeout=60)
     assert resident_share(t) == 1.0
 
