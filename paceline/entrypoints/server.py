@@ -450,9 +450,14 @@ class OpenAIServing:
         prompts = body.prompts()
         body.check_limits(self.settings.limits, len(prompts), body.max_tokens, self.engine.max_model_len)
         params = await self.prepare(body.sampling_params(_vocab_size(self.engine)), _structured_param(body))
+        vocab = _vocab_size(self.engine)
         for p in prompts:
             if (isinstance(p, str) and not p.strip()) or (isinstance(p, list) and not p):
                 raise bad_request("prompt must not be empty", param="prompt")
+            # checked here as well as in the engine: echo decodes the prompt, which must not meet an id first
+            bad = next((t for t in p if not 0 <= t < vocab), None) if isinstance(p, list) and vocab else None
+            if bad is not None:
+                raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         base_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(base_id, prompts, params, body.priority, "prompt", client_of(request, body))
         meta = {"id": base_id, "created": int(time.time()), "model": body.model or self.model_name}
