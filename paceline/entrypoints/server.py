@@ -454,8 +454,8 @@ class OpenAIServing:
         for p in prompts:
             if (isinstance(p, str) and not p.strip()) or (isinstance(p, list) and not p):
                 raise bad_request("prompt must not be empty", param="prompt")
-            # checked here as well as in the engine: echo decodes the prompt, which must not meet an id first
-            bad = next((t for t in p if not 0 <= t < vocab), None) if isinstance(p, list) and vocab else None
+            # echo decodes the prompt before the engine checks its ids: check them here first
+            bad = next((t for t in p if not 0 <= t < vocab), None) if body.echo and isinstance(p, list) and vocab else None
             if bad is not None:
                 raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         base_id = f"cmpl-{uuid.uuid4().hex}"
