@@ -454,8 +454,9 @@ class OpenAIServing:
         for p in prompts:
             if (isinstance(p, str) and not p.strip()) or (isinstance(p, list) and not p):
                 raise bad_request("prompt must not be empty", param="prompt")
-            # echo decodes the prompt before the engine checks its ids: check them here first
-            bad = next((t for t in p if not 0 <= t < vocab), None) if body.echo and isinstance(p, list) and vocab else None
+            # echo and prompt_logprobs decode the prompt, which the engine's own id check does not cover for a fake
+            decodes = body.echo or params.prompt_logprobs is not None
+            bad = next((t for t in p if not 0 <= t < vocab), None) if decodes and isinstance(p, list) and vocab else None
             if bad is not None:
                 raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         base_id = f"cmpl-{uuid.uuid4().hex}"
