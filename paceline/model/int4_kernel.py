@@ -260,15 +260,21 @@ def load() -> Callable | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None  # the op is AVX2 code only
     path, namespace, flags = _library_path()
+    return load_op(path, namespace, flags, SOURCE, "int4_mm", "CPU int4 matmul kernel unavailable, using torch's")
+
+
+def load_op(path: Path, namespace: str, flags: list[str], source: str, name: str, fallback: str) -> Callable | None:
+    """torch.ops.<namespace>.<name> from the library at `path`, built from `source` first if needed, once per
+    process; None (and `fallback: reason` logged once) when the build or the load fails."""
     with _lock:
         if namespace not in _loaded:
             op = None
             try:
                 if not path.exists():
-                    _build(path, namespace, flags)
+                    _build(path, namespace, flags, source, name)
                 torch.ops.load_library(str(path))
-                op = getattr(torch.ops, namespace).int4_mm
-            except Exception as e:  # a missing compiler or a failed build: torch's int4 op still works
-                log.warning("CPU int4 matmul kernel unavailable, using torch's: %s", e)
+                op = getattr(getattr(torch.ops, namespace), name)
+            except Exception as e:  # a missing compiler or a failed build: the caller's fallback still works
+                log.warning("%s: %s", fallback, e)
             _loaded[namespace] = op
         return _loaded[namespace]

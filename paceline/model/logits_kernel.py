@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -125,9 +124,6 @@ TORCH_LIBRARY(NAMESPACE, m) { m.def("logits_mm(Tensor x, Tensor w) -> Tensor"); 
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("logits_mm", &logits_mm); }
 """
 
-_lock = threading.Lock()
-_loaded: dict[str, Callable | None] = {}
-
 
 def enabled() -> bool:
     return os.environ.get("PACELINE_LOGITS_KERNEL", "1") != "0"
@@ -146,18 +142,8 @@ def load() -> Callable | None:
     if not enabled() or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     path, namespace, flags = _library_path()
-    with _lock:
-        if namespace not in _loaded:
-            op = None
-            try:
-                if not path.exists():
-                    int4_kernel._build(path, namespace, flags, SOURCE, "LM-head logits")
-                torch.ops.load_library(str(path))
-                op = getattr(torch.ops, namespace).logits_mm
-            except Exception as e:  # a missing compiler or a failed build: oneDNN's matmul still works
-                log.warning("CPU few-row logits kernel unavailable, using oneDNN's matmul: %s", e)
-            _loaded[namespace] = op
-        return _loaded[namespace]
+    return int4_kernel.load_op(path, namespace, flags, SOURCE, "logits_mm",
+                               "CPU few-row logits kernel unavailable, using oneDNN's matmul")
 
 
 class FewRowLogits:
