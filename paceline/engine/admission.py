@@ -152,16 +152,18 @@ class AdmissionControl:
             if demand > load.tbt_seats and seats >= demand:
                 return math.inf, "tbt"
             seats = min(seats, load.tbt_seats)
-        start_step = 0.0
-        if demand > seats:  # the seats are full: play out who finishes when (in steps)
+        step_s = load.step_s or 0.0
+        prefill_s = (lambda tokens: tokens / load.prefill_tok_s) if load.prefill_tok_s else (lambda tokens: 0.0)
+        seat_wait = 0.0
+        if demand > seats:  # the seats are full: play out who finishes when (seconds from now)
             left = sorted(load.running_left)
             free = left[len(left) - seats:] if len(left) >= seats else left + [0] * (seats - len(left))
+            free = [steps * step_s for steps in free]
             heapq.heapify(free)
-            for budget in lefts:  # those ahead take the first seats that free, for their own budgets
-                heapq.heappush(free, heapq.heappop(free) + budget)
-            start_step = free[0]
-        seat_wait = start_step * (load.step_s or 0.0)
-        prefill_wait = sum(prompts) / load.prefill_tok_s if load.prefill_tok_s else 0.0
+            for prompt, budget in zip(prompts, lefts):  # those ahead take the first seats that free, and hold
+                heapq.heappush(free, heapq.heappop(free) + prefill_s(prompt) + budget * step_s)  # them this long
+            seat_wait = free[0]
+        prefill_wait = prefill_s(sum(prompts))
         return max(seat_wait, prefill_wait), ""
 
     # ---- the start rate (fed on the engine thread) ---------------------------------------------------------

@@ -100,6 +100,11 @@ def test_the_seat_wait_plays_out_who_finishes_when():
     roomy = Load(running_left=(10,), waiting_prompt=(3000, 3000), waiting_left=(5, 5), seats=8, tbt_seats=8,
                  step_s=0.1, prefill_tok_s=1000.0)
     assert a.load_wait(roomy, 2)[0] == pytest.approx(6.0)
+    # a seat is held for the prompt's prefill too: the one ahead gets the seat at 1 s, prefills 1,000 tokens in
+    # 1 s, decodes 10 tokens in 1 s; the newcomer starts at 3 s
+    one_seat = Load(running_left=(10,), waiting_prompt=(1000,), waiting_left=(10,), seats=1, tbt_seats=None,
+                    step_s=0.1, prefill_tok_s=1000.0)
+    assert a.load_wait(one_seat, 1)[0] == pytest.approx(3.0)
 
 
 def test_a_load_it_cannot_read_never_stops_the_engine_thread():
