@@ -19,6 +19,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 import urllib.request
 
@@ -393,6 +394,8 @@ def measure_ray(args) -> dict:
                 rates[name] = {"hit_rate": down(hits / queries), "hit_tokens": hits, "prompt_tokens": queries,
                                "routed_per_replica": [s["routed"] for s in stats],
                                "elapsed_s": round(time.perf_counter() - t0, 1)}
+                print(json.dumps({"workload": workload, "blocks": blocks, name: rates[name]}), file=sys.stderr,
+                      flush=True)  # as it goes: a run cut short keeps what it measured
                 serve.delete("paceline")
             if "prefix" in rates and "round_robin" in rates:
                 rates["prefix / round_robin"] = down(rates["prefix"]["hit_tokens"] / rates["round_robin"]["hit_tokens"], 3)
@@ -423,6 +426,8 @@ WORKLOADS = ("system-prompts", "chat-preamble", "multi-turn")
 
 ROUTERS = {"round_robin": {"policy": "round_robin"}, "least_outstanding": {"policy": "least_outstanding"},
            "prefix": {"policy": "prefix"},
+           # min_match_fraction before it became 0.3 (chats split at their second turn)
+           "prefix_half": {"policy": "prefix", "min_match_fraction": 0.5},
            # the router before min_match_fraction: any match of a first chunk is followed
            "prefix_any_match": {"policy": "prefix", "min_match_fraction": 1e-9}}
 

@@ -68,8 +68,8 @@ class Router:
     max_imbalance: int = 4
     # below this share of the prompt a match is more likely a preamble every prompt shares than this prompt's own
     # history: spreading new prefixes over the caches is worth more. Not higher: a chat's second turn holds its first
-    # (a short question) and a long reply, so 0.5 split conversations at turn 2 (the vLLM router and SGLang's gateway
-    # follow a match above 0.3 by default too)
+    # (a short question) and a long reply, so 0.5 split conversations at turn 2 (SGLang's router has the same knob,
+    # --cache-threshold)
     min_match_fraction: float = 0.3
     capacity_chunks: int = 16384  # per replica: ~1M characters, ~250k tokens of prompt
     retry_after_s: float = 5.0  # a failed replica is tried first again after this long (it may have restarted)
