@@ -27,9 +27,9 @@ def conversations(n: int, turns: int, seed: int = 0) -> list[list[int]]:
     prompt starts with all of turn k's."""
     rng = random.Random(seed)
     chats = []
-    for c in range(n):
+    for _ in range(n):
         prompt, turns_of_c = [1] * 8, []
-        for k in range(turns):
+        for _ in range(turns):
             prompt = prompt + [rng.randrange(100, 30000) for _ in range(40)]
             turns_of_c.append(prompt)
             prompt = prompt + [rng.randrange(100, 30000) for _ in range(60)]
