@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paceline.model import int4_kernel, logits_kernel
+from paceline.model import fused_kernel, int4_kernel, logits_kernel
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
@@ -388,6 +388,10 @@ class LlamaLayer(nn.Module):
         self.register_buffer("post_norm", w["post_norm"])
         # float32 steps (wide) read float32 norm weights: rms_norm wants its input's dtype
         self.norms32 = (w["input_norm"].float(), w["post_norm"].float()) if wide else None
+        # on CPU the norms, RoPE and SiLU * up run as one C++ pass each (fused_kernel.py) where the sizes fit
+        inter = w["down"].shape[1]
+        self.fused = (fused_kernel.load() if w["qkv"].device.type == "cpu"
+                      and fused_kernel.supports(w["input_norm"].shape[0], self.head_dim, inter) else None)
 
     def forward(self, h: torch.Tensor, rope: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
@@ -396,6 +400,14 @@ class LlamaLayer(nn.Module):
         input_norm, post_norm = self.input_norm, self.post_norm
         if h.dtype != input_norm.dtype and self.norms32 is not None:
             input_norm, post_norm = self.norms32
+        f = self.fused
+        if f is not None and h.dtype in (torch.float32, torch.bfloat16):
+            qkv = self.qkv(f.rms_norm(h, input_norm, self.eps))
+            qk = f.rope(qkv, torch.view_as_real(rope), nh + nkv, d)  # rope [T, 1, d/2] complex: (cos, sin) pairs
+            v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
+            attn = paged_attention(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)
+            h, x = f.add_rms_norm(h, self.o(attn), post_norm, self.eps)
+            return h + self.down(f.silu_mul(self.gate_up(x)))
         x = F.rms_norm(h, (h.shape[-1],), input_norm, self.eps)
         qkv = self.qkv(x)
         qk = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d // 2, 2)
@@ -567,6 +579,9 @@ class LlamaModel(nn.Module):
         rope = self.rope[positions].unsqueeze(1)  # [T, 1, d/2], shared by every layer
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
+        fused = self.layers[0].fused if len(self.layers) else None
+        if fused is not None and h.dtype in (torch.float32, torch.bfloat16):
+            return fused.rms_norm(h, norm, self.arch.rms_norm_eps)
         return F.rms_norm(h, (h.shape[-1],), norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
