@@ -96,10 +96,10 @@ def bench_sweep(shapes: list[tuple[str, int, int]], rows: list[int], repeats: in
         dense = Linear((lo[..., None] + codes.view(n, -1, INT4_GROUP) * scale[..., None]).view(n, k), None, True)
         for m in rows:
             x = torch.randn(m, k)
-            fns = {key: (lambda op=op, p=packed[key]: op(x, p, n, None)) for key, (op, _) in ops.items()}
-            op, p = ops["int4"][0], packed["int4"]
-            fns["int4 many-row path"] = lambda: op(x, p, n, None, 0)  # the GEMM path at any rows (few_rows=0)
-            fns["fp32 oneDNN"] = lambda: dense(x)
+            fns = {key: (lambda op=op, p=packed[key], x=x, n=n: op(x, p, n, None)) for key, (op, _) in ops.items()}
+            # the many-row (GEMM) path at any rows: few_rows=0
+            fns["int4 many-row path"] = lambda op=ops["int4"][0], p=packed["int4"], x=x, n=n: op(x, p, n, None, 0)
+            fns["fp32 oneDNN"] = lambda dense=dense, x=x: dense(x)
             for f in fns.values():
                 timed(f, 3)
             ts = {key: [] for key in fns}
