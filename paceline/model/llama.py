@@ -233,16 +233,19 @@ WIDE_ABOVE = 8
 INT4_GROUP = 32  # input features per scale/offset pair, as in GGUF's Q4_0/Q4_1 blocks
 # int4 models: steps of up to this many rows run paceline's own int4 op (int4_kernel.py) on the 4-bit codes, float32
 # (wide) steps included; larger ones the dense copy. A step of a few dozen rows is bound by reading the weights,
-# 8x fewer bytes as codes than as float32: measured here (benchmarks/profile_step.py --compare
-# "int4_rows=0,int4_rows=64,int4_rows=512", 2026-11-23, whole steps of the bundled model) 9 rows 80.0 -> 33.9 ms,
-# 16 rows 87.1 -> 50.5, 32 rows 116.7 -> 81.7, 64 rows 176.0 -> 153.0, 32 decodes 172.1 -> 138.3; at 128 rows and
-# above the dense float32 matmul wins (306.9 vs 331.3 ms), compute then bounds the step. The switch sits where the
-# two lines cross (~95 rows), so a step's cost has no jump there: the step-time model is linear in rows, and a jump
-# just past the rows a step-time target allows (~60-70 in a 150 ms step of the 32-stream probe) would make those
-# steps run ~15 % over their prediction (the likely cause of the 32-stream probe's p99 TBT of 215 ms, against 173
-# before, in a first run with the switch at 64: benchmarks/summaries/vs_vllm.md).
+# 8x fewer bytes as codes than as float32 (first measured with the op's few-row path alone: 9 rows 80.0 -> 33.9 ms,
+# 32 rows 116.7 -> 81.7, and the dense copy ahead from ~95 rows). Since the op's many-row path (a float32 GEMM over
+# each dequantized block) it keeps up with the dense float32 matmul in compute too: whole steps of the bundled
+# model, op vs dense copy (benchmarks/profile_step.py --compare "int4_rows=96,int4_rows=512", 2026-11-23 21:49 UTC)
+# 128 rows 320.2 vs 319.5 ms (198.8 vs 243.7 in a run 25 minutes earlier), 192 rows 436.6 vs 468.4, 256 rows 567.3
+# vs 560.2, a 512-token prefill 1181.3 vs 1170.2. The switch sits where the two lines meet (~256 rows), so a step's
+# cost has no jump there: the step-time model is linear in rows, and a jump just past the rows a step-time target
+# allows would make those steps run over their prediction (a first switch at 64 rows did: the 32-stream probe's p99
+# TBT 215 ms against 173, benchmarks/summaries/vs_vllm.md). Prompt chunks of the default budget (512) keep the
+# float32 copy, where oneDNN is as fast and the linears alone were ahead (0.88x for the op at 512 rows,
+# benchmarks/summaries/profile_after.md).
 # 0 or anything up to Int4Linear.DENSE_ABOVE: only the few-row steps.
-INT4_KERNEL_ROWS = 96
+INT4_KERNEL_ROWS = 256
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
