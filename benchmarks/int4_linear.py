@@ -4,18 +4,28 @@ proposals) of the bundled model in the default mode (int4), the two ops in two m
 timings interleaved (A, B, A, B, ...), median of the repeats.
 
     python benchmarks/int4_linear.py --rows 1,2,4,5,8 --repeats 200 --step-repeats 15
+
+`--sweep` instead: the same four linears at many row counts, paceline's int4 op against the float32 copy that
+serves wide steps (prepacked oneDNN, `Linear`) and, with `--before REV`, the int4 op as it was at git revision
+REV (its source built under its own name), all in this one process, interleaved:
+
+    python benchmarks/int4_linear.py --sweep --rows 1,4,8,16,32,64,96,128,256,512 --before 98a8064
 """
 from __future__ import annotations
 
 import argparse
 import os
+import importlib.util
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from paceline.model import int4_kernel
-from paceline.model.llama import INT4_GROUP, Int4Linear, int4_codes
+from paceline.model.llama import INT4_GROUP, Int4Linear, Linear, int4_codes
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -52,6 +62,63 @@ def bench_linears(shapes: list[tuple[str, int, int]], rows: list[int], repeats: 
             print(f"| {name} ({n} x {k}) | {m} | {med['torch']:.1f} | {med['paceline']:.1f} | "
                   f"{med['torch'] / med['paceline']:.2f}x | {med['torch'] / base['torch']:.2f} | "
                   f"{med['paceline'] / base['paceline']:.2f} |", flush=True)
+
+
+def kernel_module_at(rev: str):
+    """paceline/model/int4_kernel.py as it was at git revision `rev`, imported under another name (its op builds
+    under its own namespace, keyed by its source), for before/after runs in one process."""
+    text = subprocess.run(["git", "show", f"{rev}:paceline/model/int4_kernel.py"], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    name = f"int4_kernel_{rev}"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    exec(compile(text, f"{rev}:int4_kernel.py", "exec"), mod.__dict__)
+    return mod
+
+
+def bench_sweep(shapes: list[tuple[str, int, int]], rows: list[int], repeats: int, before: str | None) -> None:
+    ops = {"int4": (int4_kernel.load(), int4_kernel.pack)}
+    if before:
+        old = kernel_module_at(before)
+        if old.load() is None:
+            raise SystemExit(f"the int4 op of {before} cannot be built here")
+        ops = {f"int4 {before}": (old.load(), old.pack), **ops}
+    names = [*ops, "int4 many-row path", "fp32 oneDNN"]
+    print("| linear (N x K) | rows | " + " | ".join(f"{n} us" for n in names) + " | " +
+          " | ".join(f"{n} GFLOP/s" for n in names) + " | fp32 / int4 |")
+    print("|---|---:|" + "---:|" * (2 * len(names) + 1))
+    totals = {r: {n: 0.0 for n in names} for r in rows}
+    for name, n, k in shapes:
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+        codes, scale, lo = int4_codes(w)
+        packed = {key: pack(codes, scale, lo + 8 * scale) for key, (_, pack) in ops.items()}
+        dense = Linear((lo[..., None] + codes.view(n, -1, INT4_GROUP) * scale[..., None]).view(n, k), None, True)
+        for m in rows:
+            x = torch.randn(m, k)
+            fns = {key: (lambda op=op, p=packed[key], x=x, n=n: op(x, p, n, None)) for key, (op, _) in ops.items()}
+            # the many-row (GEMM) path at any rows: few_rows=0
+            fns["int4 many-row path"] = lambda op=ops["int4"][0], p=packed["int4"], x=x, n=n: op(x, p, n, None, 0)
+            fns["fp32 oneDNN"] = lambda dense=dense, x=x: dense(x)
+            for f in fns.values():
+                timed(f, 3)
+            ts = {key: [] for key in fns}
+            calls = max(2, repeats // max(1, m // 8))  # fewer calls for the wide rows
+            for _ in range(max(1, calls // 5)):  # interleaved in rounds of 5 calls
+                for key, f in fns.items():
+                    ts[key] += timed(f, 5)
+            med = {key: statistics.median(v) * 1e6 for key, v in ts.items()}
+            for key in names:
+                totals[m][key] += med[key]
+            gf = {key: 2 * m * n * k / med[key] / 1e3 for key in names}
+            print(f"| {name} ({n} x {k}) | {m} | " + " | ".join(f"{med[c]:.1f}" for c in names) + " | " +
+                  " | ".join(f"{gf[c]:.1f}" for c in names) + f" | {med['fp32 oneDNN'] / med['int4']:.2f}x |",
+                  flush=True)
+    print("\n| rows | " + " | ".join(f"{n}: one layer's 4 linears, us" for n in names) + " | fp32 / int4 |")
+    print("|---:|" + "---:|" * (len(names) + 1))
+    for m in rows:
+        t = totals[m]
+        print(f"| {m} | " + " | ".join(f"{t[c]:.1f}" for c in names) + f" | {t['fp32 oneDNN'] / t['int4']:.2f}x |")
 
 
 def bench_steps(drafts: list[int], repeats: int, ctx: int) -> None:
@@ -94,11 +161,18 @@ def main() -> None:
     p.add_argument("--drafts", default="0,1,2,4,7")
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--skip-steps", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="int4 op vs the float32 copy (and --before) over --rows")
+    p.add_argument("--before", default=None, help="with --sweep: also the int4 op of this git revision")
+    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     if int4_kernel.load() is None:
         raise SystemExit("the C++ int4 kernel cannot be built here")
     # SmolLM2-135M: hidden 576, 9 + 3 + 3 heads of 64 (fused q/k/v), intermediate 1536 (fused gate/up)
     shapes = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
+    if args.sweep:
+        bench_sweep(shapes, [int(r) for r in args.rows.split(",")], args.repeats, args.before)
+        return
     bench_linears(shapes, [int(r) for r in args.rows.split(",")], args.repeats)
     if not args.skip_steps:
         bench_steps([int(j) for j in args.drafts.split(",")], args.step_repeats, args.ctx)

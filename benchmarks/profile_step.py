@@ -19,6 +19,7 @@ place of real contexts (values do not change the cost).
     python benchmarks/profile_step.py                       # fp32, bf16, int4 (a few minutes)
     python benchmarks/profile_step.py --modes int4 --compare "wide_above=none,wide_above=auto" --only decode
     python benchmarks/profile_step.py --modes bf16 --repeats 3
+    python benchmarks/profile_step.py --modes int4 --compare "int4_kernel=98a8064+fused=0,fused=0,fused=1" --only "b=32,probe32"
 """
 from __future__ import annotations
 
@@ -101,8 +102,10 @@ def scenarios(vocab: int, bs: int):
         "probe32: 25-token chunk + 17 decodes": [[(100, 0, 0, 25)] + [(c, 1, c, 1) for c in ctx32[:17]]],
         "probe32: 100-token prompt + 17 decodes": [[(100, 0, 0, 100)] + [(c, 1, c, 1) for c in ctx32[:17]]],
         "probe32: 4 prompts of 100 + 16 decodes": [[(100, 0, 0, 100)] * 4 + [(c, 1, c, 1) for c in ctx32[:16]]],
+        # a full batch of 32 decodes beside a 48-token chunk of a fresh prompt: 80 rows, the int4 op's range
+        "probe32: 48-token chunk + 32 decodes": [[(100, 0, 0, 48)] + [(c, 1, c, 1) for c in ctx32]],
         # a wide step's cost against its rows (fresh prompt chunks): the intercept is the per-step cost
-        **{f"rows {n} (fresh chunk)": [[(n, 0, 0, n)]] for n in (9, 16, 32, 64, 128, 256)},
+        **{f"rows {n} (fresh chunk)": [[(n, 0, 0, n)]] for n in (9, 16, 32, 64, 128, 192, 256)},
     }
 
 
@@ -132,8 +135,34 @@ def build_outputs(steps, vocab: int, bs: int):
 
 
 def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
+    """model_kw: LlamaModel.from_weights keywords, and int4_kernel=REV: the int4 op as it was at git revision REV
+    (built under its own name) for the model's Int4Linears, for a before/after of the op in one process; fused=0:
+    without the fused norm/RoPE/SiLU ops."""
     from paceline.engine.runner import ModelRunner
+    from paceline.model import int4_kernel
     from paceline.model.llama import LlamaModel
+
+    fused = model_kw.pop("fused", None)
+    if fused is not None:  # fused=0: the layers' norms, RoPE and SiLU * up as torch's ops (fused_kernel.py off)
+        import os
+        saved_env = os.environ.get("PACELINE_FUSED_KERNEL")
+        os.environ["PACELINE_FUSED_KERNEL"] = str(fused)
+        try:
+            return make_runner(ckpt, mode, blocks, bs, **model_kw)
+        finally:
+            if saved_env is None:
+                os.environ.pop("PACELINE_FUSED_KERNEL")
+            else:
+                os.environ["PACELINE_FUSED_KERNEL"] = saved_env
+    rev = model_kw.pop("int4_kernel", None)
+    if rev is not None:
+        from benchmarks.int4_linear import kernel_module_at
+        old, saved = kernel_module_at(str(rev)), (int4_kernel.load, int4_kernel.pack)
+        int4_kernel.load, int4_kernel.pack = old.load, old.pack
+        try:
+            return make_runner(ckpt, mode, blocks, bs, **model_kw)
+        finally:
+            int4_kernel.load, int4_kernel.pack = saved
 
     quantization = "int4" if mode == "int4" else "none"
     dtype = torch.float32 if mode == "fp32" else torch.bfloat16

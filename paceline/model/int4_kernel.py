@@ -1,15 +1,24 @@
-"""A small C++ int4 matmul for the few-row steps of CPU decoding, built once with the system compiler and cached.
+"""A small C++ int4 matmul for CPU steps of a few to a hundred rows, built once with the system compiler and cached.
 
 Why: torch's `_weight_int4pack_mm_for_cpu` re-expands the 4-bit codes of each weight block for every block of rows
 it serves, so a 5-row step (one decode plus four speculated tokens to verify) costs more than twice a one-row step
 here, where it should cost little more: a one-row decode step is bound by getting the weights in, not by the
 arithmetic. This op reads each tile of codes once per step and applies it to all the step's rows.
 
+Two paths over the same packed codes, chosen by the step's rows (FEW_ROWS):
+- few rows (up to 6): the codes are widened to float32 in registers per pass of up to 6 rows and the per-group
+  sums factored: sum_k x_k W[n, k] = scale * (sum_k code_k x_k - 8 sum_k x_k) + zero * sum_k x_k, one FMA per code
+  and row, no per-weight dequantization. Bound by streaming the codes in.
+- more rows: per tile of 16 outputs and per block of up to 256 inputs, the codes are dequantized once into float32
+  weights in L1 (w = (code - 8) * scale + zero, one rounding), then every row runs over them in a float32 GEMM
+  micro-kernel (6 rows x 16 columns of accumulators in registers). Per weight that is 2 FMAs for every 16 rows
+  instead of the few-row path's code expansion per 6 rows, so from ~8 rows on the FMAs are nearly all the work and
+  the op runs about as fast as oneDNN's prepacked float32 matmul (measured up to 256 rows,
+  benchmarks/int4_linear.py --sweep) while reading 8x fewer weight bytes.
+
 Numerics, the same contract as torch's op: y = x W^T with W[n, k] = (code - 8) * scale + zero, scale and zero
 bfloat16 per group of 32 inputs, x read as float32, float32 accumulation, the result rounded to x's dtype once
-(bias added before that rounding). The per-group sums are factored: sum_k x_k W[n, k] = scale * (sum_k code_k x_k
-- 8 sum_k x_k) + zero * sum_k x_k, so the inner loop is one FMA per code and row with no per-weight dequantization
-(a 4-bit code times a bfloat16 value is exact in float32).
+(bias added before that rounding). The two paths differ only by float32 rounding.
 
 Layout (pack): columns in tiles of 16, each tile's groups in order, each group one block of 320 bytes: 32 inputs x
 8 bytes of codes (byte j = column j in the low nibble, column j + 8 in the high one), then the 16 scales and the 16
@@ -51,13 +60,16 @@ SOURCE = r"""
 #include <omp.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int GROUP = 32, TILE = 16, CODE_BYTES = GROUP * TILE / 2, BLOCK = CODE_BYTES + 4 * TILE;
 constexpr int MAX_R = 6;  // rows per pass: 2 x 6 accumulators + 2 code vectors + 1 broadcast fit the 16 registers
+constexpr int FEW_ROWS = 6;  // steps of up to this many rows take the few-row path (few_rows < 0 in the op's call)
 
 inline __m256 bf16x8(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -103,27 +115,126 @@ inline void tile_rows(const float* const* x, const float* const* xs, const uint8
   }
 }
 
+// The many-row path: per tile, per block of at most KB_GROUPS groups, the block's codes are dequantized once into
+// float32 weights [k][16] in L1 (w = (code - 8) * scale + zero, one rounding, as torch's op does), then every
+// row block of the step runs over them as a plain float32 GEMM micro-kernel: R rows x 16 columns of accumulators
+// in registers, per input 2 weight loads, R broadcasts and 2R FMAs. Against the few-row path below this drops the
+// per-row-pass code expansion and the per-group scale arithmetic, so the FMAs are nearly all the work.
+constexpr int KB_GROUPS = 8;  // 256 inputs x 16 columns x 4 bytes = 16 KiB of dequantized weights
+
+inline void dequant_block(const uint8_t* tile, int g0, int ng, float* wb) {
+  const __m256i low = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+  for (int g = 0; g < ng; ++g) {
+    const uint8_t* c = tile + size_t(g0 + g) * BLOCK;
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(c + CODE_BYTES);
+    const __m256 s0 = bf16x8(sz), s1 = bf16x8(sz + 8), z0 = bf16x8(sz + 16), z1 = bf16x8(sz + 24);
+    float* out = wb + size_t(g) * GROUP * TILE;
+#pragma GCC unroll 4
+    for (int k = 0; k < GROUP; ++k) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * k)));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low), eight));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), eight));
+      _mm256_store_ps(out + k * TILE, _mm256_fmadd_ps(w0, s0, z0));
+      _mm256_store_ps(out + k * TILE + 8, _mm256_fmadd_ps(w1, s1, z1));
+    }
+  }
+}
+
+// c[r][0..16) (+)= sum over kn inputs of x[r * ldx + k] * wb[k][0..16), R rows. Not inlined: on its own the 12
+// accumulators, 2 weights and 1 broadcast get the 16 registers; inlined, a constant of the caller took one and an
+// accumulator went through the stack on every input.
+template <int R>
+__attribute__((noinline)) void gemm_rows(const float* x, int64_t ldx, const float* wb, int kn, float* c, bool first) {
+  __m256 a0[R], a1[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    a0[r] = _mm256_setzero_ps();
+    a1[r] = _mm256_setzero_ps();
+  }
+  if (!first) {
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm256_loadu_ps(c + r * TILE);
+      a1[r] = _mm256_loadu_ps(c + r * TILE + 8);
+    }
+  }
+  for (int k = 0; k < kn; ++k) {
+    const __m256 w0 = _mm256_load_ps(wb + k * TILE), w1 = _mm256_load_ps(wb + k * TILE + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+      a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * TILE, a0[r]);
+    _mm256_storeu_ps(c + r * TILE + 8, a1[r]);
+  }
+}
+
+// y rows [M, N] of T from float32 x rows (row stride ldx), many-row path
 template <typename T>
-void run(const at::Tensor& x, const uint8_t* w, int64_t N, const at::Tensor& bias, at::Tensor& y) {
-  const int M = int(x.size(0)), K = int(x.size(1)), G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
-  // x in float32 and its per-group sums, once for all tiles
-  std::vector<float> xf(size_t(M) * K), xsum(size_t(M) * G);
-  const T* xp = x.data_ptr<T>();
-  for (int m = 0; m < M; ++m) {
-    for (int k = 0; k < K; ++k) xf[size_t(m) * K + k] = float(xp[m * x.stride(0) + k]);
+void run_gemm(const float* xf, int64_t ldx, int M, int K, const uint8_t* w, int64_t N, const float* b, T* yp,
+              int nthreads) {
+  const int G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
+  const int blocks = (G + KB_GROUPS - 1) / KB_GROUPS, per = (G + blocks - 1) / blocks;
+  const int passes = (M + MAX_R - 1) / MAX_R;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float* wb = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * per * GROUP * TILE));
+    std::vector<float> cbuf(size_t(M) * TILE);
+#pragma omp for schedule(static)
+    for (int t = 0; t < T_; ++t) {
+      const uint8_t* tile = w + size_t(t) * G * BLOCK;
+      for (int g0 = 0; g0 < G; g0 += per) {
+        const int ng = std::min(per, G - g0), k0 = g0 * GROUP, kn = ng * GROUP;
+        dequant_block(tile, g0, ng, wb);
+        for (int p = 0, m0 = 0; p < passes; ++p) {
+          const int R = (M - m0 + (passes - p) - 1) / (passes - p);  // rows split evenly over the passes
+          const float* xr = xf + int64_t(m0) * ldx + k0;
+          float* c = cbuf.data() + size_t(m0) * TILE;
+          switch (R) {
+            case 1: gemm_rows<1>(xr, ldx, wb, kn, c, g0 == 0); break;
+            case 2: gemm_rows<2>(xr, ldx, wb, kn, c, g0 == 0); break;
+            case 3: gemm_rows<3>(xr, ldx, wb, kn, c, g0 == 0); break;
+            case 4: gemm_rows<4>(xr, ldx, wb, kn, c, g0 == 0); break;
+            case 5: gemm_rows<5>(xr, ldx, wb, kn, c, g0 == 0); break;
+            default: gemm_rows<6>(xr, ldx, wb, kn, c, g0 == 0); break;
+          }
+          m0 += R;
+        }
+      }
+      const int n0 = t * TILE, nn = int(std::min<int64_t>(TILE, N - n0));
+      if (std::is_same<T, float>::value && nn == TILE) {  // the common case, two vectors a row
+        const __m256 b0 = _mm256_loadu_ps(b + n0), b1 = _mm256_loadu_ps(b + n0 + 8);
+        for (int m = 0; m < M; ++m) {
+          float* yr = reinterpret_cast<float*>(yp + int64_t(m) * N + n0);
+          _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(&cbuf[size_t(m) * TILE]), b0));
+          _mm256_storeu_ps(yr + 8, _mm256_add_ps(_mm256_loadu_ps(&cbuf[size_t(m) * TILE + 8]), b1));
+        }
+      } else {
+        for (int m = 0; m < M; ++m)
+          for (int j = 0; j < nn; ++j) yp[int64_t(m) * N + n0 + j] = T(cbuf[size_t(m) * TILE + j] + b[n0 + j]);
+      }
+    }
+    std::free(wb);
+  }
+}
+
+// y rows [M, N] of T from float32 x rows (contiguous, row stride K), few-row path
+template <typename T>
+void run_few(const float* xf, int M, int K, const uint8_t* w, int64_t N, const float* b, T* yp, int nthreads) {
+  const int G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
+  std::vector<float> xsum(size_t(M) * G);  // per-group sums of x, once for all tiles
+  for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) {
       float s = 0;
       for (int k = 0; k < GROUP; ++k) s += xf[size_t(m) * K + g * GROUP + k];
       xsum[size_t(m) * G + g] = s;
     }
-  }
-  std::vector<float> b(TILE * T_, 0.0f);
-  if (bias.defined())
-    for (int64_t n = 0; n < N; ++n) b[n] = bias.scalar_type() == at::kFloat ? bias.data_ptr<float>()[n]
-                                                                       : float(bias.data_ptr<c10::BFloat16>()[n]);
-  T* yp = y.data_ptr<T>();
   const int passes = (M + MAX_R - 1) / MAX_R;
-  const int nthreads = std::max(1, std::min(at::get_num_threads(), T_));
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int t = 0; t < T_; ++t) {
     const uint8_t* tile = w + size_t(t) * G * BLOCK;
@@ -133,7 +244,7 @@ void run(const at::Tensor& x, const uint8_t* w, int64_t N, const at::Tensor& bia
       const float* xr[MAX_R];
       const float* sr[MAX_R];
       for (int r = 0; r < R; ++r) {
-        xr[r] = xf.data() + size_t(m0 + r) * K;
+        xr[r] = xf + size_t(m0 + r) * K;
         sr[r] = xsum.data() + size_t(m0 + r) * G;
       }
       switch (R) {
@@ -152,9 +263,37 @@ void run(const at::Tensor& x, const uint8_t* w, int64_t N, const at::Tensor& bia
   }
 }
 
+template <typename T>
+void run(const at::Tensor& x, const uint8_t* w, int64_t N, const at::Tensor& bias, at::Tensor& y, int64_t few_rows) {
+  const int M = int(x.size(0)), K = int(x.size(1)), T_ = int((N + TILE - 1) / TILE);
+  std::vector<float> b(TILE * T_, 0.0f);
+  if (bias.defined())
+    for (int64_t n = 0; n < N; ++n) b[n] = bias.scalar_type() == at::kFloat ? bias.data_ptr<float>()[n]
+                                                                       : float(bias.data_ptr<c10::BFloat16>()[n]);
+  const int nthreads = std::max(1, std::min(at::get_num_threads(), T_));
+  const bool gemm = M > few_rows;
+  // float32 input with unit column stride is read in place by the many-row path; anything else is copied once
+  std::vector<float> xf;
+  const float* xp;
+  int64_t ldx = K;
+  if (gemm && std::is_same<T, float>::value) {
+    xp = reinterpret_cast<const float*>(x.data_ptr<T>());
+    ldx = x.stride(0);
+  } else {
+    xf.resize(size_t(M) * K);
+    const T* src = x.data_ptr<T>();
+    for (int m = 0; m < M; ++m)
+      for (int k = 0; k < K; ++k) xf[size_t(m) * K + k] = float(src[m * x.stride(0) + k]);
+    xp = xf.data();
+  }
+  if (gemm) run_gemm<T>(xp, ldx, M, K, w, N, b.data(), y.data_ptr<T>(), nthreads);
+  else run_few<T>(xp, M, K, w, N, b.data(), y.data_ptr<T>(), nthreads);
+}
+
 // x [M, K] float32 or bfloat16 (any strides), w the packed uint8 [tiles, K / 32, 320], n outputs,
 // bias [n] or None -> [M, n] in x's dtype
-at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias) {
+at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
+                   int64_t few_rows) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "x must be float32 or bfloat16 [M, K]");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
@@ -170,14 +309,15 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const
   }
   auto y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
-  if (x.scalar_type() == at::kFloat) run<float>(x, w.data_ptr<uint8_t>(), n, b, y);
-  else run<c10::BFloat16>(x, w.data_ptr<uint8_t>(), n, b, y);
+  if (few_rows < 0) few_rows = FEW_ROWS;
+  if (x.scalar_type() == at::kFloat) run<float>(x, w.data_ptr<uint8_t>(), n, b, y, few_rows);
+  else run<c10::BFloat16>(x, w.data_ptr<uint8_t>(), n, b, y, few_rows);
   return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(NAMESPACE, m) { m.def("int4_mm(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY(NAMESPACE, m) { m.def("int4_mm(Tensor x, Tensor w, int n, Tensor? bias, int few_rows=-1) -> Tensor"); }
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("int4_mm", &int4_mm); }
 """
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paceline.model import int4_kernel, logits_kernel
+from paceline.model import fused_kernel, int4_kernel, logits_kernel
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
@@ -233,16 +233,19 @@ WIDE_ABOVE = 8
 INT4_GROUP = 32  # input features per scale/offset pair, as in GGUF's Q4_0/Q4_1 blocks
 # int4 models: steps of up to this many rows run paceline's own int4 op (int4_kernel.py) on the 4-bit codes, float32
 # (wide) steps included; larger ones the dense copy. A step of a few dozen rows is bound by reading the weights,
-# 8x fewer bytes as codes than as float32: measured here (benchmarks/profile_step.py --compare
-# "int4_rows=0,int4_rows=64,int4_rows=512", 2026-11-23, whole steps of the bundled model) 9 rows 80.0 -> 33.9 ms,
-# 16 rows 87.1 -> 50.5, 32 rows 116.7 -> 81.7, 64 rows 176.0 -> 153.0, 32 decodes 172.1 -> 138.3; at 128 rows and
-# above the dense float32 matmul wins (306.9 vs 331.3 ms), compute then bounds the step. The switch sits where the
-# two lines cross (~95 rows), so a step's cost has no jump there: the step-time model is linear in rows, and a jump
-# just past the rows a step-time target allows (~60-70 in a 150 ms step of the 32-stream probe) would make those
-# steps run ~15 % over their prediction (the likely cause of the 32-stream probe's p99 TBT of 215 ms, against 173
-# before, in a first run with the switch at 64: benchmarks/summaries/vs_vllm.md).
+# 8x fewer bytes as codes than as float32 (first measured with the op's few-row path alone: 9 rows 80.0 -> 33.9 ms,
+# 32 rows 116.7 -> 81.7, and the dense copy ahead from ~95 rows). Since the op's many-row path (a float32 GEMM over
+# each dequantized block) it keeps up with the dense float32 matmul in compute too: whole steps of the bundled
+# model, op vs dense copy (benchmarks/profile_step.py --compare "int4_rows=96,int4_rows=512", 2026-11-23 21:49 UTC)
+# 128 rows 320.2 vs 319.5 ms (198.8 vs 243.7 in a run 25 minutes earlier), 192 rows 436.6 vs 468.4, 256 rows 567.3
+# vs 560.2, a 512-token prefill 1181.3 vs 1170.2. The switch sits where the two lines meet (~256 rows), so a step's
+# cost has no jump there: the step-time model is linear in rows, and a jump just past the rows a step-time target
+# allows would make those steps run over their prediction (a first switch at 64 rows did: the 32-stream probe's p99
+# TBT 215 ms against 173, benchmarks/summaries/vs_vllm.md). Prompt chunks of the default budget (512) keep the
+# float32 copy, where oneDNN is as fast and the linears alone were ahead (0.88x for the op at 512 rows,
+# benchmarks/summaries/profile_after.md).
 # 0 or anything up to Int4Linear.DENSE_ABOVE: only the few-row steps.
-INT4_KERNEL_ROWS = 96
+INT4_KERNEL_ROWS = 256
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -388,6 +391,10 @@ class LlamaLayer(nn.Module):
         self.register_buffer("post_norm", w["post_norm"])
         # float32 steps (wide) read float32 norm weights: rms_norm wants its input's dtype
         self.norms32 = (w["input_norm"].float(), w["post_norm"].float()) if wide else None
+        # on CPU the norms, RoPE and SiLU * up run as one C++ pass each (fused_kernel.py) where the sizes fit
+        inter = w["down"].shape[1]
+        self.fused = (fused_kernel.load() if w["qkv"].device.type == "cpu"
+                      and fused_kernel.supports(w["input_norm"].shape[0], self.head_dim, inter) else None)
 
     def forward(self, h: torch.Tensor, rope: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
@@ -396,6 +403,14 @@ class LlamaLayer(nn.Module):
         input_norm, post_norm = self.input_norm, self.post_norm
         if h.dtype != input_norm.dtype and self.norms32 is not None:
             input_norm, post_norm = self.norms32
+        f = self.fused
+        if f is not None and h.dtype in (torch.float32, torch.bfloat16):
+            qkv = self.qkv(f.rms_norm(h, input_norm, self.eps))
+            qk = f.rope(qkv, torch.view_as_real(rope), nh + nkv, d)  # rope [T, 1, d/2] complex: (cos, sin) pairs
+            v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
+            attn = paged_attention(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)
+            h, x = f.add_rms_norm(h, self.o(attn), post_norm, self.eps)
+            return h + self.down(f.silu_mul(self.gate_up(x)))
         x = F.rms_norm(h, (h.shape[-1],), input_norm, self.eps)
         qkv = self.qkv(x)
         qk = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d // 2, 2)
@@ -567,6 +582,9 @@ class LlamaModel(nn.Module):
         rope = self.rope[positions].unsqueeze(1)  # [T, 1, d/2], shared by every layer
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
+        fused = self.layers[0].fused if len(self.layers) else None
+        if fused is not None and h.dtype in (torch.float32, torch.bfloat16):
+            return fused.rms_norm(h, norm, self.arch.rms_norm_eps)
         return F.rms_norm(h, (h.shape[-1],), norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

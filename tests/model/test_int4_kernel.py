@@ -49,6 +49,33 @@ def test_kernel_equals_dense_reference_and_torch_op(n, k):
         torch.testing.assert_close(got.double(), ref, rtol=2 ** -8, atol=1e-4 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("n,k", [(45, 288), (160, 576), (16, 1536)])
+def test_both_paths_equal_the_dense_reference_at_any_rows(n, k):
+    """The few-row path (codes expanded per pass of up to 6 rows) and the many-row path (each K block of a tile
+    dequantized once, then a float32 GEMM micro-kernel over all rows) both give the dense product: K = 288 is 9
+    groups (K blocks of 5 and 4), 1536 is 48 (6 blocks of 8); 45 outputs end in a partial tile."""
+    op = int4_kernel.load()
+    codes, scale, zero, deq = _weight(n, k, n + k)
+    packed = int4_kernel.pack(codes, scale, zero)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    g = torch.Generator().manual_seed(k)
+    for m in (1, 6, 7, 33, 100):
+        x = torch.randn(m, k, generator=g)
+        ref = x.double() @ deq.T + bias.double()
+        tol = dict(rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        few, many = op(x, packed, n, bias, 1 << 20), op(x, packed, n, bias, 0)
+        torch.testing.assert_close(few.double(), ref, **tol)
+        torch.testing.assert_close(many.double(), ref, **tol)
+        # the default switch (few_rows=-1) picks one of the two, whichever it is at these rows
+        default = op(x, packed, n, bias)
+        assert torch.equal(default, few) or torch.equal(default, many)
+        # bfloat16 in and out on the many-row path too: the product rounded once
+        got = op(x.to(torch.bfloat16), packed, n, bias, 0)
+        ref16 = x.to(torch.bfloat16).double() @ deq.T + bias.double()
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), ref16, rtol=2 ** -8, atol=1e-4 * ref16.abs().max().item())
+
+
 def test_bias_and_strided_input():
     op = int4_kernel.load()
     n, k = 45, 128
@@ -59,9 +86,12 @@ def test_bias_and_strided_input():
     for x in (wide[:, k: 2 * k], wide[:, ::3]):  # a row-strided slice and a column-strided view
         ref = x.double() @ deq.T + bias.double()
         torch.testing.assert_close(op(x, packed, n, bias).double(), ref, rtol=1e-5, atol=1e-4)
+        # the many-row path reads float32 rows in place, with their row stride
+        torch.testing.assert_close(op(x, packed, n, bias, 0).double(), ref, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(op(x, packed, n, bias.to(torch.bfloat16)).double(),
                                    x.double() @ deq.T + bias.to(torch.bfloat16).double(), rtol=1e-5, atol=1e-4)
     assert op(wide[:0, :k], packed, n, None).shape == (0, n)
+    assert op(wide[:0, :k], packed, n, None, 0).shape == (0, n)
 
 
 def test_bad_shapes_are_plain_errors():

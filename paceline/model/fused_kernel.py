@@ -1,0 +1,272 @@
+"""The elementwise work of a decoder layer as three small C++ ops for CPU: RMSNorm (with the residual add before
+the second one), RoPE on the q/k heads, and SiLU(gate) * up. Built once with the system compiler and cached (the
+int4 op's build: int4_kernel.load_op).
+
+Why: torch runs `F.rms_norm` on CPU as about ten kernels (pow, mean, add, rsqrt, muls, casts) and the complex RoPE
+product and SiLU * up as three or four more, each a pass over the step's activations with its own dispatch and
+thread fork: about 28 kernels a layer, 840 a step of SmolLM2-135M, which is 10-15 % of a 32-row step here
+(benchmarks/profile_step.py, "norms/rope/elem"). Each op below is one pass over rows in float32 registers.
+
+Numerics: float32 math whatever the input dtype (bfloat16 inputs are widened exactly), the result rounded once to
+the input's dtype; within float32 rounding of torch's ops (the sums of squares are added in another order).
+- rms_norm(x, w, eps) = x * rsqrt(mean(x^2) + eps) * w, x [T, D] (any row stride), w [D].
+- add_rms_norm(h, r, w, eps) = (s, rms_norm(s, w, eps)) with s = h + r rounded to h's dtype first, as `h + r` is.
+- rope(qkv, rot, heads, d): the first `heads` heads of d of each row of qkv, pairs (2i, 2i + 1) rotated by
+  rot [T, d / 2, 2] = (cos, sin): (a c - b s, a s + b c), as the complex product the eager path takes.
+- silu_mul(gu) = silu(gu[:, :I]) * gu[:, I:] for gu [T, 2I].
+
+No compiler, a failed build or a CPU without AVX2: load() gives None and the layer runs torch's ops.
+`PACELINE_FUSED_KERNEL=0` switches it off (for A/B runs).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from paceline.model import int4_kernel
+
+SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <omp.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) {  // round to nearest even, as c10::BFloat16's conversion does (no NaN inputs)
+  __m256i i = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
+  i = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(i, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for any float x: clamped to [-87, 88], 2^n * e^r with n = round(x log2 e), |r| <= ln2 / 2, degree-6 Taylor
+// polynomial (relative error ~1e-7)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// threads for a pass over `elems` values: one below ~32k (a fork costs more than the pass)
+inline int threads_for(int64_t elems) { return elems < 32768 ? 1 : std::max(1, at::get_num_threads()); }
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              name, " must be a float32 or bfloat16 [T, D] tensor with unit column stride");
+}
+
+// one row: y = x * rsqrt(mean(x^2) + eps) * w (float32 math), D a multiple of 8
+template <typename T, typename W>
+inline void norm_row(const T* x, const W* w, T* y, int64_t D, float eps) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    const __m256 a = load8(x + i), b = load8(x + i + 8);
+    s0 = _mm256_fmadd_ps(a, a, s0);
+    s1 = _mm256_fmadd_ps(b, b, s1);
+  }
+  for (; i < D; i += 8) { const __m256 a = load8(x + i); s0 = _mm256_fmadd_ps(a, a, s0); }
+  const float rstd = 1.0f / std::sqrt(hsum(_mm256_add_ps(s0, s1)) / float(D) + eps);
+  const __m256 rv = _mm256_set1_ps(rstd);
+  for (i = 0; i < D; i += 8) store8(y + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), rv), load8(w + i)));
+}
+
+template <typename T, typename W>
+void norm_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, double eps) {
+  const int64_t T_ = x.size(0), D = x.size(1), ld = x.stride(0);
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  const W* wp = reinterpret_cast<const W*>(w.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+#pragma omp parallel for schedule(static) num_threads(threads_for(T_ * D))
+  for (int64_t t = 0; t < T_; ++t) norm_row<T, W>(xp + t * ld, wp, yp + t * D, D, float(eps));
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& w) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1) && x.size(1) % 8 == 0 &&
+              (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "w must be a contiguous float32 or bfloat16 [D] tensor, D = x's columns, a multiple of 8");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_norm(x, w);
+  auto y = at::empty({x.size(0), x.size(1)}, x.options());
+  const bool xf = x.scalar_type() == at::kFloat, wf = w.scalar_type() == at::kFloat;
+  if (xf && wf) norm_rows<float, float>(x, w, y, eps);
+  else if (xf) norm_rows<float, bf16>(x, w, y, eps);
+  else if (wf) norm_rows<bf16, float>(x, w, y, eps);
+  else norm_rows<bf16, bf16>(x, w, y, eps);
+  return y;
+}
+
+template <typename T>
+void add_rows(const at::Tensor& h, const at::Tensor& r, at::Tensor& s) {
+  const int64_t T_ = h.size(0), D = h.size(1);
+  const T* hp = reinterpret_cast<const T*>(h.data_ptr());
+  const T* rp = reinterpret_cast<const T*>(r.data_ptr());
+  T* sp = reinterpret_cast<T*>(s.data_ptr());
+  const int64_t lh = h.stride(0), lr = r.stride(0);
+#pragma omp parallel for schedule(static) num_threads(threads_for(T_ * D))
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t i = 0; i < D; i += 8) store8(sp + t * D + i, _mm256_add_ps(load8(hp + t * lh + i), load8(rp + t * lr + i)));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& r, const at::Tensor& w,
+                                                double eps) {
+  check_norm(h, w);
+  check_rows(r, "r");
+  TORCH_CHECK(r.sizes() == h.sizes() && r.scalar_type() == h.scalar_type(), "h and r must have one shape and dtype");
+  auto s = at::empty({h.size(0), h.size(1)}, h.options());
+  if (h.scalar_type() == at::kFloat) add_rows<float>(h, r, s);
+  else add_rows<bf16>(h, r, s);  // rounded to bfloat16 here, as h + r is
+  return {s, rms_norm(s, w, eps)};
+}
+
+template <typename T>
+void rope_rows(const at::Tensor& qkv, const float* rot, at::Tensor& y, int64_t heads, int64_t d) {
+  const int64_t T_ = qkv.size(0), ld = qkv.stride(0), half = d / 2;
+  const T* xp = reinterpret_cast<const T*>(qkv.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+#pragma omp parallel for schedule(static) num_threads(threads_for(T_ * heads * d))
+  for (int64_t t = 0; t < T_; ++t) {
+    const float* cs = rot + t * d;  // [d / 2] pairs (cos, sin), interleaved like the pairs they rotate
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      const T* x = xp + t * ld + hd * d;
+      T* o = yp + (t * heads + hd) * d;
+      for (int64_t i = 0; i < d; i += 8) {  // 4 pairs (a, b) against 4 pairs (c, s)
+        const __m256 ab = load8(x + i), c_s = _mm256_loadu_ps(cs + i);
+        const __m256 cc = _mm256_moveldup_ps(c_s), ss = _mm256_movehdup_ps(c_s);  // (c, c), (s, s)
+        const __m256 ba = _mm256_permute_ps(ab, 0xB1);                             // (b, a)
+        // (a c - b s, b c + a s): a*c then -/+ (b*s, a*s)
+        store8(o + i, _mm256_addsub_ps(_mm256_mul_ps(ab, cc), _mm256_mul_ps(ba, ss)));
+      }
+    }
+  }
+  (void)half;
+}
+
+at::Tensor rope(const at::Tensor& qkv, const at::Tensor& rot, int64_t heads, int64_t d) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(d % 8 == 0 && heads > 0 && qkv.size(1) >= heads * d, "need d a multiple of 8 and heads * d <= qkv's columns");
+  TORCH_CHECK(rot.scalar_type() == at::kFloat && rot.is_contiguous() && rot.numel() == qkv.size(0) * d,
+              "rot must be a contiguous float32 [T, d / 2, 2] tensor");
+  auto y = at::empty({qkv.size(0), heads, d}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat) rope_rows<float>(qkv, rot.data_ptr<float>(), y, heads, d);
+  else rope_rows<bf16>(qkv, rot.data_ptr<float>(), y, heads, d);
+  return y;
+}
+
+template <typename T>
+void silu_mul_rows(const at::Tensor& gu, at::Tensor& y) {
+  const int64_t T_ = gu.size(0), I = gu.size(1) / 2, ld = gu.stride(0);
+  const T* xp = reinterpret_cast<const T*>(gu.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  const __m256 one = _mm256_set1_ps(1.0f);
+#pragma omp parallel for schedule(static) num_threads(threads_for(T_ * I))
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t i = 0; i < I; i += 8) {
+      const __m256 g = load8(xp + t * ld + i), u = load8(xp + t * ld + I + i);
+      const __m256 sg = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+      store8(yp + t * I + i, _mm256_mul_ps(sg, u));
+    }
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_rows(gu, "gu");
+  TORCH_CHECK(gu.size(1) % 16 == 0, "gu's columns must be a multiple of 16 (gate and up, 8 each at least)");
+  auto y = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  if (gu.scalar_type() == at::kFloat) silu_mul_rows<float>(gu, y);
+  else silu_mul_rows<bf16>(gu, y);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(NAMESPACE, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor h, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("rope(Tensor qkv, Tensor rot, int heads, int d) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope", &rope);
+  m.impl("silu_mul", &silu_mul);
+}
+"""
+
+
+class FusedOps(NamedTuple):
+    rms_norm: object
+    add_rms_norm: object
+    rope: object
+    silu_mul: object
+
+
+def enabled() -> bool:
+    return os.environ.get("PACELINE_FUSED_KERNEL", "1") != "0"
+
+
+def _library_path() -> tuple[Path, str, list[str]]:
+    from paceline.model.loader import cache_root
+    flags = int4_kernel._flags()
+    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"fused-{key}.so", f"paceline_fused_{key}", flags
+
+
+def load() -> FusedOps | None:
+    """The four ops, building them first if needed; None when switched off or they cannot be built or run here
+    (the reason is logged once)."""
+    if not enabled() or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    path, namespace, flags = _library_path()
+    first = int4_kernel.load_op(path, namespace, flags, SOURCE, "rms_norm",
+                                "CPU fused norm/rope/silu kernels unavailable, using torch's ops")
+    if first is None:
+        return None
+    ns = getattr(torch.ops, namespace)
+    return FusedOps(ns.rms_norm, ns.add_rms_norm, ns.rope, ns.silu_mul)
+
+
+def supports(hidden: int, head_dim: int, intermediate: int) -> bool:
+    """Whether a model's sizes fit the ops (whole vectors of 8)."""
+    return hidden % 8 == 0 and head_dim % 8 == 0 and intermediate % 8 == 0
