@@ -120,7 +120,7 @@ def test_int8_wide_prefill_stays_close_to_float32(tiny, quantization):
     hf = tiny.make_hf_model("llama", hidden_size=64, intermediate_size=128)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = _runner(tiny, hf, torch.float32).prefill_logits(ids)
-    # int4_rows=0: the wide steps take the int8 / float32 copies (by default the int4 codes serve up to 96 rows)
+    # int4_rows=0: the wide steps take the int8 / float32 copies (by default the int4 codes serve up to INT4_KERNEL_ROWS)
     fp32_wide = _runner(tiny, hf, quantization=quantization, wide_above=4, wide_linears="fp32", int4_rows=0)
     int8_wide = _runner(tiny, hf, quantization=quantization, wide_above=4, wide_linears="int8", int4_rows=0)
     if quantization == "int4":
