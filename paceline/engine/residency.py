@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import gc
 import logging
 import math
+import mmap
 import os
 import threading
 import time
@@ -36,6 +38,7 @@ from paceline.engine.engine import Engine
 from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
 from paceline.engine.multi import MultiEngine
 from paceline.model.llama import Linear, deferred_packing
+from paceline.model.loader import unpacked_linears as model_unpacked_linears
 
 log = logging.getLogger("paceline.residency")
 
@@ -280,31 +283,94 @@ def _build_engine(config: EngineConfig) -> tuple[Engine, float]:
         pass
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # float32 linears start on plain weights (F.linear) and are packed for oneDNN once the model serves: packing
-    # is ~0.4 s of a switch's 0.5 s budget. Other dtypes pack now: unpacked bfloat16 runs several times slower
-    # on CPUs without native bf16 math, which would cost more than the packing saves.
-    defer = (deferred_packing() if config.dtype == "float32" and config.quantization == "none" and DEFER_PACKING
-             else contextlib.nullcontext())
+    # float32 and int4 models start on plain linears and are packed for oneDNN once the model serves (~0.3-1.5 s
+    # of one core for the bundled model, more than a switch's 0.5 s budget). An int4 model's layers run paceline's
+    # own kernel on its 4-bit codes for steps of up to 96 rows, so only larger steps see the plain copies. Other
+    # dtypes pack now: unpacked bfloat16 runs several times slower on CPUs without native bf16 math.
+    defer = config.quantization == "int4" or (config.dtype == "float32" and config.quantization == "none")
     try:
-        with defer:
-            return Engine(config), step_ms
+        with deferred_packing() if defer and DEFER_PACKING else contextlib.nullcontext():
+            engine = Engine(config)
+        model = getattr(engine.runner, "model", None)
+        if model is not None and hasattr(model, "layers"):
+            map_in(model)
+            warm_up(model)
+        return engine, step_ms
     finally:
         torch.set_num_threads(threads)
 
 
+MADV_POPULATE_READ = 22  # linux/mman.h (5.14+)
+
+
+def map_in(model: torch.nn.Module) -> None:
+    """Fault in the pages of every tensor a freshly loaded model holds, reading nothing: a model from a runtime
+    snapshot is file pages mapped on demand, and the first step would otherwise take ~100k page faults on the
+    engine thread. madvise through ctypes releases the interpreter while the kernel works."""
+    madvise = _madvise()
+    if madvise is None:
+        return
+    page = mmap.PAGESIZE
+    for storage in {id(t.untyped_storage()): t.untyped_storage() for t in model_tensors(model)}.values():
+        if storage.device.type != "cpu" or storage.nbytes() < page:
+            continue
+        start = storage.data_ptr() // page * page
+        if madvise(start, storage.data_ptr() + storage.nbytes() - start, MADV_POPULATE_READ) != 0:
+            return  # an older kernel: the pages come in on first use, as before
+
+
+def _madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every plain tensor reachable from the model's attributes (Linears, int4 codes, buffers); packed oneDNN
+    weights have no storage and are left out."""
+    out, seen, stack = [], set(), [model]
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.layout == torch.strided and not obj.is_mkldnn:
+                out.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, torch.nn.Module) or type(obj).__module__.startswith("paceline.model"):
+            stack.extend(vars(obj).values())
+    return out
+
+
+@torch.inference_mode()
+def warm_up(model: torch.nn.Module) -> None:
+    """Run a one-token and a 16-token forward on the loader thread, into a scratch KV cache (the pool's masked
+    slots must stay zeros): whatever a kernel sets up on its first call of a shape happens here, not in the
+    first step of the engine thread."""
+    from paceline.model.attention import SeqSlice, build_metadata
+
+    arch, bs = model.arch, 16
+    for n in (1, bs):
+        kv = torch.zeros(len(model.layers), 2, 1, bs, arch.num_kv_heads, arch.head_dim, dtype=model.dtype)
+        meta = build_metadata([SeqSlice(0, n, [0])], bs, model.device)
+        hidden = model(torch.ones(n, dtype=torch.long), torch.arange(n), meta, kv)
+        model.compute_logits(hidden[-1:])
+
+
 def unpacked_linears(engine: Engine) -> list[Linear]:
-    """The model's Linears left on plain weights by deferred_packing (layers, their wide or dense copies, LM head)."""
+    """The model's Linears left on plain weights by deferred_packing that the normal build packs."""
     model = getattr(engine.runner, "model", None)
     if model is None or not hasattr(model, "lm_head"):  # a parallel runner: its workers built their own parts
         return []
-    out, stack = [], [model.lm_head] + [getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up",
-                                                                                               "down")]
-    while stack:
-        lin = stack.pop()
-        stack += [part for part in (getattr(lin, "wide", None), getattr(lin, "dense", None)) if part is not None]
-        if isinstance(lin, Linear) and lin.packed is None and lin.weight is not None:
-            out.append(lin)
-    return out
+    return model_unpacked_linears(model)
 
 
 def _pack_slowly(linears: list[Linear]) -> None:
