@@ -94,21 +94,24 @@ def models_yaml(path: Path, lazy: set[str] = frozenset()) -> Path:
 
 
 def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, variant: str = "") -> dict:
-    """int4 streams run; a request for the unloaded fp32 model (the converted cache's own dtype: no quantizing on
-    load) arrives mid-run. Its TTFT (the load included) and the int4 streams' largest gap while it loads, against
-    their p99 over the rest of the run. variant "pack-first": the loader packs the weights before the model
-    serves (PACELINE_DEFER_PACKING=0), as before 2026-11-23."""
-    env = {"PACELINE_DEFER_PACKING": "0"} if variant == "pack-first" else {}
+    """Streams of one model run; a request for the other, unloaded, model arrives mid-run. Its TTFT (the load
+    included) and the streams' largest gap while it loads, against their p99 over the rest of the run.
+    variant "" : smol-fp32 is loaded while smol-int4 streams run; "int4": the other way round; "nice19": as "",
+    with the loader at nice 19 (PACELINE_LOADER_NICE=19, as before 2026-11-23 21:30 UTC); "pack-first": as "",
+    packing the weights before the model serves (PACELINE_DEFER_PACKING=0)."""
+    env = {"pack-first": {"PACELINE_DEFER_PACKING": "0"}, "nice19": {"PACELINE_LOADER_NICE": "19"}}.get(variant, {})
+    target = "smol-int4" if variant == "int4" else "smol-fp32"
+    other = next(name for name in MODELS if name != target)
     label = f"switch{'-' + variant if variant else ''}"
-    server = Served(["--models-config", str(models_yaml(log_dir / "switch.yaml", {"smol-fp32"}))], args.threads,
+    server = Served(["--models-config", str(models_yaml(log_dir / f"{label}.yaml", {target}))], args.threads,
                     log_dir, label, env)
     try:
         steady = generate(replace(load_workload("chat"), output_tokens=LengthDist("fixed", value=args.output_tokens),
                                   prompt_tokens=LengthDist("lognormal", median=300, sigma=0.8, min=16, max=1000)),
                           rate=args.rate / 2, duration_s=args.switch_seconds, seed=args.seed + 7)
-        steady = [replace(r, model="smol-int4") for r in steady]
+        steady = [replace(r, model=other) for r in steady]
         at = args.switch_seconds / 2
-        one = RequestSpec(len(steady), at, 64, 16, 0, "smol-fp32")
+        one = RequestSpec(len(steady), at, 64, 16, 0, target)
         requests = steady + [one]
         prompts = build_prompts(source, requests, args.seed, as_text=False, epoch=9)
         res = run(Endpoint(server.url), requests, prompts, progress=False, scrape_interval=None,
@@ -124,8 +127,9 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, va
         for a, b in zip(r.token_times, r.token_times[1:]):
             (inside if b > window[0] and a < window[1] else outside).append(b - a)
     log_lines = [line.strip() for line in (log_dir / f"{label}.log").read_text().splitlines()
-                 if "smol-fp32" in line and ("loaded in" in line or "packed" in line)]
-    return {"switch_ttft_s": (first - rec.sent_s) if first is not None else None, "error": rec.error,
+                 if target in line and ("loaded in" in line or "packed" in line)]
+    return {"target": target, "switch_ttft_s": (first - rec.sent_s) if first is not None else None,
+            "error": rec.error,
             "log": log_lines,
             "others_max_gap_during_load_ms": 1e3 * max(inside, default=0.0),
             "others_p99_gap_elsewhere_ms": 1e3 * float(np.percentile(outside, 99)) if outside else None,
@@ -142,7 +146,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for logs and results.json (default: a temp folder)")
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
-                   help="comma-separated parts; switch-pack-first: the switch with packing before serving")
+                   help="comma-separated parts; switch variants (see switch_run): switch, switch-int4, "
+                        "switch-nice19, switch-pack-first")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="multi-model-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -192,7 +197,7 @@ def main() -> None:
             for s in servers.values():
                 s.stop()
         print("two processes", results["two_processes"], flush=True)
-    for variant in ("pack-first", ""):  # the switch, before (pack, then serve) and after (serve, then pack)
+    for variant in ("pack-first", "nice19", "", "int4"):
         key = f"switch{'-' + variant if variant else ''}"
         if key in only:
             results[key] = switch_run(args, out, source, variant)

@@ -18,8 +18,7 @@ from paceline.core.outputs import TokenLogprobs
 from paceline.core.scheduler import Scheduler
 from paceline.engine.faults import run_isolated
 from paceline.engine.runner import ModelRunner
-from paceline.model.llama import LlamaModel
-from paceline.model.loader import DTYPES, cache_root, default_model_path, load_checkpoint
+from paceline.model.loader import DTYPES, build_model, cache_root, default_model_path, load_checkpoint
 from paceline.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from paceline.parallel.executor import build_runner, parallel_bytes_per_block
 from paceline.request import Request
@@ -149,8 +148,9 @@ class Engine:
                                        block_size=cache.block_size, num_host_blocks=self.num_host_blocks,
                                        seed=config.seed, tensor_parallel_size=tp, pipeline_parallel_size=pp)
         else:
-            model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, device=self.device, dtype=dtype,
-                                            quantization=config.quantization, wide_linears=config.wide_linears)
+            # from the GGUF's runtime snapshot when there is one: no conversion, the tensors mapped (loader.py)
+            model = build_model(ckpt, config.model, config.dtype, config.quantization, config.wide_linears,
+                                self.device)
             self.runner = ModelRunner(model, self.arch, self.num_blocks, cache.block_size,
                                       num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
                                       seed=config.seed)

@@ -13,7 +13,11 @@ the same time and share the cores badly):
 
 While k models have unfinished requests and any of them has running streams, a stream waits for k steps
 between two of its tokens, so each model's step-time target (`max_step_ms`, which cuts prompt chunks) is its own
-target divided by k: a model that only has prompts waiting takes its turn too.
+target divided by k: a model that only has prompts waiting takes its turn too. The scheduler cuts only steps that
+carry a decode of their own model (a step of prompts alone keeps no stream of that model waiting), so while
+another model has streams, a model's token budget is also lowered to the prompt tokens its share of the target
+predicts: without that, a model with only prompts runs a whole 512-token chunk inside a stream gap of the other
+model (a 64-token prompt alone takes 180-270 ms for the bundled model in float32 on this 2-core VM, 2026-11-23).
 
 With one model busy the pick is skipped: the single-model path costs one dict walk per step.
 MultiEngine is not thread-safe; AsyncEngine calls it from its engine thread only, as it does an Engine.
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paceline.config import EngineConfig
+from paceline.core.batch_shape import BatchShape
 from paceline.engine.engine import Engine, RequestOutput
 from paceline.sampling import SamplingParams
 
@@ -42,6 +47,8 @@ class MultiEngine:
         self.config = config  # the server's settings; AsyncEngine reads config.scheduler.max_waiting_requests
         self.engines: dict[str, Engine] = {}
         self._step_ms: dict[str, float] = {}  # each model's own max_step_ms, before the division by busy models
+        self._budget: dict[str, int] = {}  # each model's own token budget, before a cap for the other's streams
+        self._fit: dict[tuple[str, float], int] = {}  # (model, step target in s) -> prompt tokens predicted to fit
         self._owner: dict[str, str] = {}  # request id -> model
         self._since: dict[str, float] = {}  # model -> when its streams started waiting for the loop
         self.risk_s = config.tbt_goal_ms / 2000.0 if config.tbt_goal_ms > 0 else 0.1
@@ -56,7 +63,8 @@ class MultiEngine:
         if name in self.engines:
             raise ValueError(f"model {name!r} is already loaded")
         self.engines[name] = engine
-        self._step_ms[name] = engine.config.scheduler.max_step_ms
+        self._step_ms[name] = engine.scheduler.config.max_step_ms
+        self._budget[name] = engine.scheduler.config.max_num_batched_tokens
 
     def remove_model(self, name: str) -> Engine:
         """Take an idle model out of the loop; the caller drops the Engine to free its memory."""
@@ -67,7 +75,9 @@ class MultiEngine:
             raise ValueError(f"model {name!r} still has requests in flight")
         del self.engines[name]
         self._step_ms.pop(name, None)
+        self._budget.pop(name, None)
         self._since.pop(name, None)
+        self._fit = {k: v for k, v in self._fit.items() if k[0] != name}
         return engine
 
     def is_idle(self, name: str) -> bool:
@@ -119,8 +129,9 @@ class MultiEngine:
             return []
         name = busy[0] if len(busy) == 1 else self.pick(busy, time.monotonic())
         engine = self.engines[name]
-        if len(busy) > 1 or engine.config.scheduler.max_step_ms != self._step_ms[name]:
+        if len(busy) > 1 or engine.scheduler.config.max_step_ms != self._step_ms[name]:
             self._share_step_target(busy)
+        self._cap_budget(name, busy)
         outputs = engine.step()
         self._since[name] = time.monotonic()
         self.last_model, self.last_step = name, engine.last_step
@@ -145,11 +156,51 @@ class MultiEngine:
         # their first chunk takes a step in the rotation too, and with a whole target to itself that one step
         # (a prompt chunk) was what stretched the other models' gaps (p99 TBT 1.59x alone, 2026-11-23).
         # With no stream running anywhere there is no gap to protect: each model keeps its whole target.
+        # The scheduler's own config: under auto batch settings it is a copy of the engine's.
         shares = len(busy) if any(self.engines[name].scheduler.running for name in busy) else 1
         for name in busy:
-            config = self.engines[name].config.scheduler
+            config = self.engines[name].scheduler.config
             if self._step_ms[name] > 0:
                 config.max_step_ms = self._step_ms[name] / shares
+
+    def _cap_budget(self, name: str, busy: list[str]) -> None:
+        """Lower `name`'s token budget for this step to the prompt tokens that fit its share of the step-time
+        target while another busy model has streams (see the module docstring); its own budget otherwise."""
+        sched = self.engines[name].scheduler
+        config = sched.config
+        if config.auto_max_num_batched_tokens:  # the scheduler sizes the budget from the (shared) target itself
+            return
+        own = self._budget[name]
+        others_stream = any(has_streams(self.engines[other]) for other in busy if other != name)
+        if not others_stream or config.max_step_ms <= 0 or sched.step_time is None:
+            config.max_num_batched_tokens = own
+            return
+        limit = config.max_step_ms / 1000.0 / sched.step_time_scale
+        fit = self._fit.get((name, limit))
+        if fit is None:
+            fit = self._fit[(name, limit)] = prompt_tokens_within(sched.step_time, limit, own, sched.block_size)
+        # the model's own decodes always fit in: the scheduler cuts its prompt chunks around them
+        config.max_num_batched_tokens = min(own, max(fit, len(sched.running) + sched.block_size))
+
+
+def has_streams(engine: Engine) -> bool:
+    """Whether any request of the engine is past its prompt (a stream whose next token someone waits for)."""
+    return any(r.num_output_tokens > 0 for r in engine.scheduler.running)
+
+
+def prompt_tokens_within(step_time: Any, limit_s: float, most: int, least: int) -> int:
+    """The most prompt tokens (one fresh chunk, between `least` and `most`) of a step predicted to take at most
+    limit_s; `least` when even that does not fit (prompts must progress)."""
+    if step_time(BatchShape.build(chunks=[(0, most)])) <= limit_s:
+        return most
+    lo, hi = least, most  # step time grows with the chunk: bisect
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if step_time(BatchShape.build(chunks=[(0, mid)])) <= limit_s:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def best_priority(engine: Engine) -> int:

@@ -5,12 +5,15 @@ out of, its MultiEngine (both between two steps, through AsyncEngine.call).
 
 A load runs on one loader thread with torch limited to one thread there: torch's OpenMP keeps a team of workers
 per thread that ever ran a parallel op, and a second team would make libgomp count more workers than cores and
-stop spin-waiting on the engine thread for good (see AsyncEngine). One thread also leaves the other core to the
-streams of the models already loaded. The loader skips the start-up step-time profile (it would time one
-thread); the engine thread installs the cached profile of that exact setup if there is one, else the model
-serves without a step-time target until a start-up load (which profiles) has cached it. A float32 model is
-built on plain weights and joins the loop at once; the loader then packs its linears for oneDNN one at a time
-while it serves (~0.4 s of work that would otherwise come before its first token).
+stop spin-waiting on the engine thread for good (see AsyncEngine). The loader skips the start-up step-time
+profile (it would time one thread); the engine thread installs the cached profile of that exact setup if there
+is one, else the model serves without a step-time target until a start-up load (which profiles) has cached it.
+
+A GGUF model loads from its runtime snapshot (loader.build_model: the model as built, mapped from one file), so
+the load is mostly the kernel's work with the interpreter free, and it runs at the loaded models' priority. The
+loader then maps the pages in and runs two tiny forwards, so that the first step on the engine thread pays
+neither. Float32 and int4 models join the loop on plain linears; a packer thread at nice 19 packs them for oneDNN
+one at a time while the model serves, and the new KV pool's prefault runs at nice 19 too.
 
 Memory is counted as each model's weights plus its KV pool (and host swap pool): measured once loaded, estimated
 from the file's header before its first load.
@@ -20,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import gc
 import logging
 import math
+import mmap
 import os
 import threading
 import time
@@ -36,12 +41,14 @@ from paceline.engine.engine import Engine
 from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
 from paceline.engine.multi import MultiEngine
 from paceline.model.llama import Linear, deferred_packing
+from paceline.model.loader import unpacked_linears as model_unpacked_linears
 
 log = logging.getLogger("paceline.residency")
 
 REAP_INTERVAL_S = 0.5
 DEFER_PACKING = os.environ.get("PACELINE_DEFER_PACKING", "1") != "0"  # 0: pack before serving (the A/B's before)
 PACK_PAUSE_S = 0.002  # between two Linears packed in the background
+LOADER_NICE = int(os.environ.get("PACELINE_LOADER_NICE", "0"))  # the load's CPU priority (19: the A/B's before)
 
 
 class UnknownModelError(KeyError):
@@ -93,6 +100,7 @@ class Residency:
             slot.last_used = time.monotonic()
         self._lock = asyncio.Lock()  # one load or eviction decision at a time
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paceline-loader")
+        self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paceline-packer")  # nice 19
         self._reaper: asyncio.Task | None = None
         self._packing: set[asyncio.Future] = set()  # background packing of freshly loaded models
         self.on_unload: list[Any] = []  # callbacks(name): the server drops what it built on that Engine
@@ -112,6 +120,7 @@ class Residency:
         for task in list(self._packing):
             task.cancel()
         self._loader.shutdown(wait=False, cancel_futures=True)
+        self._packer.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests ------------------------------------------------------------------------------------------------
 
@@ -178,7 +187,7 @@ class Residency:
         try:
             t0 = time.perf_counter()
             async with self._lock:  # a load that comes next waits for these ~0.4 s, not the other way round
-                await asyncio.get_running_loop().run_in_executor(self._loader, _pack_slowly, linears)
+                await asyncio.get_running_loop().run_in_executor(self._packer, _pack_slowly, linears)
             await self.async_engine.call(lambda: drop_plain_weights(linears))
             log.info("model %s: %d linears packed in %.2f s while serving", name, len(linears),
                      time.perf_counter() - t0)
@@ -274,43 +283,119 @@ def _build_engine(config: EngineConfig) -> tuple[Engine, float]:
     """On the loader thread, one torch thread: the Engine without its step-time model, and the max_step_ms that
     _install gives it once it has a profile."""
     step_ms, config.scheduler.max_step_ms = config.scheduler.max_step_ms, 0.0
-    try:  # the lowest CPU priority for this thread alone: the streams of loaded models keep their cores first
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux: the load just competes evenly
-        pass
+    # From a runtime snapshot a load is mostly the kernel mapping pages and torch ops, with the interpreter free,
+    # so it runs at the loaded models' own priority: at nice 19 it got a core only between their steps and a
+    # switch took seconds (2026-11-23). What can wait runs at nice 19: the new KV pool's prefault, the packing.
+    set_nice(LOADER_NICE)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # float32 linears start on plain weights (F.linear) and are packed for oneDNN once the model serves: packing
-    # is ~0.4 s of a switch's 0.5 s budget. Other dtypes pack now: unpacked bfloat16 runs several times slower
-    # on CPUs without native bf16 math, which would cost more than the packing saves.
-    defer = (deferred_packing() if config.dtype == "float32" and config.quantization == "none" and DEFER_PACKING
-             else contextlib.nullcontext())
+    # float32 and int4 models start on plain linears and are packed for oneDNN once the model serves (~0.3-1.5 s
+    # of one core for the bundled model, more than a switch's 0.5 s budget). An int4 model's layers run paceline's
+    # own kernel on its 4-bit codes for steps of up to 96 rows, so only larger steps see the plain copies. Other
+    # dtypes pack now: unpacked bfloat16 runs several times slower on CPUs without native bf16 math.
+    defer = config.quantization == "int4" or (config.dtype == "float32" and config.quantization == "none")
     try:
-        with defer:
-            return Engine(config), step_ms
+        with deferred_packing() if defer and DEFER_PACKING else contextlib.nullcontext():
+            engine = Engine(config)
+        prefault = getattr(engine.runner, "prefault", None)
+        if prefault is not None and prefault.native_id is not None:  # the KV pool's page population (runner.py)
+            set_nice(19, prefault.native_id)
+        model = getattr(engine.runner, "model", None)
+        if model is not None and hasattr(model, "layers"):
+            map_in(model)
+            warm_up(model)
+        return engine, step_ms
     finally:
         torch.set_num_threads(threads)
 
 
+def set_nice(value: int, thread_id: int | None = None) -> None:
+    """This thread's (or another's) CPU priority; Linux keeps one per thread."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread_id or threading.get_native_id(), value)
+    except (AttributeError, OSError):  # not Linux, or lowering a nice value without the right: it stays
+        pass
+
+
+MADV_POPULATE_READ = 22  # linux/mman.h (5.14+)
+
+
+def map_in(model: torch.nn.Module) -> None:
+    """Fault in the pages of every tensor a freshly loaded model holds, reading nothing: a model from a runtime
+    snapshot is file pages mapped on demand, and the first step would otherwise take ~100k page faults on the
+    engine thread. madvise through ctypes releases the interpreter while the kernel works."""
+    madvise = _madvise()
+    if madvise is None:
+        return
+    page = mmap.PAGESIZE
+    for storage in {id(t.untyped_storage()): t.untyped_storage() for t in model_tensors(model)}.values():
+        if storage.device.type != "cpu" or storage.nbytes() < page:
+            continue
+        start = storage.data_ptr() // page * page
+        if madvise(start, storage.data_ptr() + storage.nbytes() - start, MADV_POPULATE_READ) != 0:
+            return  # an older kernel: the pages come in on first use, as before
+
+
+def _madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every plain tensor reachable from the model's attributes (Linears, int4 codes, buffers); packed oneDNN
+    weights have no storage and are left out."""
+    out, seen, stack = [], set(), [model]
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.layout == torch.strided and not obj.is_mkldnn:
+                out.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, torch.nn.Module) or type(obj).__module__.startswith("paceline.model"):
+            stack.extend(vars(obj).values())
+    return out
+
+
+@torch.inference_mode()
+def warm_up(model: torch.nn.Module) -> None:
+    """Run a one-token and a 16-token forward on the loader thread, into a scratch KV cache (the pool's masked
+    slots must stay zeros): whatever a kernel sets up on its first call of a shape happens here, not in the
+    first step of the engine thread."""
+    from paceline.model.attention import SeqSlice, build_metadata
+
+    arch, bs = model.arch, 16
+    for n in (1, bs):
+        kv = torch.zeros(len(model.layers), 2, 1, bs, arch.num_kv_heads, arch.head_dim, dtype=model.dtype)
+        meta = build_metadata([SeqSlice(0, n, [0])], bs, model.device)
+        hidden = model(torch.ones(n, dtype=torch.long), torch.arange(n), meta, kv)
+        model.compute_logits(hidden[-1:])
+
+
 def unpacked_linears(engine: Engine) -> list[Linear]:
-    """The model's Linears left on plain weights by deferred_packing (layers, their wide or dense copies, LM head)."""
+    """The model's Linears left on plain weights by deferred_packing that the normal build packs."""
     model = getattr(engine.runner, "model", None)
     if model is None or not hasattr(model, "lm_head"):  # a parallel runner: its workers built their own parts
         return []
-    out, stack = [], [model.lm_head] + [getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up",
-                                                                                               "down")]
-    while stack:
-        lin = stack.pop()
-        stack += [part for part in (getattr(lin, "wide", None), getattr(lin, "dense", None)) if part is not None]
-        if isinstance(lin, Linear) and lin.packed is None and lin.weight is not None:
-            out.append(lin)
-    return out
+    return model_unpacked_linears(model)
 
 
 def _pack_slowly(linears: list[Linear]) -> None:
     """On the loader thread (one torch thread, lowest CPU priority), while the model already serves: pack one
     Linear at a time. The engine thread may be calling it meanwhile; Linear reads `packed` first, so a call uses
-    either the plain weight or the packed copy, both whole. The short sleep hands the core back between two."""
+    either the plain weight or the packed copy, both whole. The short sleep hands the core back between two.
+    Its own thread: once lowered, a thread's priority may not be raised again without privileges."""
+    set_nice(19)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -12,9 +12,11 @@ llama/mistral files, and load_gguf undoes it (qwen2 files are stored unpermuted)
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import warnings
@@ -499,3 +501,155 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
             w = _unpermute(w, kv_heads)
         weights[hf] = torch.from_numpy(np.ascontiguousarray(w))
     return Checkpoint(arch, _check_weights(arch, weights, str(path)), tokenizer, path.stem, str(path))
+
+
+# ---------------------------------------------------------------- runtime snapshots
+
+# The converted folder still leaves work for every load: q/k/v and gate/up are concatenated and rows permuted
+# (LlamaModel.from_weights), int4 models quantize every weight and build their dense copies, and oneDNN packs the
+# linears. A snapshot is the model as built, pickled with its tensors in one file that torch.load maps (mmap=True):
+# loading it is page mapping and unpickling (tens of ms) instead of seconds of conversion that also hold the
+# interpreter for a while (a load beside other models' streams stalls them). Linears are stored plain (a oneDNN
+# packed weight is an opaque tensor that neither pickles nor maps), so the caller packs them after loading, or
+# later: the bundled model's int4 layers run paceline's own kernel on the mapped codes from the first step.
+# Only GGUF sources get one, next to their converted folder (whose key it includes): for a Hugging Face folder
+# or a test's tiny checkpoint the conversion is all the work there is. The file is a pickle written by this
+# program into the user's own cache; it is only ever read from there.
+SNAPSHOT_FORMAT = 1
+
+
+class _SnapshotPickler(pickle.Pickler):
+    """Pickles the custom ops the model holds (paceline's C++ kernels) as the call that loads them again."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        from paceline.model import int4_kernel, logits_kernel
+
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            for kernel in (int4_kernel, logits_kernel):
+                if obj is kernel.load():
+                    return _require_op, (kernel.__name__,)
+            raise pickle.PicklingError(f"op {obj} has no known loader")
+        return NotImplemented
+
+
+def _require_op(module: str) -> Any:
+    """On unpickling: the kernel the snapshot was built with; an error (so the caller rebuilds) if it is gone."""
+    import importlib
+
+    op = importlib.import_module(module).load()
+    if op is None:
+        raise RuntimeError(f"{module} is unavailable here; the snapshot needs it")
+    return op
+
+
+class _SnapshotPickle:  # what torch.save / torch.load take as pickle_module
+    Pickler = _SnapshotPickler
+    Unpickler = pickle.Unpickler
+    load = staticmethod(pickle.load)
+    __name__ = "paceline_snapshot_pickle"
+
+
+def snapshot_path(model: str | None, dtype: str, quantization: str, wide_linears: str) -> Path | None:
+    """Where the runtime snapshot of this model and numeric mode lives, or None when it gets none (not a GGUF,
+    int8 wide steps, whose fbgemm weights do not map). The key holds everything the built model depends on: the
+    GGUF's cache key, the mode, torch, the CPU's kernel level, whether paceline's kernels are on, and the source of
+    every module that builds the model."""
+    from paceline.model import int4_kernel, logits_kernel
+
+    path = Path(model if model is not None else default_model_path()).expanduser()
+    if not path.is_file() or wide_linears == "int8":
+        return None
+    h = hashlib.sha256()
+    for part in (SNAPSHOT_FORMAT, gguf_cache_key(path), dtype, quantization, wide_linears, torch.__version__,
+                 torch.backends.cpu.get_cpu_capability(), int4_kernel.enabled(), logits_kernel.enabled()):
+        h.update(f"{part}\0".encode())
+    for src in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(src.read_bytes())
+    return cache_root() / "snapshots" / f"{h.hexdigest()[:32]}.pt"
+
+
+def read_snapshot(path: Path) -> Any | None:
+    """The model stored at `path`, its tensors mapped from the file; None if there is none or it cannot be read
+    (then it is removed, and the caller builds and writes it again)."""
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, mmap=True, weights_only=False, pickle_module=_SnapshotPickle)
+    except Exception as e:  # a truncated file, a class that changed shape, a kernel that no longer loads
+        warnings.warn(f"the model snapshot {path} cannot be read ({e}); building the model again")
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+
+
+def write_snapshot(model: Any, path: Path) -> None:
+    """Store a model built with plain linears (deferred_packing) at `path`, atomically; a failure only warns."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        os.close(fd)
+    except OSError as e:
+        warnings.warn(f"cannot write the model snapshot in {path.parent}: {e}")
+        return
+    try:
+        torch.save(model, tmp, pickle_module=_SnapshotPickle)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except Exception as e:  # an unpicklable part: the model serves, later loads convert again
+        warnings.warn(f"cannot write the model snapshot {path}: {e}")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def unpacked_linears(model: Any) -> list[Any]:
+    """The Linears of a model built under deferred_packing that the normal build packs for oneDNN: every layer's,
+    their wide and dense copies, and the LM head unless the model keeps it plain on purpose (the few-row logits
+    op reads the plain head when wide steps take the many-row logits; see LlamaModel.__init__)."""
+    from paceline.model.llama import Linear
+
+    heads = [model.lm_head.wide] if model.few_row_logits is not None and model.wide_linears else [model.lm_head]
+    stack = heads + [getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down")]
+    out = []
+    while stack:
+        lin = stack.pop()
+        stack += [part for part in (getattr(lin, "wide", None), getattr(lin, "dense", None)) if part is not None]
+        if isinstance(lin, Linear) and lin.packed is None and lin.weight is not None:
+            out.append(lin)
+    return out
+
+
+def pack_linears(linears: list[Any], drop_plain: bool = True) -> None:
+    """Pack each Linear for oneDNN (as the normal build does) and, unless told otherwise, free its plain weight."""
+    for lin in linears:
+        lin.packed = type(lin)._pack(lin.weight, lin.bias)
+        if drop_plain and lin.packed is not None:
+            lin.weight = None
+
+
+def build_model(ckpt: Checkpoint, model: str | None, dtype: str, quantization: str, wide_linears: str,
+                device: torch.device) -> Any:
+    """The LlamaModel for a checkpoint: from its runtime snapshot where there is one (CPU, GGUF sources), else
+    built from the weights (and the snapshot written for next time). Its linears come back packed unless the
+    caller builds under llama.deferred_packing() (the residency's loader: it packs while the model serves)."""
+    from paceline.model import llama
+
+    def from_weights() -> Any:
+        return llama.LlamaModel.from_weights(ckpt.arch, ckpt.weights, device=device, dtype=DTYPES[dtype],
+                                       quantization=quantization, wide_linears=wide_linears)
+
+    path = snapshot_path(model, dtype, quantization, wide_linears) if device.type == "cpu" else None
+    if path is None:
+        return from_weights()
+    # read before any block of our own: deferred_packing() switches the flag off when it ends, not back
+    deferred = getattr(llama._defer, "on", False)
+    built = read_snapshot(path)
+    if built is None:
+        with llama.deferred_packing():
+            built = from_weights()
+        write_snapshot(built, path)
+        if deferred:
+            llama._defer.on = True
+    if not deferred:
+        pack_linears(unpacked_linears(built))
+    return built

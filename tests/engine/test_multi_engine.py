@@ -44,7 +44,7 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
 def config(path: str, **kw) -> EngineConfig:
     return EngineConfig(model=path, dtype="float32", tbt_goal_ms=0, served_model_name=kw.pop("name", None),
                         cache=CacheConfig(num_blocks=64, block_size=4, swap_space_gb=0),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=16, **kw))
+                        scheduler=SchedulerConfig(**{"max_num_batched_tokens": 16, **kw}))
 
 
 def run_all(engine, requests: list[tuple[str, str, str | None]], max_tokens: int = 12) -> tuple[dict, list]:
@@ -96,6 +96,34 @@ def test_priority_first_but_waiting_streams_are_not_starved(tiny_dirs):
     multi._since = {"llama": 1.0, "qwen2": 0.97}
     assert multi.pick(["llama", "qwen2"], 1.0) == "llama"
     assert multi.pick(["llama", "qwen2"], 1.2) == "qwen2"
+
+
+def test_prompt_steps_are_cut_to_their_share_while_another_model_streams(tiny_dirs):
+    """The scheduler leaves a step of prompts alone uncut (no stream of its model waits on it); beside another
+    model's streams it is a gap of theirs, so the loop lowers its token budget to what its share of the target fits."""
+    engines = {kind: Engine(config(path, name=kind, max_num_batched_tokens=64)) for kind, path in tiny_dirs.items()}
+    for engine in engines.values():  # a step-time model: 1 ms a token; a 20 ms target, 10 ms each for two models
+        engine.scheduler.step_time = lambda shape: 1e-3 * shape.num_tokens
+        engine.scheduler.config.max_step_ms = 20.0
+    multi = MultiEngine(config(None), engines)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    multi.add_request("stream", "a b", params, model="llama")
+    while not engines["llama"].scheduler.running or not multi.engines["llama"].scheduler.running[0].num_output_tokens:
+        multi.step()
+    multi.add_request("long", list(range(5, 65)), SamplingParams(temperature=0.0, max_tokens=2), model="qwen2")
+    prompt_steps = []
+    while multi.has_unfinished():
+        multi.step()
+        if multi.last_model == "qwen2" and multi.last_step.num_prefill_tokens:
+            prompt_steps.append((multi.last_step.num_prefill_tokens, engines["llama"].has_unfinished()))
+    beside = [n for n, streaming in prompt_steps if streaming]
+    assert beside and max(beside) <= 10 + 4  # its share (10 ms) fits 10 tokens; the cap keeps a block of room
+    assert sum(n for n, _ in prompt_steps) >= 60
+
+    # alone again (fresh ids: a repeated prompt would be mostly a prefix-cache hit): its own budget
+    multi.add_request("alone", list(range(70, 130)), SamplingParams(temperature=0.0, max_tokens=2), model="qwen2")
+    multi.step()
+    assert multi.last_step.num_prefill_tokens > 14 and engines["qwen2"].scheduler.config.max_num_batched_tokens == 64
 
 
 def test_unknown_model_and_duplicate_id_are_plain_errors(tiny_dirs):

@@ -1,0 +1,137 @@
+"""Runtime snapshots (loader.build_model): a GGUF's model as built, mapped back with no conversion; the loader
+thread's preparation of a model loaded on demand (map_in, warm_up, deferred packing)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
+from _tiny_checkpoints import tiny_checkpoint, write_gguf
+
+from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
+from paceline.engine.engine import Engine
+from paceline.engine.residency import _build_engine, model_tensors, unpacked_linears
+from paceline.model import llama, loader
+from paceline.sampling import SamplingParams
+
+PROMPTS = ["the cat sat on", "hello there, in the", "a b c d e f"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    # a fresh cache for converted folders and snapshots; the compiled kernels are shared (a build takes ~15 s)
+    kernels = loader.cache_root() / "kernels"
+    (tmp_path / "cache").mkdir()
+    if kernels.is_dir():
+        (tmp_path / "cache" / "kernels").symlink_to(kernels)
+    monkeypatch.setenv("PACELINE_CACHE", str(tmp_path / "cache"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def gguf(tmp_path) -> str:
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tiny_checkpoint("llama", tie=True, seed=3), path)
+    return str(path)
+
+
+def config(path: str, **kw) -> EngineConfig:
+    return EngineConfig(model=path, tbt_goal_ms=0, cache=CacheConfig(num_blocks=64, block_size=4, swap_space_gb=0),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=16), **kw)
+
+
+def greedy(engine: Engine) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[str(i)] for i in range(len(PROMPTS))]
+
+
+def packing(model) -> list[tuple[str, bool]]:
+    """Which of the model's Linears (and their wide or dense copies) hold a packed weight, in a fixed order."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(layer, name)
+            for part in (lin, getattr(lin, "wide", None), getattr(lin, "dense", None)):
+                if isinstance(part, llama.Linear):
+                    out.append((f"{i}.{name}", part.packed is not None))
+    for part in (model.lm_head, model.lm_head.wide):
+        if part is not None:
+            out.append(("lm_head", part.packed is not None))
+    return out
+
+
+def no_conversion(monkeypatch) -> None:
+    def fail(*a, **k):
+        raise AssertionError("the model was converted again instead of read from its snapshot")
+    monkeypatch.setattr(llama.LlamaModel, "from_weights", fail)
+
+
+@pytest.mark.parametrize("mode", [dict(dtype="float32"), dict(dtype="bfloat16"),
+                                  dict(dtype="bfloat16", quantization="int4")], ids=["fp32", "bf16", "int4"])
+def test_second_load_maps_the_snapshot_and_decodes_the_same(gguf, mode, monkeypatch):
+    first = Engine(config(gguf, **mode))  # converts, writes the snapshot
+    ckpt = loader.load_checkpoint(gguf, "float32" if "quantization" in mode else mode["dtype"])
+    reference = llama.LlamaModel.from_weights(ckpt.arch, ckpt.weights, dtype=loader.DTYPES[mode["dtype"]],
+                                              quantization=mode.get("quantization", "none"))
+    path = loader.snapshot_path(gguf, first.config.dtype, first.config.quantization, first.config.wide_linears)
+    assert path is not None and path.is_file()
+    expected = greedy(first)
+    no_conversion(monkeypatch)
+    second = Engine(config(gguf, **mode))
+    assert greedy(second) == expected
+    # packed as a normal build packs (a bf16 weight does not pack on a CPU without native bf16 math)
+    assert packing(second.runner.model) == packing(reference)
+
+
+def test_snapshot_key_follows_the_mode_and_the_file(gguf, tmp_path):
+    a = loader.snapshot_path(gguf, "float32", "none", "auto")
+    assert a != loader.snapshot_path(gguf, "bfloat16", "none", "auto")
+    assert a != loader.snapshot_path(gguf, "bfloat16", "int4", "auto")
+    assert loader.snapshot_path(gguf, "float32", "none", "int8") is None  # fbgemm weights do not map
+    other = tmp_path / "other.gguf"
+    write_gguf(tiny_checkpoint("llama", tie=True, seed=4), other)
+    assert loader.snapshot_path(str(other), "float32", "none", "auto") != a
+    folder = tmp_path / "hf"
+    loader.write_hf_folder(tiny_checkpoint("llama", seed=4), folder)
+    assert loader.snapshot_path(str(folder), "float32", "none", "auto") is None  # no conversion to save
+
+
+def test_a_broken_snapshot_is_rebuilt(gguf):
+    expected = greedy(Engine(config(gguf, dtype="float32")))
+    path = loader.snapshot_path(gguf, "float32", "none", "auto")
+    path.write_bytes(path.read_bytes()[:1000])  # truncated
+    with pytest.warns(UserWarning, match="cannot be read"):
+        engine = Engine(config(gguf, dtype="float32"))
+    assert greedy(engine) == expected
+    assert path.stat().st_size > 1000  # written again
+
+
+def test_loader_thread_build_from_snapshot_serves_unpacked_then_packed(gguf, monkeypatch):
+    expected = greedy(Engine(config(gguf, dtype="bfloat16", quantization="int4")))
+    no_conversion(monkeypatch)
+    engine, _ = _build_engine(config(gguf, dtype="bfloat16", quantization="int4"))  # deferred, mapped, warmed up
+    linears = unpacked_linears(engine)
+    assert linears and all(lin.packed is None for lin in linears)
+    assert not getattr(llama._defer, "on", False)  # the deferral ends with the build
+    # the model's tensors are the snapshot file's pages, not a copy
+    path = loader.snapshot_path(gguf, "bfloat16", "int4", "auto")
+    spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in open("/proc/self/maps")
+             if line.rstrip().endswith(str(path))]
+    ptrs = [t.untyped_storage().data_ptr() for t in model_tensors(engine.runner.model)]
+    assert spans and all(any(a <= p < b for a, b in spans) for p in ptrs if p)
+    assert greedy(engine) == expected
+    for lin in linears:
+        lin.packed = llama.Linear._pack(lin.weight, lin.bias)
+    assert greedy(engine) == expected
