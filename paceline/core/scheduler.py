@@ -134,7 +134,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r} needs {need} tokens of KV cache but the whole cache holds {capacity}")
         self.requests[rid] = request
         if self.fair is not None:
-            self.fair.arrive(request.client_id)
+            self.fair.arrive(request.client_id, len(request.prompt_token_ids))
         self.waiting.push(request)
 
     @property
