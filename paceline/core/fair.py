@@ -9,7 +9,7 @@ VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024), driv
   strict VTC a client that returns with a burst is the more served as soon as its first prompt has run (a prompt
   is charged in a step or two, a backlogged client's decodes 2 a token), and the rest of the burst waits for the
   others to catch up. On two-tenants (simulated at this machine's speed, 300 s) that put the light client's p99
-  TTFT at 1.13 s, every slow one the 3rd-5th request of a burst; with the credit 0.75 s, at the same Jain's
+  TTFT at 1.125 s, every slow one the 3rd-5th request of a burst; with the credit 0.758 s, at the same Jain's
   index (1.000) and throughput (benchmarks/summaries/fairness.md). A client gains it only by going idle, so
   it cannot bank more than one prompt; the counters' bound grows by at most one prompt.
 - The waiting and swapped queues hand out the least-served client's best request (`FairQueue`); a victim of
