@@ -10,7 +10,8 @@ server's running and waiting gauges are sampled every second (their peaks say wh
 
 A configuration is `off` (no limit) or a `--max-queue-delay-s` value, optionally with `+auto`, which adds
 `--max-num-seqs auto` (seats that follow the step-time target, so the running batch keeps the TBT goal and the
-rest queues, where the queue-delay limit sees it):
+rest queues, where the queue-delay limit sees it), and optionally `@DIR`: the server of the paceline checkout in
+DIR (an A/B of two versions of the code on the same requests in one run, e.g. `5+auto@/work/main,5+auto`):
 
     python benchmarks/overload.py --rate 2.8 --seconds 90 --configs off,5,5+auto --output /tmp/overload.json
 """
@@ -38,12 +39,25 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def config_flags(config: str) -> list[str]:
-    """`off` | `S` | `S+auto` -> the `paceline serve` flags of that configuration."""
-    delay, _, extra = config.partition("+")
+    """`off` | `S` | `S+auto` (optionally `@DIR`) -> the `paceline serve` flags of that configuration."""
+    delay, _, extra = config.partition("@")[0].partition("+")
     if extra not in ("", "auto"):
         raise ValueError(f"unknown configuration {config!r}: off, S or S+auto")
     flags = [] if delay == "off" else ["--max-queue-delay-s", str(float(delay))]
     return flags + (["--max-num-seqs", "auto"] if extra else [])
+
+
+def server_command(config: str) -> list[str]:
+    """`python -m paceline.entrypoints.cli`, of this checkout or, for `CONFIG@DIR`, of the checkout in DIR (an A/B
+    of two versions of the code in one run: the same requests, the same minutes of the machine)."""
+    _, at, where = config.partition("@")
+    if not at:
+        return [sys.executable, "-m", "paceline.entrypoints.cli"]
+    if not (Path(where) / "paceline" / "entrypoints" / "cli.py").is_file():
+        raise ValueError(f"{where!r} is not a paceline checkout (in configuration {config!r})")
+    boot = (f"import runpy, sys; sys.path.insert(0, {str(Path(where).resolve())!r}); sys.argv[0] = 'paceline'; "
+            "runpy.run_module('paceline.entrypoints.cli', run_name='__main__')")
+    return [sys.executable, "-c", boot]
 
 
 async def gauges(client: httpx.AsyncClient, url: str, peaks: dict[str, float], stop: asyncio.Event) -> None:
@@ -156,11 +170,13 @@ def main() -> None:
               "workload": args.workload, "rate": args.rate, "tbt_slo_ms": args.tbt_slo_ms, "configs": {}}
     configs = args.configs.split(",")
     flags_of = {c: config_flags(c) for c in configs}  # a typo fails here, before any server starts
+    for c in configs:
+        server_command(c)
     for config in configs:
         flags = flags_of[config]
-        argv = [sys.executable, "-m", "paceline.entrypoints.cli", "--log-level", "WARNING", "serve", "--host",
+        argv = [*server_command(config), "--log-level", "WARNING", "serve", "--host",
                 "127.0.0.1", "--port", "{port}", *flags, *args.server_args]
-        with Server(System(f"paceline-{config}", argv), Path(f"/tmp/paceline-overload-{config}.log")) as server:
+        with Server(System(f"paceline-{config}", argv), Path(f"/tmp/paceline-overload-{config.replace('/', '_')}.log")) as server:
             httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=120)
             peaks: dict[str, float] = {}
             records, answered = asyncio.run(drive(server.url, requests, prompts, args.grace_s, peaks))
@@ -169,7 +185,7 @@ def main() -> None:
                                      "peak_running": peaks.get("running"), "peak_waiting": peaks.get("waiting"),
                                      "steps": summarize_steps(steps)}
         if args.steps_output:  # every step record, for a closer look at what the engine did
-            Path(args.steps_output.format(config=config)).write_text(json.dumps(steps))
+            Path(args.steps_output.format(config=config.replace("/", "_"))).write_text(json.dumps(steps))
         print(config, json.dumps(report["configs"][config]), flush=True)
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=1))

@@ -38,6 +38,8 @@ MAX_TOKENS = (16, 32, 48)
 FAULTS = ("sampler", "nan", "detokenize", "stop")
 AUTH: dict[str, str] = {}  # {"Authorization": "Bearer KEY"} for a server started with --api-key
 CLIENT_TIMEOUT_S = [300.0]  # a well-behaved client's patience (--client-timeout-s); past it, its request is lost
+CHAT_CAPACITY_RPS = 0.938  # chat workload, relaxed SLO, int4 (benchmarks/summaries/chat.md, 2026-11-22)
+STOP_GRACE_S = 30.0  # after a stop (signal or --stop-by), in-flight requests get this long before they are cut off
 
 
 @dataclass
@@ -47,9 +49,11 @@ class Book:
     corrupted: list[str] = field(default_factory=list)
     gaps: dict[str, list[float]] = field(default_factory=lambda: {"clean": [], "abuse": []})
     rejected_s: list[float] = field(default_factory=list)  # how long a well-behaved request waited for its 503
+    sent: dict[str, int] = field(default_factory=dict)  # phase -> well-behaved requests sent
+    traffic_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds of arrivals it actually had
 
-    def add(self, phase: str, kind: str, outcome: str) -> None:
-        self.outcomes[(phase, kind, outcome)] += 1
+    def add(self, phase: str, kind: str, outcome: str, n: int = 1) -> None:
+        self.outcomes[(phase, kind, outcome)] += n
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -310,37 +314,60 @@ def metrics(url: str) -> dict[str, float]:
 
 
 async def phase(name: str, url: str, seconds: float, rate: float, abuse_rate: float, refs: dict[str, str],
-                book: Book, rng: random.Random, stream_share: float) -> None:
+                book: Book, rng: random.Random, stream_share: float, stop: asyncio.Event | None = None) -> None:
+    """Arrivals for `seconds` (fewer if `stop` is set), then waits for the requests in flight. After a stop, those
+    get STOP_GRACE_S and the rest are cancelled and counted as cut off: a stopped run still writes its books."""
+    stop = stop or asyncio.Event()
     host, port = url.split("//")[1].split(":")
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=50)
     async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S[0], limits=limits, headers=AUTH) as client:
         tasks = []
-        end = time.monotonic() + seconds
+        t0 = time.monotonic()
+        end = t0 + seconds
 
         async def arrivals(r: float, make) -> None:
-            while (now := time.monotonic()) < end:
-                await asyncio.sleep(min(rng.expovariate(r), max(0.0, end - now)))
-                if time.monotonic() < end:
+            while (now := time.monotonic()) < end and not stop.is_set():
+                try:
+                    await asyncio.wait_for(stop.wait(), min(rng.expovariate(r), max(0.0, end - now)))
+                except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() < end and not stop.is_set():
                     tasks.append(asyncio.ensure_future(make()))
 
-        feeds = [arrivals(rate, lambda: well_behaved(client, book, name, refs, rng, stream_share))]
+        def sent_good():
+            book.sent[name] = book.sent.get(name, 0) + 1
+            return well_behaved(client, book, name, refs, rng, stream_share)
+
+        feeds = [arrivals(rate, sent_good)]
         if abuse_rate > 0:
             feeds.append(arrivals(abuse_rate, lambda: abuser(client, host, int(port), book, rng)))
         await asyncio.gather(*feeds)
-        await asyncio.gather(*tasks)
+        book.traffic_s[name] = time.monotonic() - t0
+        everything = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([everything, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if not everything.done():  # stopped while requests were in flight
+            await asyncio.wait([everything], timeout=STOP_GRACE_S)
+            cut = [t for t in tasks if not t.done()]
+            for t in cut:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if cut:
+                book.add(name, "any", "cut off by the stop", len(cut))
+        stopped.cancel()
 
 
 async def sampler(url: str, pid: int | None, samples: list, stop: asyncio.Event, every_s: float,
-                  partial: str | None = None) -> None:
-    """Samples /metrics and the memory every every_s; every minute they also go to `partial` (a run cut short
-    keeps its memory curve)."""
+                  partial: str | None = None, books=None) -> None:
+    """Samples /metrics and the memory every every_s; every minute the samples and the books so far (`books()`)
+    also go to `partial`, so a run killed outright still leaves its memory curve and counts."""
     t0 = time.monotonic()
     next_dump = t0 + 60
     while not stop.is_set():
         if partial and time.monotonic() >= next_dump:
             next_dump += 60
             with open(partial, "w") as f:
-                json.dump(samples, f)
+                json.dump({"books_so_far": books() if books else None, "samples": samples}, f)
         try:
             m = await asyncio.to_thread(metrics, url)
             samples.append({"t": time.monotonic() - t0, "rss_mb": rss_mb(pid), "memory_mb": memory_mb(pid),
@@ -355,51 +382,126 @@ async def sampler(url: str, pid: int | None, samples: list, stop: asyncio.Event,
             pass
 
 
+def stop_on(stop: asyncio.Event, stop_by_utc: str | None) -> list:
+    """Sets `stop` on SIGTERM / SIGINT and at the wall-clock time `stop_by_utc` ("HH:MM", today, UTC): the run then
+    winds down and writes its books instead of dying with them. Returns what to undo."""
+    loop = asyncio.get_running_loop()
+    undo = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+        undo.append(lambda sig=sig: loop.remove_signal_handler(sig))
+    if stop_by_utc:
+        hh, mm = (int(x) for x in stop_by_utc.split(":"))
+        now = time.time()
+        day = now - now % 86400
+        left = day + hh * 3600 + mm * 60 - now
+        if left < 0:
+            raise SystemExit(f"--stop-by {stop_by_utc} UTC has passed")
+        handle = loop.call_later(left, stop.set)
+        undo.append(handle.cancel)
+    return undo
+
+
 async def main_async(args: argparse.Namespace, pid: int | None) -> dict:
     rng = random.Random(args.seed)
     book = Book()
-    async with httpx.AsyncClient(base_url=args.url, timeout=CLIENT_TIMEOUT_S[0], headers=AUTH) as c:
-        refs = await reference(c)
-    samples: list = []
     stop = asyncio.Event()
-    watch = asyncio.ensure_future(sampler(args.url, pid, samples, stop, args.sample_s,
-                                          args.output + ".partial" if getattr(args, "output", None) else None))
-    t0 = time.monotonic()
+    undo = stop_on(stop, getattr(args, "stop_by", None)) if getattr(args, "handle_stop", False) else []
+    samples: list = []
+    sampling_done = asyncio.Event()
+    started = time.monotonic()
     clean_s = args.phase_s if args.clean_s is None else args.clean_s
     abuse_s = args.phase_s if args.abuse_s is None else args.abuse_s
-    await phase("clean", args.url, clean_s, args.rate, 0.0, refs, book, rng, args.stream_share)
-    rss_after_clean = rss_mb(pid)
-    await phase("abuse", args.url, abuse_s, args.rate, args.abuse_rate, refs, book, rng, args.stream_share)
-    elapsed = time.monotonic() - t0
-    # idle: every gauge back to zero, every block free
-    deadline = time.monotonic() + 60
-    while True:
-        m = metrics(args.url)
-        idle = (m.get("paceline:num_requests_running", 0) == m.get("paceline:num_requests_waiting", 0)
-                == m.get("paceline:num_requests_swapped", 0) == 0 and m.get("paceline:kv_cache_used_blocks", 0) == 0)
-        if idle or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.5)
-    stop.set()
-    await watch
+    marks: dict = {"rss_after_clean": None, "reference_s": None}
+
+    def books(m: dict | None = None) -> dict:
+        return write_books(args, book, samples, m, pid, marks, stop.is_set(), time.monotonic() - started)
+
+    output = getattr(args, "output", None)
+    watch = asyncio.ensure_future(sampler(args.url, pid, samples, sampling_done, args.sample_s,
+                                          output + ".partial" if output else None, books))
+    try:
+        async with httpx.AsyncClient(base_url=args.url, timeout=CLIENT_TIMEOUT_S[0], headers=AUTH) as c:
+            getting = asyncio.ensure_future(reference(c))
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([getting, stopped], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not getting.done():
+                getting.cancel()
+            refs = None if getting.cancelled() else getting.result()
+        marks["reference_s"] = time.monotonic() - started
+        if refs is not None:
+            await phase("clean", args.url, clean_s, args.rate, 0.0, refs, book, rng, args.stream_share, stop)
+            marks["rss_after_clean"] = rss_mb(pid)
+            if not stop.is_set():
+                await phase("abuse", args.url, abuse_s, args.rate, args.abuse_rate, refs, book, rng,
+                            args.stream_share, stop)
+        # idle: every gauge back to zero, every block free (a minute for the aborts of cut-off requests to land)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                m = await asyncio.to_thread(metrics, args.url)
+            except httpx.HTTPError as e:  # the server is gone or hung: the books say so instead of being lost
+                m = {"metrics_error": f"{type(e).__name__}: {e}"}
+            if idle(m) or "metrics_error" in m or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+    finally:
+        sampling_done.set()
+        await watch
+        for u in undo:
+            u()
+    return books(m)
+
+
+def idle(m: dict) -> bool:
+    return (m.get("paceline:num_requests_running", 0) == m.get("paceline:num_requests_waiting", 0)
+            == m.get("paceline:num_requests_swapped", 0) == 0 and m.get("paceline:kv_cache_used_blocks", 0) == 0)
+
+
+def write_books(args: argparse.Namespace, book: Book, samples: list, m: dict | None, pid: int | None, marks: dict,
+                stopped: bool, elapsed: float) -> dict:
+    """The run's books from what it has so far: at the end (`m`, the idle /metrics), or part way (m None: the
+    idle checks are not made then)."""
+    final = m is not None
     rss_end = rss_mb(pid)
-    health = httpx.get(args.url + "/health", timeout=10).status_code
+    health = None
+    if final:
+        try:
+            health = httpx.get(args.url + "/health", timeout=10).status_code
+        except httpx.HTTPError as e:
+            health = f"no answer: {type(e).__name__}"
     outcomes = [{"phase": p, "kind": k, "outcome": o, "count": n} for (p, k, o), n in sorted(book.outcomes.items())]
     rss = [s["rss_mb"] for s in samples if s["rss_mb"] is not None]
     # the baseline is the first sample after the warm-up (allocator pools, compiled paths and caches filled)
     warm = next((s["rss_mb"] for s in samples if s["t"] >= args.warmup_s and s["rss_mb"] is not None), None)
-    good = [(k, o, n) for (p, k, o), n in book.outcomes.items() if k.startswith("good")]
+    good = [(p, k, o, n) for (p, k, o), n in book.outcomes.items() if k.startswith("good")]
+    rss_after_clean = marks["rss_after_clean"]
+    planned = {"clean": args.phase_s if args.clean_s is None else args.clean_s,
+               "abuse": args.phase_s if args.abuse_s is None else args.abuse_s}
+    # what it sustained: the well-behaved requests sent and completed per second of traffic, beside the rate asked
+    # for and 1.5x the chat capacity (which is of chat-sized requests on a quiet machine; these are shorter)
+    sustained = {p: {"planned_s": planned[p], "traffic_s": round(book.traffic_s.get(p, 0.0), 1),
+                     "sent": book.sent.get(p, 0),
+                     "sent_per_s": round(book.sent.get(p, 0) / book.traffic_s[p], 3) if book.traffic_s.get(p) else None,
+                     "ok_per_s": round(sum(n for q, k, o, n in good if q == p and o == "ok") / book.traffic_s[p], 3)
+                     if book.traffic_s.get(p) else None}
+                 for p in ("clean", "abuse")}
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:], "elapsed_s": elapsed,
+        "final": final, "stopped_early": stopped, "metrics_error": (m or {}).get("metrics_error"), "reference_s": marks["reference_s"],
+        "rate_asked": args.rate, "rate_1_5x_chat_capacity": round(1.5 * CHAT_CAPACITY_RPS, 3),
+        "sustained": sustained,
         "requests": sum(book.outcomes.values()), "outcomes": outcomes,
         "unexpected_5xx": len(book.unexpected_5xx), "unexpected_5xx_examples": book.unexpected_5xx[:10],
-        "good_ok": sum(n for k, o, n in good if o == "ok"),
-        "good_503": sum(n for k, o, n in good if o == "http 503"),
-        "good_total": sum(n for k, o, n in good),
+        "good_ok": sum(n for p, k, o, n in good if o == "ok"),
+        "good_503": sum(n for p, k, o, n in good if o == "http 503"),
+        "good_total": sum(n for p, k, o, n in good),
+        "cut_off_by_stop": sum(n for (p, k, o), n in book.outcomes.items() if o == "cut off by the stop"),
         "corrupted": len(book.corrupted), "corrupted_examples": book.corrupted[:10],
         "idle": {"used_blocks": m.get("paceline:kv_cache_used_blocks"),
                  "running": m.get("paceline:num_requests_running"), "waiting": m.get("paceline:num_requests_waiting"),
-                 "swapped": m.get("paceline:num_requests_swapped")},
+                 "swapped": m.get("paceline:num_requests_swapped")} if final else None,
         "health_after": health,
         "rss_mb": {"first": rss[0] if rss else None, "after_warmup": warm, "after_clean": rss_after_clean,
                    "end": rss_end, "max": max(rss) if rss else None,
@@ -413,13 +515,15 @@ async def main_async(args: argparse.Namespace, pid: int | None) -> dict:
                                          if int(s["t"] // 300) != int((s["t"] - args.sample_s) // 300)],
                    "split_end": memory_mb(pid)},
         "max_used_blocks": max((s["used_blocks"] or 0 for s in samples), default=None),
+        "max_running": max((s["running"] or 0 for s in samples), default=None),
+        "max_waiting": max((s["waiting"] or 0 for s in samples), default=None),
         "tbt_ms": {p: {"n": len(g), "p50": _ms(percentile(g, 50)), "p99": _ms(percentile(g, 99))}
                    for p, g in book.gaps.items()},
         "rejected_503_ms": {"n": len(book.rejected_s), "p50": _ms(percentile(book.rejected_s, 50)),
                             "p99": _ms(percentile(book.rejected_s, 99)), "max": _ms(max(book.rejected_s, default=None))},
-        "server_counters": {k: v for k, v in m.items() if k.startswith(("paceline:request_success_total",
-                                                                        "paceline:request_rejected_total"))},
-        "samples": samples,
+        "server_counters": {k: v for k, v in (m or {}).items()
+                            if k.startswith(("paceline:request_success_total", "paceline:request_rejected_total"))},
+        "samples": list(samples) if final else [],  # part way, the samples are written beside the books
     }
 
 
@@ -470,9 +574,12 @@ def main() -> None:
                    help="how long a client waits for an answer (a niced run on a busy machine is slow, not broken)")
     p.add_argument("--start-timeout-s", type=float, default=300.0,
                    help="how long the started server may take to answer /health (a niced run on a busy machine)")
+    p.add_argument("--stop-by", default=None, metavar="HH:MM",
+                   help="UTC time at which the run stops its traffic and writes its books (also on SIGTERM/SIGINT)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the full JSON here")
     args = p.parse_args(argv)
+    args.handle_stop = True
     if args.api_key:
         AUTH["Authorization"] = f"Bearer {args.api_key}"
     CLIENT_TIMEOUT_S[0] = args.client_timeout_s

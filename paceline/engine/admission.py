@@ -2,31 +2,62 @@
 
 Two checks, both against the same limit S:
 - at arrival, on the event loop (no round trip to the engine thread, so a rejection is answered at once): the
-  predicted wait is the requests ahead of this one divided by the rate at which requests have recently left the
-  queue (got their first token). Over S: QueueDelayError, a 503 with Retry-After.
+  predicted wait of this request. Over S: QueueDelayError, a 503 with Retry-After.
 - while waiting: a request that has waited S without being scheduled is taken out (its KV was never touched) and
   its client gets the same 503; a stream learns it before any token. A request that started and was preempted
   back into the queue has already streamed tokens, so it is never expired.
 
-The prediction is Little's law on the recent past, not a model of the batch: it needs no knowledge of prompt
-lengths or step times, and when the recent rate is unknown (a cold start) it admits and leaves the deadline to
-catch a wrong guess. A deadline that fired is itself evidence: while a request expired less than S ago, an arrival
-with anyone waiting ahead of it is rejected at once. Without that, a server too slow to start MIN_STARTS requests
-in the window never has a rate, so it admitted everyone and answered every one of them 503 only after S (measured:
-benchmarks/overload.py, 228 of 232 requests at 3x capacity); now only the queue that was there when the first one
-expired waits S, and arrivals are admitted again once it has drained.
+The prediction is from the load, snapshotted on the engine thread before every step (`Load`): the requests
+running and how many tokens each has left to generate, the waiting requests' prompt tokens and output budgets,
+the scheduler's seats, and the step-time model (scaled by the engine's running correction):
+- TBT seats: how many requests can decode in one step, beside one block of prompt, within the step-time target
+  (core/auto_batch.py's rule). A newcomer the scheduler would seat at once beyond them (fixed --max-num-seqs
+  larger than they are) would slow every admitted stream past the TBT goal: refused at arrival.
+- The wait for a seat: with the seats full, the newcomer starts when enough running requests have finished,
+  played out step by step from their remaining output budgets (the requests ahead of it take the first seats
+  that free, and hold them for their own budgets), at the measured step time.
+- The wait for the prompts ahead: their tokens at the prefill rate the model gives a step beside the decodes.
+Both are known from the first request on, so an overloaded server refuses at arrival from the start.
+
+Before (measured 2026-11-23, benchmarks/summaries/soak.md section 3) the prediction was Little's law on the
+recent start rate; a server slow enough to start fewer than MIN_STARTS requests in the window had no rate, so it
+admitted, and 22-24 % of the 503s came only after the S wait. That rule remains for an engine without a paceline
+scheduler (no load to read). Either way, a deadline that fired is evidence too: while a request expired less
+than S ago, an arrival with anyone waiting ahead of it is rejected at once.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
+from paceline.core.auto_batch import auto_limits
+from paceline.core.batch_shape import BatchShape
 from paceline.request import RequestStatus
 
 RATE_WINDOW_S = 10.0  # how far back the start rate looks
 MIN_STARTS = 4  # fewer starts in the window: the rate is unknown and arrivals are admitted
 SWEEP_EVERY_S = 0.05  # how often the engine thread looks for expired waiting requests
+STEP_EMA = 0.2  # weight of the newest step in the measured step time
+DEFAULT_OUTPUT_TOKENS = 256  # a request's output budget when it set none (max_tokens None: up to the context)
+
+
+@dataclass(frozen=True)
+class Load:
+    """What runs and waits, as the engine thread saw it before its last step (read whole by the event loop)."""
+    running_left: tuple[int, ...]  # output tokens each running request may still generate
+    waiting_prompt: tuple[int, ...]  # prompt tokens each waiting request still has to prefill
+    waiting_left: tuple[int, ...]  # each waiting request's output budget
+    seats: int  # the scheduler's seat limit (max_num_seqs; under auto, its latest value)
+    tbt_seats: int | None  # seats that keep a step within the step-time target; None without a model or target
+    step_s: float | None  # measured seconds per step (running average), None before any
+    prefill_tok_s: float | None  # prompt tokens per second a step adds beside the running decodes
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting_prompt)
 
 
 class QueueDelayError(RuntimeError):
@@ -48,6 +79,92 @@ class AdmissionControl:
         self._starts: deque[float] = deque()  # when recent requests got their first token (engine thread appends)
         self._next_sweep = 0.0
         self._last_expiry = -math.inf  # when a waiting request last expired (engine thread writes, event loop reads)
+        self.load: Load | None = None  # the engine thread replaces it whole before every step; None: no scheduler
+        self._step_s: float | None = None
+        self._last_look: tuple[float, bool] | None = None  # (when, whether anything ran) at the previous look
+        self._load_failed = False
+
+    # ---- the load (snapshotted on the engine thread) -------------------------------------------------------
+
+    def look(self, engine: Any, now: float) -> None:
+        """Snapshot the load before a step. Never raises: a bug here must not stop the engine thread, it only
+        sends admission back to the start rate."""
+        try:
+            self.load = self._snapshot(engine, now)
+        except Exception:
+            if not self._load_failed:
+                import logging
+                logging.getLogger(__name__).exception("admission: could not read the load; using the start rate")
+            self._load_failed, self.load = True, None
+
+    def _snapshot(self, engine: Any, now: float) -> Load | None:
+        sched = getattr(engine, "scheduler", None)
+        if sched is None or not hasattr(sched, "running") or not hasattr(sched, "requests"):
+            return None  # an engine without a paceline scheduler: only the start rate applies
+        running = list(sched.running)
+        running_ids = {id(r) for r in running}
+        # the gap between two looks while something ran is one step (with its bookkeeping): what a stream sees
+        if self._last_look is not None and self._last_look[1]:
+            gap = now - self._last_look[0]
+            self._step_s = gap if self._step_s is None else (1 - STEP_EMA) * self._step_s + STEP_EMA * gap
+        self._last_look = (now, bool(running))
+        waiting = [r for r in sched.requests.values() if r.status is not RequestStatus.RUNNING
+                   and not r.is_finished and id(r) not in running_ids]
+        cfg = sched.config
+        seats = max(1, int(cfg.max_num_seqs))
+        step_time: Callable[[BatchShape], float] | None = getattr(sched, "step_time", None)
+        target_s = (getattr(cfg, "max_step_ms", 0.0) or 0.0) / 1000.0
+        tbt_seats = prefill_tok_s = None
+        step_s = self._step_s
+        contexts = [r.num_tokens for r in running]
+        if step_time is not None and target_s > 0:
+            scale = getattr(sched, "step_time_scale", 1.0) or 1.0
+            prompts = [r.num_prompt_tokens for r in waiting]
+            new_context = (sum(prompts) // len(prompts) if prompts else
+                           sum(contexts) // len(contexts) if contexts else sched.block_size)
+            tbt_seats, budget = auto_limits(step_time, target_s / scale, contexts, new_context, sched.block_size)
+            decodes = BatchShape.build(decode_contexts=contexts)
+            chunk = max(sched.block_size, budget - len(running)) if running else \
+                max(sched.block_size, min(budget, new_context))
+            with_chunk = replace(decodes)
+            with_chunk.add_chunk(0, chunk, sampled=False)
+            prefill_tok_s = chunk / max(1e-6, scale * step_time(with_chunk))
+            if step_s is None and running:
+                step_s = scale * step_time(decodes)
+        return Load(running_left=tuple(_left(r) for r in running),
+                    waiting_prompt=tuple(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in waiting),
+                    waiting_left=tuple(_left(r) for r in waiting), seats=seats, tbt_seats=tbt_seats,
+                    step_s=step_s, prefill_tok_s=prefill_tok_s)
+
+    def load_wait(self, load: Load, num_ahead: int) -> tuple[float, str]:
+        """(predicted seconds before a newcomer starts, why): "" for a plain wait, or "tbt" when it would be seated
+        beyond the TBT seats (infinite: it must not start at all now). `num_ahead` beyond the snapshot's waiting
+        count are arrivals since (a burst): they count as the average waiting request."""
+        prompts, lefts = list(load.waiting_prompt), list(load.waiting_left)
+        extra = max(0, num_ahead - len(prompts))
+        if extra:
+            known = prompts or [0]
+            prompts += [sum(known) // len(known)] * extra
+            lefts += [sum(lefts) // len(lefts) if lefts else DEFAULT_OUTPUT_TOKENS] * extra
+        demand = len(load.running_left) + len(prompts) + 1
+        seats = load.seats
+        if load.tbt_seats is not None:
+            if demand > load.tbt_seats and seats >= demand:
+                return math.inf, "tbt"
+            seats = min(seats, load.tbt_seats)
+        step_s = load.step_s or 0.0
+        prefill_s = (lambda tokens: tokens / load.prefill_tok_s) if load.prefill_tok_s else (lambda tokens: 0.0)
+        seat_wait = 0.0
+        if demand > seats:  # the seats are full: play out who finishes when (seconds from now)
+            left = sorted(load.running_left)
+            free = left[len(left) - seats:] if len(left) >= seats else left + [0] * (seats - len(left))
+            free = [steps * step_s for steps in free]
+            heapq.heapify(free)
+            for prompt, budget in zip(prompts, lefts):  # those ahead take the first seats that free, and hold
+                heapq.heappush(free, heapq.heappop(free) + prefill_s(prompt) + budget * step_s)  # them this long
+            seat_wait = free[0]
+        prefill_wait = prefill_s(sum(prompts))
+        return max(seat_wait, prefill_wait), ""
 
     # ---- the start rate (fed on the engine thread) ---------------------------------------------------------
 
@@ -72,28 +189,49 @@ class AdmissionControl:
     # ---- at arrival (event loop) ---------------------------------------------------------------------------
 
     def predicted_wait(self, num_ahead: int, now: float) -> float:
-        if num_ahead <= 0:
-            return 0.0
-        rate = self.start_rate(now)
-        wait = 0.0 if rate is None else (num_ahead + 1) / rate
-        if now - self._last_expiry < self.max_delay:  # the queue just proved slower than the limit
+        return self._predict(num_ahead, now)[0]
+
+    def _predict(self, num_ahead: int, now: float) -> tuple[float, str]:
+        load = self.load  # one read: the engine thread swaps in a new snapshot whole
+        why = ""
+        if load is not None:
+            num_ahead = max(num_ahead, load.num_waiting)
+            wait, why = self.load_wait(load, num_ahead)
+        elif num_ahead <= 0:
+            return 0.0, ""
+        else:
+            rate = self.start_rate(now)
+            wait = 0.0 if rate is None else (num_ahead + 1) / rate
+        if num_ahead > 0 and now - self._last_expiry < self.max_delay:  # the queue just proved slower than S
             wait = max(wait, math.nextafter(self.max_delay, math.inf))
-        return wait
+        return wait, why
 
     def check(self, num_ahead: int, now: float) -> None:
-        wait = self.predicted_wait(num_ahead, now)
-        if wait > self.max_delay:
-            why = (f"the predicted wait of {wait:.1f} s" if wait > math.nextafter(self.max_delay, math.inf) else
-                   "a request waiting as long a moment ago expired, so the predicted wait")
+        wait, why = self._predict(num_ahead, now)
+        if wait <= self.max_delay:
+            return
+        load = self.load
+        if why == "tbt" and load is not None:
+            # retry when the first running request may have finished
+            soonest = (load.step_s or 0.0) * min(load.running_left, default=0)
             raise QueueDelayError(
-                f"the server is overloaded: {num_ahead} requests are waiting and {why} "
-                f"exceeds the limit of {self.max_delay:g} s (--max-queue-delay-s); retry later",
-                retry_after_s=max(1, math.ceil(wait - self.max_delay)), reason="queue_delay_predicted")
+                f"the server is overloaded: {len(load.running_left)} requests are running and {load.num_waiting} "
+                f"waiting, and one more would make the batch larger than the {load.tbt_seats} that keep every "
+                "stream within the step-time target; retry later", retry_after_s=max(1, math.ceil(soonest)),
+                reason="queue_delay_predicted")
+        text = (f"the predicted wait of {wait:.1f} s" if wait > math.nextafter(self.max_delay, math.inf) else
+                "a request waiting as long a moment ago expired, so the predicted wait")
+        raise QueueDelayError(
+            f"the server is overloaded: {num_ahead} requests are waiting and {text} "
+            f"exceeds the limit of {self.max_delay:g} s (--max-queue-delay-s); retry later",
+            retry_after_s=max(1, math.ceil(wait - self.max_delay)), reason="queue_delay_predicted")
 
     # ---- while waiting (engine thread) ---------------------------------------------------------------------
 
     def expired(self, engine: Any, now: float) -> list[str]:
-        """Ids of requests that have waited longer than the limit and never run; at most every SWEEP_EVERY_S."""
+        """Ids of requests that have waited longer than the limit and never run; at most every SWEEP_EVERY_S.
+        The engine thread calls it before every step, so it also takes the load snapshot there."""
+        self.look(engine, now)
         if now < self._next_sweep:
             return []
         self._next_sweep = now + SWEEP_EVERY_S
@@ -112,3 +250,9 @@ class AdmissionControl:
         return QueueDelayError(f"the request waited longer than {self.max_delay:g} s (--max-queue-delay-s) without "
                                "being scheduled: the server is overloaded; retry later",
                                retry_after_s=max(1, math.ceil(self.max_delay)), reason="queue_delay_expired")
+
+
+def _left(request: Any) -> int:
+    """Output tokens a request may still generate (its budget; a stop or EOS may end it sooner)."""
+    budget = request.sampling_params.max_tokens
+    return max(1, (DEFAULT_OUTPUT_TOKENS if budget is None else budget) - request.num_output_tokens)
