@@ -11,9 +11,13 @@ between settings of one run mean anything on a shared machine.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
+import statistics
 import sys
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -32,6 +36,19 @@ def setting(item: str) -> tuple[str, str]:
         if v != "auto" and not v.isdigit():
             raise SystemExit(f"setting {item!r}: expected SEATS/BUDGET, each a number or auto")
     return seats, budget
+
+
+def save_steps(url: str, path: Path) -> None:
+    """The server's own step log (the last steps it kept): how many requests ran while others waited, what each
+    step took and was predicted to take. One line of it is printed."""
+    steps = httpx.get(url + "/dashboard/steps", timeout=30.0).json()["models"][0]["steps"]
+    path.write_text(json.dumps(steps))
+    if steps:
+        queued = [s for s in steps if s["waiting"] > 0]
+        print(f"  step log: {len(steps)} steps, running p50 {statistics.median(s['running'] for s in steps):.0f} "
+              f"(max {max(s['running'] for s in steps)}), {len(queued)} steps with requests waiting "
+              f"(running p50 {statistics.median(s['running'] for s in queued) if queued else 0:.0f} in them), "
+              f"step p50 {statistics.median(s['dur'] for s in steps) * 1e3:.0f} ms", flush=True)
 
 
 def main() -> None:
@@ -59,6 +76,7 @@ def main() -> None:
             if not bench.slos:
                 bench.set_slos(ep)
             bench.capacity(system.name, ep)
+            save_steps(srv.url, out / "logs" / f"steps-{seats}-{budget}.json")
         bench.write(out, " ".join(sys.argv))  # after every setting, so a cut-short run leaves results behind
     print(bench.write(out, " ".join(sys.argv)))
 

@@ -12,17 +12,48 @@ from the step-time model and the step-time target (max_step_ms, which the engine
 
 A fixed setting is right for one load; these follow the batch actually running. Both stay within [floor, cap]:
 the floor keeps a slow machine serving (one request, one block), the cap bounds the bisection.
+
+The seats judge the prediction by the *median* measured/predicted ratio of the recent steps that ran a decode
+(`StepRatio`), not by the engine's step_time_scale. That scale is the 98th percentile of chunk-carrying steps
+only, the right guard for sizing a chunk, the wrong one for seats: on the real server (2026-11-23,
+benchmarks/auto_batch_trace.py) host stalls of 0.5-1.8 s pushed it to 3.4 within seconds, which left room for
+no seat beyond the running ones; with every seat taken no prompt was admitted, so no step carried a chunk and the
+scale never came back down: one request ran while 28 waited, on 20-40 ms decode steps under a 150 ms target.
+A seat is held for a whole generation, so it follows the typical step; the chunk cutter keeps the tail bound.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
+from statistics import median
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from paceline.config import AUTO_MAX_NUM_BATCHED_TOKENS, AUTO_MAX_NUM_SEQS
 from paceline.core.batch_shape import BatchShape
 
 if TYPE_CHECKING:
+    from paceline.core.outputs import SchedulerOutput
     from paceline.core.scheduler import Scheduler
+
+RATIO_WINDOW = 64  # recent steps whose measured / predicted ratio the seats follow (~5 s at 12 steps a second)
+
+
+class StepRatio:
+    """Measured / predicted step time over the last RATIO_WINDOW steps that ran a decode, decode-only steps
+    included (the seats are about decodes; a step of prompts alone, with no stream waiting on it, is timed by
+    the budget, not the target). The median: one stalled step moves it no more than any other."""
+
+    def __init__(self, window: int = RATIO_WINDOW) -> None:
+        self.ratios: deque[float] = deque(maxlen=window)
+
+    def observe(self, output: SchedulerOutput, duration: float) -> None:
+        if output.predicted_step_s > 0 and duration > 0 and any(s.is_decode for s in output.scheduled):
+            self.ratios.append(duration / output.predicted_step_s)
+
+    @property
+    def value(self) -> float:
+        """1.0 (the profile as it is) until a step has been seen."""
+        return median(self.ratios) if self.ratios else 1.0
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -40,11 +71,15 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 def auto_limits(step_time: Callable[[BatchShape], float], max_step_s: float, decode_contexts: Iterable[int],
                 new_context: int, block_size: int, max_seqs_cap: int = AUTO_MAX_NUM_SEQS,
-                max_tokens_cap: int = AUTO_MAX_NUM_BATCHED_TOKENS) -> tuple[int, int]:
+                max_tokens_cap: int = AUTO_MAX_NUM_BATCHED_TOKENS,
+                seats_step_s: float | None = None) -> tuple[int, int]:
     """(seats, token budget) for the next step.
 
     decode_contexts: the context each running request's next token attends to; new_context: what a newcomer's is
-    assumed to be (the waiting head's prompt, or the running requests' mean)."""
+    assumed to be (the waiting head's prompt, or the running requests' mean); max_step_s: the predicted time the
+    budget must fit (the target over the tail scale); seats_step_s: the one the seats must fit (the target over
+    the typical ratio; default max_step_s)."""
+    seats_limit = max_step_s if seats_step_s is None else seats_step_s
     running = BatchShape.build(decode_contexts=decode_contexts)
     n = running.num_decodes
 
@@ -56,7 +91,7 @@ def auto_limits(step_time: Callable[[BatchShape], float], max_step_s: float, dec
         shape.num_sampled += extra
         shape.decode_context += extra * new_context
         shape.add_chunk(0, block_size, sampled=False)
-        return step_time(shape) <= max_step_s
+        return step_time(shape) <= seats_limit
 
     seats = _largest(seats_fit, max(1, n), max(max_seqs_cap, n)) if n < max_seqs_cap else n
 
@@ -82,8 +117,10 @@ def apply_auto_limits(sched: Scheduler) -> tuple[int, int]:
         new_context = head.num_tokens
     else:
         new_context = sum(contexts) // len(contexts) if contexts else sched.block_size
-    limit = cfg.max_step_ms / 1000.0 / sched.step_time_scale
-    seats, budget = auto_limits(sched.step_time, limit, contexts, new_context, sched.block_size)
+    target = cfg.max_step_ms / 1000.0
+    ratio = sched.auto_ratio.value if sched.auto_ratio is not None else sched.step_time_scale
+    seats, budget = auto_limits(sched.step_time, target / sched.step_time_scale, contexts, new_context,
+                                sched.block_size, seats_step_s=target / ratio)
     if cfg.auto_max_num_seqs:
         cfg.max_num_seqs = seats
     if cfg.auto_max_num_batched_tokens:

@@ -4,7 +4,14 @@ VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024), driv
 - A client's counter grows by the tokens its requests actually ran, step by step: a prompt-chunk token (or a
   token recomputed after a preemption) weighs 1, a decode 2 (an output token costs more than an input token).
 - A client that becomes backlogged (its first unfinished request arrives) is lifted to the lowest counter of
-  the clients already backlogged, so idling banks no credit; with nobody backlogged, to the highest counter.
+  the clients already backlogged (with nobody backlogged, to the highest counter) less the weighted prompt of
+  the request that brings it back, so idling banks no credit beyond that one prompt. Why the prompt: under
+  strict VTC a client that returns with a burst is the more served as soon as its first prompt has run (a prompt
+  is charged in a step or two, a backlogged client's decodes 2 a token), and the rest of the burst waits for the
+  others to catch up. On two-tenants (simulated at this machine's speed, 300 s) that put the light client's p99
+  TTFT at 1.125 s, every slow one the 3rd-5th request of a burst; with the credit 0.758 s, at the same Jain's
+  index (1.000) and throughput (benchmarks/summaries/fairness.md). A client gains it only by going idle, so
+  it cannot bank more than one prompt; the counters' bound grows by at most one prompt.
 - The waiting and swapped queues hand out the least-served client's best request (`FairQueue`); a victim of
   preemption is the most-served client's worst request (the scheduler's rank does that, see `fair_rank`).
 - Priorities come first: fairness orders requests within one priority level.
@@ -32,12 +39,13 @@ class FairShare:
     def counter(self, client: str) -> float:
         return self.counters.get(client, 0.0)
 
-    def arrive(self, client: str) -> None:
+    def arrive(self, client: str, prompt_tokens: int = 0) -> None:
+        """A request of `client` arrived; prompt_tokens: its prompt, the credit a client returning from idle keeps."""
         n = self.unfinished.get(client, 0)
         if n == 0:
             backlogged = [self.counters.get(c, 0.0) for c in self.unfinished]
             floor = min(backlogged) if backlogged else max(self.counters.values(), default=0.0)
-            self.counters[client] = max(self.counters.get(client, 0.0), floor)
+            self.counters[client] = max(self.counters.get(client, 0.0), floor - self.input_weight * prompt_tokens)
         self.unfinished[client] = n + 1
 
     def leave(self, client: str) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from paceline.config import CacheConfig, SchedulerConfig
-from paceline.core.auto_batch import apply_auto_limits
+from paceline.core.auto_batch import StepRatio, apply_auto_limits
 from paceline.core.batch_shape import BatchShape, batch_shape
 from paceline.core.fair import FairQueue, FairShare
 from paceline.core.kv_cache import KVCacheManager, cdiv
@@ -86,6 +86,8 @@ class Scheduler:
             if config.max_step_ms <= 0:
                 raise ValueError("auto batch settings need a step-time target (max_step_ms > 0, or a TBT goal)")
             config = copy.copy(config)
+        # what the seats of `auto` follow: the measured / predicted ratio of recent steps (core/auto_batch.py)
+        self.auto_ratio = StepRatio() if self.auto_batch else None
         self.config = config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -132,7 +134,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r} needs {need} tokens of KV cache but the whole cache holds {capacity}")
         self.requests[rid] = request
         if self.fair is not None:
-            self.fair.arrive(request.client_id)
+            self.fair.arrive(request.client_id, len(request.prompt_token_ids))
         self.waiting.push(request)
 
     @property
@@ -241,6 +243,8 @@ class Scheduler:
         finished. Returns the requests that got a token or finished, in schedule order."""
         if self.fair is not None:
             self.fair.charge(output)
+        if self.auto_ratio is not None:
+            self.auto_ratio.observe(output, result.duration)
         changed = []
         sampled = result.token_ids
         kv = self.kv

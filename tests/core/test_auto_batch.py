@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sched_util import make_request, make_scheduler, step
+from sched_util import fake_result, make_request, make_scheduler, step
 
 from paceline.config import AUTO_MAX_NUM_BATCHED_TOKENS, AUTO_MAX_NUM_SEQS, CacheConfig, SchedulerConfig, int_or_auto
 from paceline.core.auto_batch import auto_limits
@@ -74,3 +74,69 @@ def test_auto_needs_a_step_time_target_and_the_stall_free_scheduler():
     assert int_or_auto("auto") == "auto" and int_or_auto("12") == 12
     with pytest.raises(ValueError):
         int_or_auto("many")
+
+
+def run_measured(sched: Scheduler, steps: int, measured_over_predicted: float) -> list[tuple[int, int, float]]:
+    """Steps whose measured time is the prediction times a fixed ratio; (running, waiting, measured s of a step
+    that ran a decode, else 0) each."""
+    seen = []
+    for t in range(steps):
+        out = sched.schedule(float(t))
+        result = fake_result(out)
+        result.duration = measured_over_predicted * out.predicted_step_s
+        decoded = out.num_decode_tokens > 0  # before update(), which moves what counts as a decode
+        sched.update(out, result, float(t))
+        seen.append((len(sched.running), sched.num_waiting, result.duration if decoded else 0.0))
+    return seen
+
+
+def test_seats_follow_the_measured_steps_not_a_tail_scale_that_no_step_can_lower():
+    # The real server's lock-in (2026-11-23, benchmarks/auto_batch_trace.py): host stalls pushed the engine's
+    # 98th-percentile scale to 3.4; only steps that carry a prompt chunk move it, and with every seat the scale
+    # allowed taken, none did. Here it is frozen at 3.4 while each step really takes 0.6x its prediction.
+    def auto_scheduler() -> Scheduler:
+        sched = Scheduler(SchedulerConfig(max_num_seqs="auto", max_num_batched_tokens="auto", max_step_ms=100.0),
+                          CacheConfig(), 8000, step_time=toy_step_time)
+        sched.step_time_scale = 3.4
+        for i in range(200):
+            sched.add_request(make_request(i, 16, max_tokens=300))
+        return sched
+
+    old = auto_scheduler()
+    old.auto_ratio = None  # the rule before: seats judged by the tail scale
+    locked = run_measured(old, 40, 0.6)
+    # (100 / 3.4 - 10 - 3.2) ms / 1.016 ms = 15.96: 15 seats, taken in the first step; never one more, while
+    # 185 wait on steps measured at ~15 ms against a 100 ms target
+    assert {r for r, _, _ in locked} == {15} and locked[-1][1] == 185
+    assert 0 < max(d for _, _, d in locked) < 0.016
+
+    new = auto_scheduler()
+    seen = run_measured(new, 40, 0.6)
+    assert new.auto_ratio is not None and new.auto_ratio.value == pytest.approx(0.6)
+    # the first step knows no ratio yet (the profile as it is: 85 seats, as in the test above); then the seats
+    # follow what steps measure: (100 / 0.6 - 13.2) ms / 1.02 ms, about 150, a little fewer as contexts grow
+    assert seen[0][0] == 85 and 145 <= new.config.max_num_seqs <= 151
+    # the seats no longer bind: one request joins per step, paced by the one block of prompt the frozen scale
+    # still allows beside the decodes (the chunk cutter's own tail bound, which the budget shares)
+    assert [r for r, _, _ in seen[1:]] == list(range(85, 85 + 39))
+    # and the steps still keep the target as measured (give or take a prompt's one-block floor)
+    assert 0.080 < max(d for _, _, d in seen) <= 0.100 + 0.6 * 0.0002 * 16
+
+
+def test_step_ratio_is_the_median_of_recent_decode_steps():
+    from paceline.core.auto_batch import StepRatio
+    from paceline.core.outputs import SchedulerOutput
+    ratio = StepRatio(window=4)
+    assert ratio.value == 1.0
+    sched = make_scheduler(max_step_ms=100.0, step_time=toy_step_time)
+    sched.add_request(make_request(0, 16, max_tokens=50))
+    prompt_only = sched.schedule(0.0)
+    ratio.observe(prompt_only, 9.0 * prompt_only.predicted_step_s)  # no decode in it: not a seat's business
+    assert ratio.value == 1.0
+    sched.update(prompt_only, fake_result(prompt_only), 0.0)
+    decode = sched.schedule(1.0)
+    for r in (0.5, 0.7, 40.0, 0.6, 0.8):  # one stall among them moves the median no more than any other step
+        ratio.observe(decode, r * decode.predicted_step_s)
+    assert ratio.value == pytest.approx(0.75)  # the last 4: 0.7, 40, 0.6, 0.8
+    ratio.observe(SchedulerOutput(), 1.0)  # nothing predicted: ignored
+    assert len(ratio.ratios) == 4

@@ -65,7 +65,34 @@ def test_lifting_in_the_scheduler_uses_what_steps_charged():
     served = sched.fair.counter("a")
     assert served == 20 + 2 * 4  # the prompt, then four decodes
     sched.add_request(req("b1", 4, client="b", arrival=now))
-    assert sched.fair.counter("b") == served
+    assert sched.fair.counter("b") == served - 4  # less the prompt that brings it: its one prompt of credit
+
+
+def test_a_returning_client_keeps_one_prompt_of_credit_and_no_more():
+    """Strict VTC lifts a returning client to the lowest backlogged counter, so a client returning with a burst
+    is the more served once its first prompt has run, and the rest of its burst waits (the light client's slow
+    TTFTs on two-tenants). The prompt that brings it back is credited; only going idle gives it, once."""
+    fair = FairShare()
+    fair.arrive("heavy")
+    fair.counters["heavy"] = 500.0
+    fair.arrive("light", prompt_tokens=60)
+    assert fair.counter("light") == 440.0
+    fair.arrive("light", prompt_tokens=90)  # already backlogged: the rest of a burst gets no credit
+    assert fair.counter("light") == 440.0
+    fair.leave("light")
+    fair.leave("light")
+    fair.counters["light"] = 480.0  # served meanwhile: a return lifts it to 500 - 60 at most, never lowers it
+    fair.arrive("light", prompt_tokens=60)
+    assert fair.counter("light") == 480.0
+    fair.leave("light")
+    fair.counters["light"] = 400.0
+    fair.arrive("light", prompt_tokens=1000)  # credit never lowers a counter either: idling banks nothing
+    assert fair.counter("light") == 400.0
+    half = FairShare(input_weight=0.5)  # the credit is the prompt's weighted cost
+    half.arrive("a")
+    half.counters["a"] = 100.0
+    half.arrive("b", prompt_tokens=10)
+    assert half.counter("b") == 95.0
 
 
 @pytest.mark.parametrize("policy, expected", [("fcfs", ["a1", "a2", "a3", "b1"]), ("fair", ["a1", "b1", "a2", "a3"])])
@@ -187,9 +214,10 @@ def test_fair_with_slices_gives_the_light_client_a_heavy_clients_seat():
     light = req("l1", 8, max_tokens=4, client="light", arrival=now)
     sched.add_request(light)
     # the heavy requests are at level 1 (8-token slices) but have run 4: the light client needs only that first
-    # slice used once it is the less served, which it is after one step (lifted to heavy's counter, it ties)
+    # slice used once it is the less served, which it is at once (lifted to heavy's counter less its 8-token
+    # prompt; strict VTC made it tie, and it waited a step for heavy's decodes)
     run(sched, now, lambda: light.is_finished, limit=7)
-    assert light.first_scheduled_time == now + 2 and sched.num_slice_preemptions >= 1
+    assert light.first_scheduled_time == now + 1 and sched.num_slice_preemptions >= 1
 
 
 def test_under_fair_one_clients_requests_never_cut_one_another():
