@@ -2,6 +2,14 @@
 
     flock -x /tmp/paceline-cpu.lock /work/main/.venv/bin/python benchmarks/vs_vllm.py
 
+With vLLM's ~110 s start per server a whole run takes 7-10 min; to stay within 8-minute holds, run it in parts and
+merge them (same system names, probes from each):
+
+    flock -x /tmp/paceline-cpu.lock python benchmarks/vs_vllm.py --modes default --peers vllm-cpu-fp32 --no-chat --small-only --output-dir R/small
+    flock -x /tmp/paceline-cpu.lock python benchmarks/vs_vllm.py --modes default --peers vllm-cpu-fp32 --no-chat --defaults-only --output-dir R/defaults
+    flock -x /tmp/paceline-cpu.lock python benchmarks/vs_vllm.py --modes default --peers vllm-cpu-fp32 --chat-only --output-dir R/chat
+    python benchmarks/vs_vllm.py --merge R/small/vs_vllm.json R/defaults/vs_vllm.json R/chat/vs_vllm.json
+
 The probes of issue 13, each system at its defaults unless a probe says otherwise:
   (a) 32 concurrent streams, 100-token prompts, 64 tokens out: generated tok/s
   (b) the same with a token budget of 64 (--max-num-batched-tokens 64 on both)
@@ -167,9 +175,10 @@ def start(system: System, log: Path) -> tuple[Server, float]:
     return srv, time.perf_counter() - t0
 
 
-def measure(name: str, small: System | None, default: System, prompts: Prompts, out_dir: Path, chat: bool,
+def measure(name: str, small: System | None, default: System | None, prompts: Prompts, out_dir: Path, chat: bool,
             chat_only: bool = False) -> dict:
     """small None (--defaults-only): skip the budget-64 server, its probes (b) and (e), and the warming start.
+    default None (--small-only): only the budget-64 server and its probes.
     chat_only: the default server and the chat probe alone (a second, shorter exclusive hold)."""
     row: dict = {"system": name}
     if chat_only:
@@ -190,6 +199,9 @@ def measure(name: str, small: System | None, default: System, prompts: Prompts, 
             row["stall"] = probe_stall(ep, prompts)
         finally:
             srv.stop()
+    if default is None:
+        print(f"[{name}] {json.dumps(row, default=float)}", flush=True)
+        return row
     print(f"[{name}] defaults: {' '.join(default.argv)}", flush=True)
     srv, row["startup_s"] = start(default, out_dir / f"{name}-default.log")
     try:
@@ -314,6 +326,23 @@ def targets(rows: list[dict], mode: str = "default") -> list[str]:
     return out
 
 
+def merge_rows(runs: list[list[dict]]) -> list[dict]:
+    """One row per system from several runs' rows, in first-seen order; a later run's probes add to (and, where
+    both measured one, replace) an earlier run's. A row that failed or was skipped adds nothing."""
+    merged: dict[str, dict] = {}
+    for rows in runs:
+        for r in rows:
+            if "skipped" in r and r["system"] in merged:
+                continue
+            base = merged.setdefault(r["system"], {"system": r["system"]})
+            if "skipped" in r:
+                base.setdefault("skipped", r["skipped"])
+                continue
+            base.pop("skipped", None)
+            base.update({k: v for k, v in r.items() if k != "system"})
+    return list(merged.values())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="fp32,bf16,int4,default",
@@ -328,12 +357,22 @@ def main() -> int:
     ap.add_argument("--chat-only", action="store_true",
                     help="only the chat probe, each system at its defaults (paceline's default mode and vLLM): the "
                          "rest of the run in one exclusive hold, this in a second")
+    ap.add_argument("--small-only", action="store_true",
+                    help="only the budget-64 servers (probes b and e): with --defaults-only in another exclusive hold, "
+                         "the whole run in two holds of ~4 min instead of one of 7-10")
+    ap.add_argument("--merge", nargs="+", metavar="VS_VLLM_JSON", default=None,
+                    help="measure nothing: merge the rows of earlier runs' vs_vllm.json (same system, probes from "
+                         "each) and print the table and the targets")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads each server may use")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-dir", default=None, help="default benchmarks/results/vs_vllm-<time>")
     args = ap.parse_args()
     # killed (a timeout, Ctrl-C in another shell): unwind, so every server started so far is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.merge:
+        rows = merge_rows([json.loads(Path(f).read_text())["rows"] for f in args.merge])
+        print(table(rows) + "\n\n" + "\n".join(targets(rows)))
+        return 0
     model = bundled_gguf()
     out_dir = Path(args.output_dir or ROOT / "benchmarks" / "results" / f"vs_vllm-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -373,8 +412,8 @@ def main() -> int:
         try:
             if args.chat_only and not chat:
                 continue
-            rows.append(measure(name, None if args.defaults_only else small, default, prompts, out_dir, chat,
-                                chat_only=args.chat_only))
+            rows.append(measure(name, None if args.defaults_only else small, None if args.small_only else default,
+                                prompts, out_dir, chat and not args.small_only, chat_only=args.chat_only))
         except Exception as e:  # one system failing must not lose the others' numbers
             print(f"[{name}] failed: {e}", flush=True)
             rows.append({"system": name, "skipped": f"failed: {str(e)[:80]}", "error": str(e)})
