@@ -131,6 +131,11 @@ class LiveStepTime:
         self._anchor_rows = ax / ay[:, None] * math.sqrt(anchor_weight)  # relative error, as the profile's fit
         self._anchor_rhs = np.full(len(anchors), math.sqrt(anchor_weight))
 
+    @property
+    def num_samples(self) -> int:
+        """Live steps in the window."""
+        return len(self._y)
+
     def step_time(self, s: BatchShape) -> float:
         c, b = self.coef, self.base
         return (c[0] + c[1] * s.num_requests + c[2] * s.num_prefill_tokens + c[3] * s.num_decodes
