@@ -4,6 +4,7 @@
     python benchmarks/parallel_measure.py pp   # PP=2 Engine vs one process: per-step overhead, bubble; chunked vs whole
     python benchmarks/parallel_measure.py ray  # prefix-cache hit rate over 2 Ray Serve replicas, by routing policy
     python benchmarks/parallel_measure.py replay  # the same without Ray or a model: the real Router and KV cache
+    python benchmarks/parallel_measure.py sim  # the same through the simulator: hit rates per routing policy
     python benchmarks/parallel_measure.py overhead  # one process vs TP=2 vs PP=2, same steps: compute vs waiting
     python benchmarks/parallel_measure.py allreduce  # microseconds per gloo all-reduce between 2 processes
 
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 import urllib.request
 
@@ -29,7 +31,7 @@ from paceline.model.loader import load_checkpoint
 from paceline.parallel.executor import build_runner
 from paceline.parallel.pipeline import run_pipelined
 from paceline.core.kv_cache import KVCacheManager
-from paceline.parallel.routing import Router, common_preamble_chats, shared_prefix_workload
+from paceline.parallel.routing import Router, common_preamble_chats, multi_turn_chats, shared_prefix_workload
 from paceline.request import Request
 from paceline.sampling import SamplingParams
 
@@ -392,6 +394,8 @@ def measure_ray(args) -> dict:
                 rates[name] = {"hit_rate": down(hits / queries), "hit_tokens": hits, "prompt_tokens": queries,
                                "routed_per_replica": [s["routed"] for s in stats],
                                "elapsed_s": round(time.perf_counter() - t0, 1)}
+                print(json.dumps({"workload": workload, "blocks": blocks, name: rates[name]}), file=sys.stderr,
+                      flush=True)  # as it goes: a run cut short keeps what it measured
                 serve.delete("paceline")
             if "prefix" in rates and "round_robin" in rates:
                 rates["prefix / round_robin"] = down(rates["prefix"]["hit_tokens"] / rates["round_robin"]["hit_tokens"], 3)
@@ -404,39 +408,57 @@ def measure_ray(args) -> dict:
 def workload_bodies(name: str, groups: int, per_group: int, seed: int) -> list[dict]:
     """The requests of a shared-prefix workload as OpenAI request bodies, each tagged with its group (`_group`,
     stripped before sending). system-prompts: completions under `groups` long system prompts; chat-preamble: chats
-    that all start with the stock system prompt, then share a document by group."""
+    that all start with the stock system prompt, then share a document by group; multi-turn: `groups` chats of
+    `per_group` turns, turn k+1's prompt starting with all of turn k's."""
     if name == "system-prompts":
         return [{"prompt": p, "_group": p.split("(desk ")[1].split(")")[0]}
                 for p in shared_prefix_workload(groups, per_group, seed)]
     if name == "chat-preamble":
         return [{"messages": m, "_group": m[1]["content"].split("(file ")[1].split(")")[0]}
                 for m in common_preamble_chats(groups, per_group, seed)]
+    if name == "multi-turn":  # `groups` conversations of `per_group` turns, each turn carrying the chat so far
+        return [{"messages": m, "_group": str(c)} for c, m in multi_turn_chats(groups, per_group, seed)]
     raise ValueError(f"unknown workload {name!r}")
+
+
+WORKLOADS = ("system-prompts", "chat-preamble", "multi-turn")
 
 
 ROUTERS = {"round_robin": {"policy": "round_robin"}, "least_outstanding": {"policy": "least_outstanding"},
            "prefix": {"policy": "prefix"},
+           # min_match_fraction before it became 0.3 (chats split at their second turn)
+           "prefix_half": {"policy": "prefix", "min_match_fraction": 0.5},
            # the router before min_match_fraction: any match of a first chunk is followed
            "prefix_any_match": {"policy": "prefix", "min_match_fraction": 1e-9}}
+
+
+def token_ids(bodies: list[dict], tokenizer) -> list[list[int]]:
+    """The prompts as the server tokenizes them (a chat through the model's chat template)."""
+    return [tokenizer.encode(tokenizer.apply_chat_template(b["messages"]), add_special_tokens=False)
+            if "messages" in b else tokenizer.encode(b["prompt"]) for b in bodies]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def replay_hits(bodies: list[dict], router_kwargs: dict, blocks: int, tokenizer, replicas: int = 2) -> dict:
     """The bodies sent one at a time to `replicas` replicas, each with the engine's own KV cache manager of `blocks`
     blocks (prefix caching on, one output token, freed tail first as the engine does): the prefix-cache hit rate
     the Ray run measures, with no model and no Ray. Every miss of a shared block is put down to its cause: `cold`
-    (the group's first request: no router avoids it), `split` (its group went to another replica before), `evicted`
-    (this replica had the group's blocks and evicted them)."""
+    (the group's first request: no router avoids it), `split` (the earlier request of its group that shares the
+    most with it went to another replica), `evicted` (this replica had those blocks and evicted them). A request
+    misses when it is served fewer full blocks than it shares with an earlier request of its group (the first of a
+    group: than the whole group shares)."""
     router = Router(replicas, **router_kwargs)
     kvs = [KVCacheManager(blocks, BLOCK_SIZE) for _ in range(replicas)]
     params = SamplingParams(max_tokens=1)
-    ids = [tokenizer.encode(tokenizer.apply_chat_template(b["messages"]), add_special_tokens=False)
-           if "messages" in b else tokenizer.encode(b["prompt"]) for b in bodies]
+    ids = token_ids(bodies, tokenizer)
     shared: dict[str, list[int]] = {}  # group -> the token prefix all its requests share
     for b, t in zip(bodies, ids):
         s = shared.setdefault(b["_group"], t)
-        n = next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
-        shared[b["_group"]] = s[:n]
-    seen: dict[str, set[int]] = {}
+        shared[b["_group"]] = s[:common_prefix(s, t)]
+    earlier: dict[str, list[tuple[list[int], int]]] = {}  # group -> (tokens, replica) of its requests so far
     misses = {"cold": 0, "split": 0, "evicted": 0}
     for i, (body, tokens) in enumerate(zip(bodies, ids)):
         r = router.order({k: v for k, v in body.items() if k != "_group"})[0]
@@ -449,12 +471,23 @@ def replay_hits(bodies: list[dict], router_kwargs: dict, blocks: int, tokenizer,
         kv.free(req)
         kv.forget(req.request_id)
         group = body["_group"]
-        if len(cached) < min(len(shared[group]), len(tokens) - 1) // BLOCK_SIZE:
-            cause = "cold" if group not in seen else "split" if r not in seen[group] else "evicted"
-            misses[cause] += 1
-        seen.setdefault(group, set()).add(r)
+        before = earlier.setdefault(group, [])
+        if not before:
+            if len(cached) < min(len(shared[group]), len(tokens) - 1) // BLOCK_SIZE:
+                misses["cold"] += 1
+        else:
+            common = [common_prefix(tokens, t) for t, _ in before]
+            best = max(common)
+            if len(cached) < min(best, len(tokens) - 1) // BLOCK_SIZE:
+                homes = {rep for (_, rep), n in zip(before, common) if n == best}
+                misses["evicted" if r in homes else "split"] += 1
+        before.append((tokens, r))
     hits, queries = sum(k.prefix_hits for k in kvs), sum(k.prefix_queries for k in kvs)
+    # what one replica with an unbounded cache would hit: every request its full blocks shared with an earlier one
+    ceiling = sum(BLOCK_SIZE * (min(max([common_prefix(t, u) for u in ids[:i]], default=0), len(t) - 1) // BLOCK_SIZE)
+                  for i, t in enumerate(ids))
     return {"hit_rate": down(hits / queries), "hit_tokens": hits, "prompt_tokens": queries,
+            "ceiling_hit_rate": down(ceiling / queries),
             "requests_missing_shared_blocks": misses, "routed_per_replica": router.routed}
 
 
@@ -481,9 +514,66 @@ def measure_replay(args) -> dict:
     return out
 
 
+def measure_sim(args) -> dict:
+    """The same workloads through the simulator (paceline.sim): its router is the ingress's, each replica's prefix
+    cache the real scheduler's. Two arrival patterns: `one at a time` (each request 1 token out, arriving after the
+    last finished: what the Ray run and the replay send) and `poisson` (`--sim-rate` requests/s with `--max-tokens`
+    out each, so several are in flight and least-outstanding differs from round-robin). Virtual time,
+    deterministic; the cost model is the roofline of `--sim-model` on one `--sim-gpu` per replica (it sets only how
+    long requests stay in flight)."""
+    import random
+
+    from paceline.bench.prompts import load_tokenizer
+    from paceline.sim.cost_model import roofline_from_names
+    from paceline.sim.simulator import Simulator
+    from paceline.sim.workloads import SimRequest
+
+    tokenizer = load_tokenizer()
+    cost = roofline_from_names(args.sim_model, args.sim_gpu, 1, 1)
+    sched = SchedulerConfig("stall-free", max_num_batched_tokens=512, max_model_len=4096)
+    policies = {"round_robin": {}, "least_outstanding": {}, "prefix": {},
+                "prefix, min_match_fraction 0.5": {"min_match_fraction": 0.5}}
+    out: dict = {"groups": args.groups, "per_group": args.per_group, "replicas": args.sim_replicas,
+                 "cost_model": f"roofline {args.sim_model} on {args.sim_gpu}"}
+    for workload in args.workload.split(","):
+        for blocks in [int(b) for b in str(args.replica_blocks).split(",")]:
+            for pattern in ("one at a time", "poisson"):
+                runs, ratios = {}, []
+                for seed in range(args.seeds):
+                    ids = token_ids(workload_bodies(workload, args.groups, args.per_group, seed), tokenizer)
+                    rng, t = random.Random(seed), 0.0
+                    reqs = []
+                    for i, p in enumerate(ids):
+                        t = 10.0 * i if pattern == "one at a time" else t + rng.expovariate(args.sim_rate)
+                        reqs.append(SimRequest(i, t, len(p), 1 if pattern == "one at a time" else args.max_tokens,
+                                               prompt=p))
+                    run = {}
+                    for name, options in policies.items():
+                        sim = Simulator(cost, sched, CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks), blocks,
+                                        num_replicas=args.sim_replicas, router=name.split(",")[0],
+                                        router_options=options)
+                        result = sim.run(reqs)
+                        run[name] = {"hit_rate": down(result.prefix_cache_hit_rate),
+                                     "hit_tokens": result.prefix_cache_hits,
+                                     "requests_per_replica": [sum(r.replica == k for r in result.requests)
+                                                              for k in range(args.sim_replicas)]}
+                    ratios.append(run["prefix"]["hit_tokens"] / max(1, run["round_robin"]["hit_tokens"]))
+                    run["prefix / round_robin"] = down(ratios[-1], 3)
+                    runs[f"seed {seed}"] = run
+                summary = {name: {"median": down(statistics.median(r[name]["hit_rate"] for r in runs.values())),
+                                  "min": min(r[name]["hit_rate"] for r in runs.values()),
+                                  "max": max(r[name]["hit_rate"] for r in runs.values())} for name in policies}
+                summary["prefix / round_robin"] = {"median": down(statistics.median(ratios), 3),
+                                                   "min": down(min(ratios), 3), "max": down(max(ratios), 3),
+                                                   "seeds at or above 2x": sum(r >= 2 for r in ratios)}
+                runs["over the seeds"] = summary
+                out[f"{workload}, {blocks} blocks per replica, {pattern}"] = runs
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["tp", "pp", "overhead", "ray", "replay", "allreduce"])
+    p.add_argument("what", choices=["tp", "pp", "overhead", "ray", "replay", "sim", "allreduce"])
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -492,7 +582,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per-group", type=int, default=4, help="ray: requests per shared prefix")
     p.add_argument("--replica-blocks", default="256", help="ray, replay: KV blocks per replica (comma-separated)")
     p.add_argument("--workload", default="system-prompts",
-                   help="ray, replay: system-prompts and/or chat-preamble (comma-separated)")
+                   help=f"ray, replay, sim: of {', '.join(WORKLOADS)} (comma-separated)")
     p.add_argument("--routers", default="round_robin,least_outstanding,prefix",
                    help=f"ray: which of {', '.join(ROUTERS)} (comma-separated)")
     p.add_argument("--seeds", type=int, default=1, help="replay: shuffles of the workload, seeds 0..N-1 (ray: seed 0)")
@@ -501,9 +591,13 @@ def main(argv: list[str] | None = None) -> None:
                         "several, comma-separated, run one after another")
     p.add_argument("--rounds", type=int, default=2, help="overhead: times every layout runs, in turn")
     p.add_argument("--repeats", type=int, default=1000, help="allreduce: timed all-reduces per shape")
+    p.add_argument("--sim-replicas", type=int, default=2, help="sim: replicas")
+    p.add_argument("--sim-rate", type=float, default=4.0, help="sim: requests/s of the poisson pattern")
+    p.add_argument("--sim-model", default="llama-3-8b", help="sim: the roofline's model config")
+    p.add_argument("--sim-gpu", default="h100", help="sim: the roofline's GPU")
     args = p.parse_args(argv)
     result = {"tp": measure_tp, "pp": measure_pp, "overhead": measure_overhead, "ray": measure_ray, "replay": measure_replay,
-              "allreduce": measure_allreduce}[args.what](args)
+              "sim": measure_sim, "allreduce": measure_allreduce}[args.what](args)
     print(json.dumps({"what": args.what, "args": vars(args), **result}, indent=2))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_outstanding", "prefix")
@@ -35,13 +36,25 @@ def prompt_text(body: dict) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
-def chunk_keys(text: str, chunk_chars: int) -> list[int]:
-    """One key per whole chunk of the text; key k stands for text[:(k + 1) * chunk_chars] (up to hash collisions,
-    which only cost a misrouted request). Python's str hash is salted per process: keys live in the ingress only."""
+def prompt_of(body: dict) -> str | list[int]:
+    """The prompt to match: its token ids when the request gives one prompt as ids, else its text."""
+    prompt = body.get("prompt")
+    if "messages" not in body and isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    return prompt_text(body)
+
+
+def chunk_keys(prompt: str | Sequence[int], chunk: int) -> list[int]:
+    """One key per whole chunk of the prompt (characters of a text, or token ids); key k stands for
+    prompt[:(k + 1) * chunk] (up to hash collisions, which only cost a misrouted request). Python's str hash is
+    salted per process: keys live in the ingress (or the simulation) only."""
     keys: list[int] = []
     parent = 0
-    for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
-        parent = hash((parent, text[start:start + chunk_chars]))
+    text = isinstance(prompt, str)
+    for start in range(0, len(prompt) - chunk + 1, chunk):
+        piece = prompt[start:start + chunk]
+        parent = hash((parent, piece if text else tuple(piece)))
         keys.append(parent)
     return keys
 
@@ -51,10 +64,13 @@ class Router:
     num_replicas: int
     policy: str = "least_outstanding"
     chunk_chars: int = 64  # the shortest prefix worth following; ~16 tokens of English, one KV block of 16
+    chunk_tokens: int = 16  # the same for a prompt given as token ids: one KV block
     max_imbalance: int = 4
-    # a replica holding less than this share of the prompt saves less than half its prefill: spreading new prefixes
-    # over the caches is worth more (the vLLM router and SGLang's gateway follow a match above 0.3 by default)
-    min_match_fraction: float = 0.5
+    # below this share of the prompt a match is more likely a preamble every prompt shares than this prompt's own
+    # history: spreading new prefixes over the caches is worth more. Not higher: a chat's second turn holds its first
+    # (a short question) and a long reply, so 0.5 split conversations at turn 2 (SGLang's router has the same knob,
+    # --cache-threshold)
+    min_match_fraction: float = 0.3
     capacity_chunks: int = 16384  # per replica: ~1M characters, ~250k tokens of prompt
     retry_after_s: float = 5.0  # a failed replica is tried first again after this long (it may have restarted)
     outstanding: list[int] = field(default_factory=list)
@@ -69,8 +85,8 @@ class Router:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
-        if self.chunk_chars < 1 or self.capacity_chunks < 1:
-            raise ValueError("chunk_chars and capacity_chunks must be >= 1")
+        if self.chunk_chars < 1 or self.chunk_tokens < 1 or self.capacity_chunks < 1:
+            raise ValueError("chunk_chars, chunk_tokens and capacity_chunks must be >= 1")
         if not 0.0 < self.min_match_fraction <= 1.0:
             raise ValueError(f"min_match_fraction must be in (0, 1], got {self.min_match_fraction}")
         self.outstanding = [0] * self.num_replicas
@@ -78,8 +94,13 @@ class Router:
         self.routed = [0] * self.num_replicas
 
     def order(self, body: dict) -> list[int]:
-        """Replicas to try for this request, best first: live ones by the policy, then the ones marked down.
-        Under the prefix policy the first choice records the prompt's chunks."""
+        """Replicas to try for this OpenAI request body, best first (see order_prompt)."""
+        return self.order_prompt(prompt_of(body) if self.policy == "prefix" else "")
+
+    def order_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Replicas to try for a request with this prompt (text or token ids), best first: live ones by the policy,
+        then the ones marked down. Under the prefix policy the first choice records the prompt's chunks. The
+        caller counts the request in `outstanding` while the replica works on it."""
         now = time.monotonic()
         for r, since in list(self.down.items()):
             if now - since > self.retry_after_s:
@@ -95,7 +116,7 @@ class Router:
         elif self.policy == "least_outstanding":
             ranked = by_load
         else:
-            keys = chunk_keys(prompt_text(body), self.chunk_chars)
+            keys = chunk_keys(prompt, self.chunk_chars if isinstance(prompt, str) else self.chunk_tokens)
             ranked = self._by_prefix(keys, live, by_load)
             if ranked:
                 self._remember(ranked[0], keys)
@@ -167,3 +188,41 @@ def common_preamble_chats(groups: int, per_group: int, seed: int = 0) -> list[li
                + f"Question {j}: name one fact."}] for g in range(groups) for j in range(per_group)]
     random.Random(seed).shuffle(chats)
     return chats
+
+
+WORDS = ("the", "a", "river", "question", "table", "light", "small", "because", "over", "number", "engine", "green",
+         "garden", "history", "window", "quickly", "paper", "market", "under", "simple", "winter", "cable", "story",
+         "north", "careful", "bridge", "signal", "between", "orange", "music", "letter", "station", "bright", "plan")
+
+
+def _words(rng, low: int, high: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
+
+
+def multi_turn_chats(conversations: int, turns: int, seed: int = 0) -> list[tuple[int, list[dict]]]:
+    """(conversation, messages) for every turn of `conversations` chats of `turns` turns: each request carries the
+    whole conversation so far (the stock system prompt, then alternating user and assistant messages), so turn k+1's
+    prompt starts with all of turn k's. The turns of different chats interleave in a shuffled order (users come and
+    go independently), each chat's own turns in order. The text of a chat does not depend on the seed, only the
+    order does. The assistant messages are fixed text standing in for the replies (a user message ~20-45 words,
+    a reply ~50-90: replies run longer than questions)."""
+    import random
+
+    chats = []
+    for c in range(conversations):
+        rng = random.Random(1_000_003 * c + 17)
+        messages = [{"role": "system", "content": "You are a helpful assistant."}]
+        turns_of_c = []
+        for k in range(turns):
+            messages = messages + [{"role": "user", "content": f"Chat {c}, turn {k}: {_words(rng, 20, 45)}?"}]
+            turns_of_c.append(messages)
+            messages = messages + [{"role": "assistant", "content": _words(rng, 50, 90) + "."}]
+        chats.append(turns_of_c)
+    order = [c for c in range(conversations) for _ in range(turns)]
+    random.Random(seed).shuffle(order)
+    next_turn = [0] * conversations
+    out = []
+    for c in order:
+        out.append((c, chats[c][next_turn[c]]))
+        next_turn[c] += 1
+    return out

@@ -43,7 +43,11 @@ def _common_args(p: argparse.ArgumentParser) -> None:
                    help=argparse.SUPPRESS)  # the old spelling
     g = p.add_argument_group("fleet and scheduler")
     g.add_argument("--replicas", type=int, default=1)
-    g.add_argument("--router", default="round-robin", choices=ROUTERS)
+    g.add_argument("--router", default="round-robin", choices=ROUTERS,
+                   help="as the Ray Serve ingress routes (python -m paceline.entrypoints.ray_serve --policy)")
+    g.add_argument("--router-min-match-fraction", type=float, default=None,
+                   help="prefix router: follow a replica's cached prefix only if it covers this share of the prompt "
+                        "(default 0.5, as the ingress)")
     g.add_argument("--scheduler", default=SchedulerConfig.policy, choices=SCHEDULERS, type=scheduler_name)
     g.add_argument("--scheduling-policy", default=SchedulerConfig.scheduling_policy, choices=SCHEDULING_POLICIES)
     g.add_argument("--max-num-batched-tokens", type=int_or_auto, default=SchedulerConfig.max_num_batched_tokens,
@@ -114,7 +118,9 @@ def deployment_from_args(args: argparse.Namespace):
     from paceline.spec_config import SpeculativeConfig
     dep = Deployment(cost, sched, cache, args.replicas, args.router, args.gpu_memory_utilization,
                      getattr(args, "pp_microbatches", None),
-                     speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)))
+                     speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
+                     router_options=({"min_match_fraction": args.router_min_match_fraction}
+                                     if getattr(args, "router_min_match_fraction", None) is not None else None))
     return dep, workload
 
 
@@ -139,7 +145,8 @@ def _simulate(args: argparse.Namespace) -> None:
           + (f" per virtual engine x {sim.pipeline_microbatches}" if sim.pipeline_microbatches > 1 else ""))
     print(f"{s['completed']}/{s['num_requests']} requests finished ({s['failed']} rejected) in {s['duration_s']:.1f} "
           f"simulated s ({m['wall_s']:.2f} s wall); {m['num_steps']} steps, median decode step "
-          f"{m['median_decode_step_s'] * 1e3:.1f} ms; {m['num_preemptions']} preemptions"
+          f"{m['median_decode_step_s'] * 1e3:.1f} ms; {m['num_preemptions']} preemptions; prefix-cache hit rate "
+          f"{result.prefix_cache_hit_rate:.4f}"
           + (f"; pipeline bubble {m['pipeline_bubble_fraction']:.3f}" if m["pipeline_bubble_fraction"] is not None
              else "") + "\n")
     md = run_markdown(run) + "\n\n" + distribution_table(s)

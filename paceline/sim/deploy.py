@@ -20,6 +20,7 @@ class Deployment:
     gpu_memory_utilization: float = 0.9
     pipeline_microbatches: int | None = None  # None: as many as pipeline stages (1 without pipeline parallelism)
     speculative: SpeculativeConfig | None = None
+    router_options: dict | None = None  # the prefix router's settings, as the Ray Serve ingress takes them
 
     def num_blocks(self) -> int:
         if self.cache.num_blocks:
@@ -44,7 +45,7 @@ class Deployment:
             micro = getattr(self.cost_model, "pp", 1) if hasattr(self.cost_model, "stage_times") else 1
         return Simulator(self.cost_model, self.scheduler, self.cache, self.num_blocks(), self.num_host_blocks(),
                          num_replicas=self.num_replicas, router=self.router, pipeline_microbatches=micro,
-                         speculative=self.speculative)
+                         speculative=self.speculative, router_options=self.router_options)
 
 
 def cost_model_from_spec(spec: str, model: str = "mistral-7b", gpu: str = "a100", tp: int = 1, pp: int = 1,

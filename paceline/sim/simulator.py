@@ -67,6 +67,12 @@ class SimResult:
     num_replicas: int
     bubble_fraction: float | None = None  # pipeline parallel: idle share of stage-time while steps were in flight
     preemptions: dict[str, float] = field(default_factory=dict)  # the schedulers' counts, as /metrics names them
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the replicas' prefix caches at admission
+    prefix_cache_hits: int = 0  # of those, tokens found
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def finished(self) -> list[RequestRecord]:
@@ -115,7 +121,8 @@ class Simulator:
     def __init__(self, cost_model: CostModel, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, num_host_blocks: int = 0, num_replicas: int = 1, router: str = "round-robin",
                  scheduler_factory: Callable[..., Scheduler] = Scheduler, pipeline_microbatches: int = 1,
-                 speculative: SpeculativeConfig | None = None, seed: int = 0) -> None:
+                 speculative: SpeculativeConfig | None = None, seed: int = 0,
+                 router_options: dict | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         stages = getattr(cost_model, "pp", 1)
@@ -131,7 +138,8 @@ class Simulator:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.num_blocks = num_blocks
-        self.router = Router(router, num_replicas)
+        # router_options: the prefix router's settings (min_match_fraction, ...), as the Ray Serve ingress takes them
+        self.router = Router(router, num_replicas, **(router_options or {}))
         self.router_size = num_replicas
         # under max_step_ms the scheduler predicts with the very model that times the simulated steps
         step_time = cost_model.step_time if scheduler_config.max_step_ms > 0 else None
@@ -243,7 +251,8 @@ class Simulator:
         preemptions = {"preemptions": sum(s.num_preemptions for s in stats),
                        "time_slice_preemptions": sum(s.num_slice_preemptions for s in stats),
                        "recomputed_tokens": sum(s.num_recomputed_tokens for s in stats)}
-        return SimResult(records, steps, time.perf_counter() - t_wall, self.router_size, bubble, preemptions)
+        return SimResult(records, steps, time.perf_counter() - t_wall, self.router_size, bubble, preemptions,
+                         sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats))
 
     def _arrive(self, r: SimRequest, shared_prefix: int, now: float) -> RequestRecord:
         rid = str(r.index)
@@ -254,13 +263,15 @@ class Simulator:
         if r.prompt_len + r.output_len > self.max_request_tokens:
             rec.error, rec.replica = REJECTED, -1
             return rec
-        rec.replica = self.router.route()
+        if r.prompt is not None:
+            prompt = list(r.prompt)
+        else:  # distinct fake ids per request, so the prefix cache only hits what the workload really shares
+            n_shared = min(shared_prefix, r.prompt_len - 1)
+            prompt = [SHARED_PREFIX_TOKEN] * n_shared + [1000 + r.index] * (r.prompt_len - n_shared)
+        rec.replica = self.router.route(prompt)
         # within the replica, the virtual engine with the fewest unfinished requests (vLLM's choice)
         slots = self.replicas[rec.replica * self.pipeline_microbatches:(rec.replica + 1) * self.pipeline_microbatches]
         slot = min(slots, key=lambda s: len(s.scheduler.requests))
-        # distinct fake ids per request, so the prefix cache only hits what the workload really shares
-        n_shared = min(shared_prefix, r.prompt_len - 1)
-        prompt = [SHARED_PREFIX_TOKEN] * n_shared + [1000 + r.index] * (r.prompt_len - n_shared)
         req = Request(rid, prompt, SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0),
                       arrival_time=now, priority=r.priority, client_id=r.client)
         slot.scheduler.add_request(req)

@@ -18,6 +18,13 @@ class SimRequest:
     priority: int = 0
     client: str = ""
     acceptance: float = 0.0  # the chance a proposed token is accepted (speculative decoding; the workload's)
+    # the prompt's token ids where the workload says what requests share (conversations, system prompts): the
+    # prefix cache and the prefix router then see real prefixes; None: ids of its own (the workload's lengths only)
+    prompt: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt is not None and len(self.prompt) != self.prompt_len:
+            raise ValueError(f"request {self.index}: prompt_len {self.prompt_len} but {len(self.prompt)} prompt ids")
 
 
 def load_workload(name_or_path: str, max_model_len: int | None = None) -> WorkloadSpec:

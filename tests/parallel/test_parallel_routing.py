@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from paceline.parallel.routing import Router, chunk_keys, common_preamble_chats
+from paceline.parallel.routing import Router, chunk_keys, common_preamble_chats, multi_turn_chats, prompt_of
 
 
 def system(topic: str) -> str:
@@ -111,3 +111,39 @@ def test_unknown_policy_and_bad_settings_are_value_errors() -> None:
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="min_match_fraction"):
             Router(2, "prefix", min_match_fraction=bad)
+
+
+def test_token_id_prompts_are_matched_by_kv_block() -> None:
+    assert prompt_of({"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert prompt_of({"prompt": [[5, 6], [7]]}) == "[[5, 6], [7]]"  # a batch of prompts: matched as text
+    assert prompt_of({"prompt": "hi"}) == "hi"
+    router = Router(2, "prefix")
+    doc = list(range(100, 164))  # 4 blocks of 16
+    home = router.order({"prompt": doc + [1, 2]})[0]
+    assert router.order({"prompt": doc + [3] * 20})[0] == home  # 4 of 5 blocks match
+    assert router.order({"prompt": [9] * 16 + doc})[0] != home  # shifted by a block: a new prefix, the other replica
+    assert chunk_keys(doc, 16) == chunk_keys(doc + [1] * 15, 16) and len(chunk_keys(doc, 16)) == 4
+
+
+def test_a_conversation_stays_on_one_replica_turn_after_turn() -> None:
+    turns = multi_turn_chats(6, 4, seed=3)
+    assert [c for c, _ in turns] != sorted(c for c, _ in turns)  # the chats interleave
+    last: dict[int, list[dict]] = {}
+    for c, messages in turns:  # each turn carries the chat so far: the last turn, its reply, a new question
+        if c in last:
+            assert messages[:len(last[c])] == last[c] and messages[len(last[c])]["role"] == "assistant"
+        last[c] = messages
+    assert sorted(map(str, multi_turn_chats(6, 4, seed=4))) == sorted(map(str, turns))  # another order, the same text
+    moves = {}
+    for fraction in (0.3, 0.5):
+        router, where, turn_no, moved = Router(2, "prefix", min_match_fraction=fraction), {}, {}, []
+        for c, messages in turns:
+            r = router.order({"messages": messages})[0]
+            turn_no[c] = turn_no.get(c, -1) + 1
+            if c in where and where[c] != r:
+                moved.append(turn_no[c])
+            where[c] = r
+        moves[fraction] = moved
+    # from the third turn on the chat so far is most of the prompt: always followed. The second turn holds a short
+    # first question and a long reply (the router indexes prompts, not replies): at 0.5 it often moves
+    assert moves[0.3] == [1] and moves[0.5] == [1, 1, 1, 1]
