@@ -2,6 +2,14 @@
 
     flock -x /tmp/paceline-cpu.lock /work/main/.venv/bin/python benchmarks/vs_vllm.py
 
+With vLLM's ~110 s start per server a whole run takes 7-10 min; to stay within 8-minute holds, run it in parts and
+merge them (same system names, probes from each):
+
+    flock -x /tmp/paceline-cpu.lock python benchmarks/vs_vllm.py --modes default --peers vllm-cpu-fp32 --no-chat --small-only --output-dir R/small
+    flock -x /tmp/paceline-cpu.lock python benchmarks/vs_vllm.py --modes default --peers vllm-cpu-fp32 --no-chat --defaults-only --output-dir R/defaults
+    flock -x /tmp/paceline-cpu.lock python benchmarks/vs_vllm.py --modes default --peers vllm-cpu-fp32 --chat-only --output-dir R/chat
+    python benchmarks/vs_vllm.py --merge R/small/vs_vllm.json R/defaults/vs_vllm.json R/chat/vs_vllm.json
+
 The probes of issue 13, each system at its defaults unless a probe says otherwise:
   (a) 32 concurrent streams, 100-token prompts, 64 tokens out: generated tok/s
   (b) the same with a token budget of 64 (--max-num-batched-tokens 64 on both)
@@ -167,9 +175,22 @@ def start(system: System, log: Path) -> tuple[Server, float]:
     return srv, time.perf_counter() - t0
 
 
-def measure(name: str, small: System | None, default: System, prompts: Prompts, out_dir: Path, chat: bool) -> dict:
-    """small None (--defaults-only): skip the budget-64 server, its probes (b) and (e), and the warming start."""
+def measure(name: str, small: System | None, default: System | None, prompts: Prompts, out_dir: Path, chat: bool,
+            chat_only: bool = False) -> dict:
+    """small None (--defaults-only): skip the budget-64 server, its probes (b) and (e), and the warming start.
+    default None (--small-only): only the budget-64 server and its probes.
+    chat_only: the default server and the chat probe alone (a second, shorter exclusive hold)."""
     row: dict = {"system": name}
+    if chat_only:
+        print(f"[{name}] defaults, chat only: {' '.join(default.argv)}", flush=True)
+        # its own key: merged after a --defaults-only run, this start must not replace the one measured there
+        srv, row["startup_chat_s"] = start(default, out_dir / f"{name}-default.log")
+        try:
+            row["chat"] = probe_chat(srv.url, name, out_dir, default.send_priority)
+        finally:
+            srv.stop()
+        print(f"[{name}] {json.dumps(row, default=float)}", flush=True)
+        return row
     if small is not None:
         print(f"[{name}] budget {SMALL_BUDGET}: {' '.join(small.argv)}", flush=True)
         srv, row["startup_small_s"] = start(small, out_dir / f"{name}-small.log")  # also warms compile caches
@@ -179,6 +200,9 @@ def measure(name: str, small: System | None, default: System, prompts: Prompts, 
             row["stall"] = probe_stall(ep, prompts)
         finally:
             srv.stop()
+    if default is None:
+        print(f"[{name}] {json.dumps(row, default=float)}", flush=True)
+        return row
     print(f"[{name}] defaults: {' '.join(default.argv)}", flush=True)
     srv, row["startup_s"] = start(default, out_dir / f"{name}-default.log")
     try:
@@ -249,35 +273,75 @@ def targets(rows: list[dict], mode: str = "default") -> list[str]:
         return ["targets not judged: paceline's default or every vLLM configuration did not run"]
     out = []
 
-    def best(keys: tuple, higher: bool) -> tuple[float, str]:
-        vals = [(v, r["system"]) for r in vs if (v := _dig(r, keys)) is not None]
-        return max(vals) if higher else min(vals)
-
     def check(text: str, ok: bool | None) -> None:
         out.append(f"- {'holds' if ok else 'does not hold' if ok is not None else 'not measured'}: {text}")
 
-    a, (b, who) = _dig(p, ("throughput", "gen_tok_s")), best(("throughput", "gen_tok_s"), True)
-    check(f"32 streams at defaults >= 1.3x vLLM ({who}): {a:.0f} vs {b:.0f} tok/s = {a / b:.2f}x", a / b >= 1.3)
-    a, (b, who) = _dig(p, ("prefill", "ttft_s")), best(("prefill", "ttft_s"), False)
-    check(f"lone 1,500-token TTFT <= 0.8x vLLM ({who}): {a * 1e3:.0f} vs {b * 1e3:.0f} ms = {a / b:.2f}x", a / b <= 0.8)
-    if _dig(p, ("stall", "max_gap_s")) is None or not any(_dig(r, ("stall", "max_gap_s")) is not None for r in vs):
-        check("stall probe (not run: --defaults-only)", None)
+    def ratio(keys: tuple, higher: bool) -> tuple[float, float, str] | None:
+        """paceline's value, the best vLLM value and which vLLM row; None where either was not measured."""
+        a = _dig(p, keys)
+        vals = [(v, r["system"]) for r in vs if (v := _dig(r, keys)) is not None]
+        if a is None or not vals:
+            return None
+        b, who = max(vals) if higher else min(vals)
+        return a, b, who
+
+    if (t := ratio(("throughput", "gen_tok_s"), True)) is None:
+        check("32 streams at defaults >= 1.3x vLLM", None)
     else:
-        a, (b, who) = _dig(p, ("stall", "max_gap_s")), best(("stall", "max_gap_s"), False)
-        check(f"stall probe gap <= vLLM's ({who}) and <= 0.10 s: {a * 1e3:.0f} vs {b * 1e3:.0f} ms", a <= b and a <= 0.10)
-    a, (b, who) = _dig(p, ("decode", "decode_tok_s")), best(("decode", "decode_tok_s"), True)
-    check(f"one stream decode >= 2x vLLM ({who}): {a:.1f} vs {b:.1f} tok/s = {a / b:.2f}x", a / b >= 2.0)
+        a, b, who = t
+        check(f"32 streams at defaults >= 1.3x vLLM ({who}): {a:.0f} vs {b:.0f} tok/s = {a / b:.2f}x", a / b >= 1.3)
+    if (t := ratio(("prefill", "ttft_s"), False)) is None:
+        check("lone 1,500-token TTFT <= 0.8x vLLM", None)
+    else:
+        a, b, who = t
+        check(f"lone 1,500-token TTFT <= 0.8x vLLM ({who}): {a * 1e3:.0f} vs {b * 1e3:.0f} ms = {a / b:.2f}x",
+              a / b <= 0.8)
+    if (t := ratio(("stall", "max_gap_s"), False)) is None:
+        check("stall probe (not run: --defaults-only or --chat-only)", None)
+    else:
+        a, b, who = t
+        check(f"stall probe gap <= vLLM's ({who}) and <= 0.10 s: {a * 1e3:.0f} vs {b * 1e3:.0f} ms = {a / b:.2f}x",
+              a <= b and a <= 0.10)
+    if (t := ratio(("decode", "decode_tok_s"), True)) is None:
+        check("one stream decode >= 2x vLLM", None)
+    else:
+        a, b, who = t
+        check(f"one stream decode >= 2x vLLM ({who}): {a:.1f} vs {b:.1f} tok/s = {a / b:.2f}x", a / b >= 2.0)
     pc = p.get("chat")
     chats = [(r["chat"], r["system"]) for r in vs if r.get("chat")]
     if pc and chats:
         (tbt, who1), (ttft, who2) = min((c["tbt_p99_s"], w) for c, w in chats), min((c["ttft_p50_s"], w) for c, w in chats)
         r1, r2 = pc["tbt_p99_s"] / tbt, pc["ttft_p50_s"] / ttft
-        check(f"chat p99 TBT <= 0.6x vLLM ({who1}): {r1:.2f}x", r1 <= 0.6)
-        check(f"chat p50 TTFT <= vLLM's ({who2}): {r2:.2f}x", r2 <= 1.0)
+        check(f"chat p99 TBT <= 0.6x vLLM ({who1}): {pc['tbt_p99_s'] * 1e3:.0f} vs {tbt * 1e3:.0f} ms = {r1:.2f}x",
+              r1 <= 0.6)
+        check(f"chat p50 TTFT <= vLLM's ({who2}): {pc['ttft_p50_s'] * 1e3:.0f} vs {ttft * 1e3:.0f} ms = {r2:.2f}x",
+              r2 <= 1.0)
     else:
         check("chat probe", None)
-    check(f"start-up to first answer <= 10 s (warm): {p['startup_s']:.1f} s", p["startup_s"] <= 10.0)
+    if p.get("startup_s") is None:
+        check("start-up to first answer <= 10 s (warm)", None)  # --chat-only or --small-only
+    else:
+        check(f"start-up to first answer <= 10 s (warm): {p['startup_s']:.1f} s", p["startup_s"] <= 10.0)
+    check("capacity under the strict SLO on chat and long-prompt >= 1.3x the best vLLM configuration "
+          "(benchmarks/compare.py, not this script)", None)
     return out
+
+
+def merge_rows(runs: list[list[dict]]) -> list[dict]:
+    """One row per system from several runs' rows, in first-seen order; a later run's probes add to (and, where
+    both measured one, replace) an earlier run's. A row that failed or was skipped adds nothing."""
+    merged: dict[str, dict] = {}
+    for rows in runs:
+        for r in rows:
+            if "skipped" in r and r["system"] in merged:
+                continue
+            base = merged.setdefault(r["system"], {"system": r["system"]})
+            if "skipped" in r:
+                base.setdefault("skipped", r["skipped"])
+                continue
+            base.pop("skipped", None)
+            base.update({k: v for k, v in r.items() if k != "system"})
+    return list(merged.values())
 
 
 def main() -> int:
@@ -291,12 +355,25 @@ def main() -> int:
     ap.add_argument("--defaults-only", action="store_true",
                     help="only each system at its defaults (probes a, c, d, f): no budget-64 server, so no (b) and "
                          "no stall probe (e); start-up is warm only if the system was started before (~half the time)")
+    ap.add_argument("--chat-only", action="store_true",
+                    help="only the chat probe, each system at its defaults (paceline's default mode and vLLM): the "
+                         "rest of the run in one exclusive hold, this in a second")
+    ap.add_argument("--small-only", action="store_true",
+                    help="only the budget-64 servers (probes b and e): with --defaults-only in another exclusive hold, "
+                         "the whole run in two holds of ~4 min instead of one of 7-10")
+    ap.add_argument("--merge", nargs="+", metavar="VS_VLLM_JSON", default=None,
+                    help="measure nothing: merge the rows of earlier runs' vs_vllm.json (same system, probes from "
+                         "each) and print the table and the targets")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads each server may use")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-dir", default=None, help="default benchmarks/results/vs_vllm-<time>")
     args = ap.parse_args()
     # killed (a timeout, Ctrl-C in another shell): unwind, so every server started so far is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.merge:
+        rows = merge_rows([json.loads(Path(f).read_text())["rows"] for f in args.merge])
+        print(table(rows) + "\n\n" + "\n".join(targets(rows)))
+        return 0
     model = bundled_gguf()
     out_dir = Path(args.output_dir or ROOT / "benchmarks" / "results" / f"vs_vllm-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -311,7 +388,9 @@ def main() -> int:
         i = default.argv.index("--scheduler")
         assert default.argv[i:i + 4] == ["--scheduler", "sarathi", "--max-num-batched-tokens", "0"]
         del default.argv[i:i + 4]
-        plan.append((f"paceline-{mode}", small, default, not args.no_chat and (args.chat_all or mode == "default")))
+        wants_chat = not args.no_chat and (args.chat_all or mode == "default")
+        if wants_chat or not args.chat_only:
+            plan.append((f"paceline-{mode}", small, default, wants_chat))
     for peer in [p for p in args.peers.split(",") if p]:
         if peer in ("vllm-cpu", "vllm-cpu-fp32"):
             dtype = "float32" if peer.endswith("fp32") else "bfloat16"
@@ -332,7 +411,10 @@ def main() -> int:
             print(f"[{name}] skipped: {default.skip}", flush=True)
             continue
         try:
-            rows.append(measure(name, None if args.defaults_only else small, default, prompts, out_dir, chat))
+            if args.chat_only and not chat:
+                continue
+            rows.append(measure(name, None if args.defaults_only else small, None if args.small_only else default,
+                                prompts, out_dir, chat and not args.small_only, chat_only=args.chat_only))
         except Exception as e:  # one system failing must not lose the others' numbers
             print(f"[{name}] failed: {e}", flush=True)
             rows.append({"system": name, "skipped": f"failed: {str(e)[:80]}", "error": str(e)})

@@ -6,6 +6,7 @@ steps with it. numpy only: core never imports torch.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,3 +87,85 @@ class ProfiledCostModel:
         if d.get("kind") != "profiled":
             raise ValueError(f"{path} is not a paceline profile (kind={d.get('kind')!r})")
         return cls(d["coefficients"], d.get("swap_s_per_block", 0.0), d.get("mask_s_per_row", 0.0), d.get("meta", {}))
+
+
+# Shapes that anchor a live refit where the live steps say nothing (a server that has only run short decodes has
+# not measured a deep prompt chunk): the profile's own predictions at these shapes enter the fit as samples.
+# (decodes, decode context, prompt chunk tokens, chunk start) each; the spread of a quick profile's grid
+ANCHOR_SHAPES = ((1, 128, 0, 0), (8, 512, 0, 0), (32, 1024, 0, 0), (64, 256, 0, 0), (4, 2048, 0, 0),
+                 (0, 0, 16, 0), (0, 0, 128, 1024), (0, 0, 512, 0), (0, 0, 512, 1536), (0, 0, 64, 1536),
+                 (8, 300, 32, 0), (16, 512, 64, 1024), (4, 1024, 256, 256))
+
+
+def anchor_shapes() -> list[BatchShape]:
+    return [BatchShape.build([(start, c)] if c else [], [ctx] * d) for d, ctx, c, start in ANCHOR_SHAPES]
+
+
+class LiveStepTime:
+    """A profiled model refitted, every `refit_every` steps, to the last `window` steps this engine measured.
+
+    Why: the engine's profile is a quick grid timed once at start-up (or a file from another day), and its fit errs
+    by shape, not by one factor: on 2026-11-23 the cached quick profile (19 shapes, median error 20 %) predicted the
+    stall probe's steps of 6 decodes at ~4x their measured time and its steps of 6 decodes and a 16-token chunk at
+    depth ~1,000 at ~2.3x, so the step-time target cut every chunk to one block while the steps used ~60 % of it
+    (benchmarks/summaries/vs_vllm.md). One scale cannot correct errors that differ by shape. The refit is the same
+    non-negative least squares on relative error as the profile's, over the live steps plus the profile's
+    predictions at ANCHOR_SHAPES (each weighted as `anchor_weight` live steps), so features that no live step
+    exercised keep the profile's values. A live time is clipped to [1/CLIP, CLIP] x the current
+    prediction before it counts: a step slowed by a one-off (a first call of a shape, the host's noise) pulls the
+    fit by at most CLIP, while a lasting change still moves it there within a few refits."""
+
+    CLIP = 2.0
+
+    def __init__(self, base: ProfiledCostModel, window: int = 256, refit_every: int = 16, anchor_weight: float = 2.0):
+        self.base = base
+        self.window, self.refit_every = window, refit_every
+        self.coef = list(base._coef)
+        self._x: list[list[float]] = []  # features of the live steps, oldest first (at most `window`)
+        self._y: list[float] = []
+        self._since_refit = 0
+        self.num_refits = 0
+        anchors = anchor_shapes()
+        ax = np.array([features(s) for s in anchors], dtype=np.float64)
+        ay = np.array([base.step_time(s) for s in anchors], dtype=np.float64)
+        self._anchor_rows = ax / ay[:, None] * math.sqrt(anchor_weight)  # relative error, as the profile's fit
+        self._anchor_rhs = np.full(len(anchors), math.sqrt(anchor_weight))
+
+    @property
+    def num_samples(self) -> int:
+        """Live steps in the window."""
+        return len(self._y)
+
+    def step_time(self, s: BatchShape) -> float:
+        c, b = self.coef, self.base
+        return (c[0] + c[1] * s.num_requests + c[2] * s.num_prefill_tokens + c[3] * s.num_decodes
+                + c[4] * s.prefill_attn_pairs + c[5] * s.decode_context + c[6] * s.num_sampled
+                + b.swap_s_per_block * s.num_swapped_blocks + b.mask_s_per_row * s.num_masked)
+
+    def observe(self, s: BatchShape, seconds: float) -> None:
+        """One executed step's shape and measured time; refits every refit_every observations."""
+        if seconds <= 0 or s.num_swapped_blocks or s.num_masked:  # terms the refit does not cover: leave them out
+            return
+        predicted = self.step_time(s)
+        if predicted > 0:
+            seconds = min(max(seconds, predicted / self.CLIP), predicted * self.CLIP)
+        self._x.append(features(s))
+        self._y.append(seconds)
+        if len(self._y) > self.window:
+            del self._x[0], self._y[0]
+        self._since_refit += 1
+        if self._since_refit >= self.refit_every:
+            self.refit()
+
+    def refit(self) -> None:
+        self._since_refit = 0
+        if not self._y:
+            return
+        x = np.array(self._x, dtype=np.float64)
+        y = np.array(self._y, dtype=np.float64)
+        rows = np.vstack([x / y[:, None], self._anchor_rows])
+        rhs = np.concatenate([np.ones(len(y)), self._anchor_rhs])
+        coef = fit_nonnegative(rows, rhs)
+        if np.isfinite(coef).all() and coef.any():
+            self.coef = coef.tolist()
+            self.num_refits += 1

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from paceline.config import EngineConfig
+from paceline.core.batch_shape import batch_shape
 from paceline.core.outputs import TokenLogprobs
 from paceline.core.scheduler import Scheduler
 from paceline.engine.faults import run_isolated
@@ -155,6 +156,7 @@ class Engine:
                                       num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
                                       seed=config.seed)
         del ckpt
+        self.live_step_time = None  # the step-time model refitted to measured steps (core/step_time.LiveStepTime)
         self.scheduler = Scheduler(config.scheduler, cache, self.num_blocks, self.num_host_blocks,
                                    step_time=self._step_time_model(), speculative=self.speculative_config)
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
@@ -177,18 +179,27 @@ class Engine:
         spec = self.speculative_config
         if self.config.scheduler.max_step_ms <= 0 and not (spec is not None and spec.adaptive):
             return None  # adaptive speculation weighs a proposal's cost with the same model
+        model = self._profiled_model()
+        if model is None:
+            return None
+        from paceline.core.step_time import LiveStepTime
+        self.live_step_time = LiveStepTime(model)
+        return self.live_step_time.step_time
+
+    def _profiled_model(self):
+        """The profile file, the cached start-up profile of this setup, or a fresh quick one."""
         from paceline.core.step_time import ProfiledCostModel
         from paceline.engine.profile import quick_step_time_model
 
         if self.config.step_profile:
-            return ProfiledCostModel.load(self.config.step_profile).step_time
+            return ProfiledCostModel.load(self.config.step_profile)
         t0 = time.perf_counter()
         cached = self._profile_cache_path()
         if cached.exists():
             try:
                 model = ProfiledCostModel.load(cached)
                 log.info("step-time profile for max_step_ms=%g read from %s", self.config.scheduler.max_step_ms, cached)
-                return model.step_time
+                return model
             except (OSError, ValueError, KeyError) as e:  # a torn or old file: profile again
                 log.warning("ignoring the cached step-time profile %s: %s", cached, e)
         try:
@@ -210,7 +221,7 @@ class Engine:
             os.replace(tmp, cached)  # atomic: a server starting beside this one reads all of it or nothing
         except OSError as e:
             log.warning("could not cache the step-time profile at %s: %s", cached, e)
-        return model.step_time
+        return model
 
     def _profile_cache_path(self) -> Path:
         """Where the start-up profile of this exact setup is kept, so a warm start skips the ~10-30 s it takes: the
@@ -302,6 +313,8 @@ class Engine:
         num_decode = sched_out.num_decode_tokens
         num_prefill = sched_out.num_batched_tokens - num_decode
         predicted = sched_out.predicted_step_s * self.scheduler.step_time_scale  # the scale moves after this step
+        # what the refit learns from; read before update(), which moves the requests on
+        shape = batch_shape(sched_out) if self.live_step_time is not None else None
         try:
             result = self.runner.execute(sched_out)
             failed: dict[str, str] = {}
@@ -309,11 +322,15 @@ class Engine:
             result, failed = run_isolated(self.runner, sched_out, e)
         for rid, message in failed.items():
             outputs.append(self._error_output(rid, message))
-        if sched_out.predicted_step_s > 0 and num_prefill > 0:
-            # only steps with a prompt chunk count: the limit sized those, and decode-only steps, predicted
-            # differently well, would pull the scale toward their own error
-            sched = self.scheduler
-            sched.step_time_scale = track_quantile(sched.step_time_scale, result.duration / sched_out.predicted_step_s)
+        if not failed and not self._warming_up():
+            if shape is not None:
+                self.live_step_time.observe(shape, result.duration)
+            if sched_out.predicted_step_s > 0 and num_prefill > 0:
+                # only steps with a prompt chunk count: the limit sized those, and decode-only steps, predicted
+                # differently well, would pull the scale toward their own error
+                sched = self.scheduler
+                sched.step_time_scale = track_quantile(sched.step_time_scale,
+                                                       result.duration / sched_out.predicted_step_s)
         updated = self.scheduler.update(sched_out, result, time.monotonic())
         self.last_step = StepStats(num_decode, num_prefill, len(sched_out.scheduled), result.duration,
                                    len(sched_out.preempted_ids), len(sched_out.swapped_out_ids), predicted)
@@ -334,6 +351,15 @@ class Engine:
                 log.exception("request %s failed while turning tokens into text", request.request_id)
                 outputs.append(self._error_output(request.request_id, f"{type(e).__name__}: {e}", request))
         return outputs
+
+    def _warming_up(self) -> bool:
+        """Whether the KV pool is still being made resident (engine/prefault.py): on a 2-core machine that thread
+        takes a core from the step's two OpenMP threads. The first steps after a start ran 3-10x their later time
+        on 2026-11-23 (the stall probe's 64-token steps 0.5-0.93 s, later ~0.09 s; which share of that this thread
+        caused was not measured apart), and the scale rises 5 % per slow step but falls 0.1 % per fast one, so
+        such a burst held the step-time target down for hundreds of steps. Those steps are not learned from."""
+        prefault = getattr(self.runner, "prefault", None)
+        return prefault is not None and prefault.is_alive()
 
     def _delta(self, request: Request) -> RequestOutput:
         state = self._text[request.request_id]
