@@ -29,7 +29,6 @@ import logging
 import math
 import mmap
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +39,7 @@ from paceline.config import EngineConfig
 from paceline.engine.engine import Engine
 from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
 from paceline.engine.multi import MultiEngine
+from paceline.engine.prefault import set_nice
 from paceline.model.llama import Linear, deferred_packing
 from paceline.model.loader import unpacked_linears as model_unpacked_linears
 
@@ -297,9 +297,6 @@ def _build_engine(config: EngineConfig) -> tuple[Engine, float]:
     try:
         with deferred_packing() if defer and DEFER_PACKING else contextlib.nullcontext():
             engine = Engine(config)
-        prefault = getattr(engine.runner, "prefault", None)
-        if prefault is not None and prefault.native_id is not None:  # the KV pool's page population (runner.py)
-            set_nice(19, prefault.native_id)
         model = getattr(engine.runner, "model", None)
         if model is not None and hasattr(model, "layers"):
             map_in(model)
@@ -307,14 +304,6 @@ def _build_engine(config: EngineConfig) -> tuple[Engine, float]:
         return engine, step_ms
     finally:
         torch.set_num_threads(threads)
-
-
-def set_nice(value: int, thread_id: int | None = None) -> None:
-    """This thread's (or another's) CPU priority; Linux keeps one per thread."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread_id or threading.get_native_id(), value)
-    except (AttributeError, OSError):  # not Linux, or lowering a nice value without the right: it stays
-        pass
 
 
 MADV_POPULATE_READ = 22  # linux/mman.h (5.14+)

@@ -63,3 +63,18 @@ def test_the_runner_makes_a_large_cpu_pool_resident_and_leaves_a_small_one_alone
     assert float(big.kv_cache.abs().sum()) == 0.0  # still zeros: attention multiplies masked slots by 0
     small = ModelRunner(None, arch, num_blocks=64, block_size=16)  # zeroed at allocation: nothing to do
     assert small.prefault is None
+
+
+def test_the_background_population_runs_at_nice_19_and_leaves_the_caller_as_it_was(monkeypatch):
+    import os
+    import threading
+
+    from paceline.engine import prefault
+
+    seen = []
+    monkeypatch.setattr(prefault, "populate", lambda t: seen.append(os.getpriority(os.PRIO_PROCESS,
+                                                                                    threading.get_native_id())))
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    prefault.populate_in_background(torch.zeros(4)).join(timeout=10)
+    assert seen == [max(before, 19)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
