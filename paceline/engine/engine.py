@@ -113,6 +113,8 @@ def numeric_mode(model: str | None, device: torch.device, dtype: str, quantizati
     return dtype, quantization
 
 
+PROFILE_CACHE_MAX_ERROR = 0.3  # a quick profile fitting its own shapes worse than this is not kept on disk
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -212,8 +214,14 @@ class Engine:
             log.warning("no step-time target (the default from tbt_goal_ms=%g): %s", self.config.tbt_goal_ms, e)
             self.config.scheduler.max_step_ms = 0.0
             return None
+        error = model.meta["median_rel_error"]
         log.info("step-time profile for max_step_ms=%g taken in %.1f s (median error %.0f %%)",
-                 self.config.scheduler.max_step_ms, time.perf_counter() - t0, 100 * model.meta["median_rel_error"])
+                 self.config.scheduler.max_step_ms, time.perf_counter() - t0, 100 * error)
+        if error > PROFILE_CACHE_MAX_ERROR:
+            # a profile taken while other work shared the cores (seen 2026-11-23: a constant 117 ms, 70 % median
+            # error) would price every later server's steps from the cache; this one serves, refitted live
+            log.warning("the step-time profile's median error is %.0f %% (a busy machine?): not cached", 100 * error)
+            return model
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_suffix(f".{os.getpid()}.tmp")

@@ -70,3 +70,21 @@ def test_the_start_up_profile_is_kept_on_disk_per_setup(monkeypatch, tmp_path) -
     second._profile_cache_path().write_text("{torn")  # a broken file is profiled again, not an error
     Engine(EngineConfig(**config))
     assert len(taken) == 3
+
+
+def test_a_start_up_profile_that_fits_badly_serves_but_is_not_cached(monkeypatch, tmp_path) -> None:
+    from paceline.core.step_time import FEATURES, ProfiledCostModel
+
+    taken = []
+
+    def quick(runner, vocab_size, block_size, num_blocks, max_len, *rest):  # taken on a busy machine
+        taken.append(num_blocks)
+        return ProfiledCostModel(dict.fromkeys(FEATURES, 0.0) | {"constant": 0.117}, meta={"median_rel_error": 0.7})
+
+    monkeypatch.setattr("paceline.engine.profile.quick_step_time_model", quick)
+    monkeypatch.setattr("paceline.engine.engine.cache_root", lambda: tmp_path)
+    config = dict(dtype="float32", cache=CacheConfig(kv_cache_memory_gb=0.05))
+    first = Engine(EngineConfig(**config))
+    assert first.scheduler.step_time is not None and not list(tmp_path.glob("step-profiles/*.json"))
+    Engine(EngineConfig(**config))  # profiled again rather than read back
+    assert len(taken) == 2
