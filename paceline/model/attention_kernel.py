@@ -441,7 +441,7 @@ def _flags() -> list[str]:
 
 
 def _library_path() -> tuple[Path, str, list[str]]:
-    from paceline.model.loader import cache_root
+    from paceline.model.cache_dir import cache_root
     flags = _flags()
     key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"paged_attention-{key}.so", f"paceline_attn_{key}", flags

@@ -357,7 +357,7 @@ def _flags() -> list[str]:
 
 
 def _library_path() -> tuple[Path, str, list[str]]:
-    from paceline.model.loader import cache_root
+    from paceline.model.cache_dir import cache_root
     flags = _flags()
     key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"int4_mm-{key}.so", f"paceline_int4_{key}", flags

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from paceline.model.arch import SUPPORTED, ModelArch
+from paceline.model.cache_dir import cache_root
 from paceline.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -221,10 +222,6 @@ def write_hf_folder(checkpoint: Checkpoint, path: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------- GGUF
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PACELINE_CACHE") or Path.home() / ".cache" / "paceline")
-
 
 def gguf_cache_key(path: Path) -> str:
     # A cheap stable key, not a hash of the whole file (seconds for multi-GB files): sha256 of the size,
@@ -522,8 +519,10 @@ class _SnapshotPickler(pickle.Pickler):
     """Pickles the custom ops the model holds (paceline's C++ kernels) as the call that loads them again."""
 
     def reducer_override(self, obj: Any) -> Any:
-        from paceline.model import int4_kernel, logits_kernel
+        from paceline.model import fused_kernel, int4_kernel, logits_kernel
 
+        if isinstance(obj, fused_kernel.FusedOps):  # the layers' norm/RoPE/SiLU ops, loaded as one set
+            return _require_op, (fused_kernel.__name__,)
         if isinstance(obj, torch._ops.OpOverloadPacket):
             for kernel in (int4_kernel, logits_kernel):
                 if obj is kernel.load():
@@ -554,14 +553,15 @@ def snapshot_path(model: str | None, dtype: str, quantization: str, wide_linears
     int8 wide steps, whose fbgemm weights do not map). The key holds everything the built model depends on: the
     GGUF's cache key, the mode, torch, the CPU's kernel level, whether paceline's kernels are on, and the source of
     every module that builds the model."""
-    from paceline.model import int4_kernel, logits_kernel
+    from paceline.model import fused_kernel, int4_kernel, logits_kernel
 
     path = Path(model if model is not None else default_model_path()).expanduser()
     if not path.is_file() or wide_linears == "int8":
         return None
     h = hashlib.sha256()
     for part in (SNAPSHOT_FORMAT, gguf_cache_key(path), dtype, quantization, wide_linears, torch.__version__,
-                 torch.backends.cpu.get_cpu_capability(), int4_kernel.enabled(), logits_kernel.enabled()):
+                 torch.backends.cpu.get_cpu_capability(), int4_kernel.enabled(), logits_kernel.enabled(),
+                 fused_kernel.enabled()):
         h.update(f"{part}\0".encode())
     for src in sorted(Path(__file__).parent.glob("*.py")):
         h.update(src.read_bytes())

@@ -130,7 +130,7 @@ def enabled() -> bool:
 
 
 def _library_path() -> tuple[Path, str, list[str]]:
-    from paceline.model.loader import cache_root
+    from paceline.model.cache_dir import cache_root
     flags = int4_kernel._flags()
     key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"logits_mm-{key}.so", f"paceline_logits_{key}", flags
