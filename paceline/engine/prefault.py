@@ -31,7 +31,8 @@ MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it only fro
 CHUNK_BYTES = 64 * 2**20  # one madvise call per chunk, so a process that exits meanwhile is not held for long
 
 
-def _madvise() -> Callable[..., int] | None:
+def madvise_function() -> Callable[..., int] | None:
+    """libc's madvise through ctypes (which releases the GIL during the call); None where it cannot be found."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
@@ -46,7 +47,7 @@ def populate(tensor: torch.Tensor) -> bool:
     cannot; the tensor is then as it was."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         return False
-    madvise = _madvise()
+    madvise = madvise_function()
     if madvise is None:
         return False
     page = mmap.PAGESIZE

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import gc
 import logging
 import math
@@ -39,7 +38,7 @@ from paceline.config import EngineConfig
 from paceline.engine.engine import Engine
 from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
 from paceline.engine.multi import MultiEngine
-from paceline.engine.prefault import set_nice
+from paceline.engine.prefault import madvise_function, set_nice
 from paceline.model.llama import Linear, deferred_packing
 from paceline.model.loader import unpacked_linears as model_unpacked_linears
 
@@ -313,7 +312,7 @@ def map_in(model: torch.nn.Module) -> None:
     """Fault in the pages of every tensor a freshly loaded model holds, reading nothing: a model from a runtime
     snapshot is file pages mapped on demand, and the first step would otherwise take ~100k page faults on the
     engine thread. madvise through ctypes releases the interpreter while the kernel works."""
-    madvise = _madvise()
+    madvise = madvise_function()
     if madvise is None:
         return
     page = mmap.PAGESIZE
@@ -325,28 +324,17 @@ def map_in(model: torch.nn.Module) -> None:
             return  # an older kernel: the pages come in on first use, as before
 
 
-def _madvise() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every plain tensor reachable from the model's attributes (Linears, int4 codes, buffers); packed oneDNN
-    weights have no storage and are left out."""
-    out, seen, stack = [], set(), [model]
+def reachable_tensors(*roots: Any) -> list[torch.Tensor]:
+    """Every tensor reachable from the roots through lists, tuples, dicts, modules and paceline's model objects
+    (Linears, int4 codes, buffers, KV pools), each object once."""
+    out, seen, stack = [], set(), list(roots)
     while stack:
         obj = stack.pop()
         if obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if obj.layout == torch.strided and not obj.is_mkldnn:
-                out.append(obj)
+            out.append(obj)
         elif isinstance(obj, (list, tuple)):
             stack.extend(obj)
         elif isinstance(obj, dict):
@@ -354,6 +342,11 @@ def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
         elif isinstance(obj, torch.nn.Module) or type(obj).__module__.startswith("paceline.model"):
             stack.extend(vars(obj).values())
     return out
+
+
+def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every plain tensor of the model; packed oneDNN weights have no storage and are left out."""
+    return [t for t in reachable_tensors(model) if t.layout == torch.strided and not t.is_mkldnn]
 
 
 @torch.inference_mode()
@@ -422,27 +415,14 @@ def engine_bytes(engine: Engine) -> int:
     """Bytes of every tensor the engine's model and runner hold (weights, KV pool, host swap pool), each storage
     once."""
     seen_ptrs: set[int] = set()
-    seen_objs: set[int] = set()
     total = 0
-    stack: list[Any] = [engine.runner.model, engine.runner.kv_cache, engine.runner.host_cache]
-    while stack:
-        obj = stack.pop()
-        if obj is None or id(obj) in seen_objs:
+    for t in reachable_tensors(engine.runner.model, engine.runner.kv_cache, engine.runner.host_cache):
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # an opaque (e.g. oneDNN-packed) weight: its own memory
+            total += t.numel() * t.element_size()
             continue
-        seen_objs.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            try:
-                storage = obj.untyped_storage()
-            except (NotImplementedError, RuntimeError):  # an opaque (e.g. oneDNN-packed) weight: its own memory
-                total += obj.numel() * obj.element_size()
-                continue
-            if storage.data_ptr() not in seen_ptrs:
-                seen_ptrs.add(storage.data_ptr())
-                total += storage.nbytes()
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, torch.nn.Module) or type(obj).__module__.startswith("paceline.model"):
-            stack.extend(vars(obj).values())
+        if storage.data_ptr() not in seen_ptrs:
+            seen_ptrs.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
