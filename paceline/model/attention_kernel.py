@@ -14,20 +14,46 @@ get None and use the eager path. `PACELINE_ATTN_KERNEL=0` switches it off (for A
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import sysconfig
-import threading
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from paceline.model import int4_kernel
+
 log = logging.getLogger("paceline.attention")
+
+# e^x and a horizontal sum in AVX2 registers, for every C++ op that needs them (pasted into their sources)
+AVX2_MATH = r"""
+// e^x for any float x: clamped to [-87, 88], 2^n * e^r with n = round(x log2 e), |r| <= ln2 / 2, degree-6 Taylor
+// polynomial (relative error ~1e-7)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+"""
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -74,32 +100,7 @@ inline void to_float(const c10::Half* src, float* dst, int d) {
 }
 
 #ifdef __AVX2__
-// e^x for x <= 0 (softmax inputs): 2^n * e^r, n = round(x log2 e), |r| <= ln2 / 2, degree-6 Taylor polynomial
-// (relative error ~1e-7); inputs below -87 give ~1e-38 instead of underflowing to denormals.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
+""" + AVX2_MATH + r"""
 // [sum(a[0]), ..., sum(a[7])]
 inline __m256 reduce8(const __m256* a) {
   __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -423,14 +424,6 @@ TORCH_LIBRARY(NAMESPACE, m) {
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("paged_attention", &paged_attention); }
 """
 
-_lock = threading.Lock()
-_loaded: dict[str, Callable | None] = {}
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-
-
 def _flags() -> list[str]:
     flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
@@ -447,34 +440,6 @@ def _library_path() -> tuple[Path, str, list[str]]:
     return cache_root() / "kernels" / f"paged_attention-{key}.so", f"paceline_attn_{key}", flags
 
 
-def _build(path: Path, namespace: str, flags: list[str]) -> None:
-    from torch.utils import cpp_extension
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait, then load its result
-        if path.exists():
-            return
-        src = path.with_suffix(f".{os.getpid()}.cpp")
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        src.write_text(SOURCE.replace("NAMESPACE", namespace))
-        lib_dirs = cpp_extension.library_paths()
-        cmd = [cxx, *flags, *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
-               str(src), "-o", str(tmp), *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
-               "-lc10", "-ltorch_cpu"]
-        log.info("building the CPU paged-attention kernel once (about a minute): %s", path)
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cxx} failed: {proc.stderr[-2000:]}")
-            os.replace(tmp, path)
-        finally:
-            src.unlink(missing_ok=True)
-            tmp.unlink(missing_ok=True)
-
-
 def enabled() -> bool:
     return os.environ.get("PACELINE_ATTN_KERNEL", "1") != "0"
 
@@ -485,15 +450,5 @@ def load() -> Callable | None:
     if not enabled():
         return None
     path, namespace, flags = _library_path()
-    with _lock:
-        if namespace not in _loaded:
-            op = None
-            try:
-                if not path.exists():
-                    _build(path, namespace, flags)
-                torch.ops.load_library(str(path))
-                op = getattr(torch.ops, namespace).paged_attention
-            except Exception as e:  # a missing compiler or a failed build: the eager path still works
-                log.warning("CPU paged-attention kernel unavailable, using gather + SDPA: %s", e)
-            _loaded[namespace] = op
-        return _loaded[namespace]
+    return int4_kernel.load_op(path, namespace, flags, SOURCE, "paged_attention",
+                               "CPU paged-attention kernel unavailable, using gather + SDPA")

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from paceline.model import int4_kernel
+from paceline.model.attention_kernel import AVX2_MATH
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -59,32 +60,7 @@ inline void store8(bf16* p, __m256 v) {  // round to nearest even, as c10::BFloa
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// e^x for any float x: clamped to [-87, 88], 2^n * e^r with n = round(x log2 e), |r| <= ln2 / 2, degree-6 Taylor
-// polynomial (relative error ~1e-7)
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
+""" + AVX2_MATH + r"""
 // threads for a pass over `elems` values: one below ~32k (a fork costs more than the pass)
 inline int threads_for(int64_t elems) { return elems < 32768 ? 1 : std::max(1, at::get_num_threads()); }
 

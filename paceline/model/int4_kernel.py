@@ -364,7 +364,8 @@ def _library_path() -> tuple[Path, str, list[str]]:
 
 
 def _build(path: Path, namespace: str, flags: list[str], source: str = SOURCE, what: str = "int4 matmul") -> None:
-    """Compile `source` (its NAMESPACE placeholder set) into `path` once; logits_kernel.py builds its op here too."""
+    """Compile `source` (its NAMESPACE placeholder set) into `path` once; the attention, fused and logits ops
+    build here too."""
     from torch.utils import cpp_extension
     cxx = _compiler()
     if cxx is None:

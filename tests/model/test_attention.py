@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import paceline.model.attention as attention
-from paceline.model import attention_kernel
+from paceline.model import attention_kernel, int4_kernel
 from paceline.model.attention import (GatherWorkspace, SeqSlice, build_metadata, dense_attention_reference, group_decodes,
                                       paged_attention)
 
@@ -206,7 +206,7 @@ def test_kernel_falls_back_without_a_compiler(monkeypatch, tmp_path):
     """No compiler (and nothing built yet): the eager path runs, one warning; asking for the op is a ValueError."""
     monkeypatch.setenv("PACELINE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(attention_kernel, "_loaded", {})
+    monkeypatch.setattr(int4_kernel, "_loaded", {})  # the ops' shared load-once cache
     assert attention_kernel.load() is None
     seqs = [SeqSlice(3, 1, [0])]
     meta = build_metadata(seqs, BS)
