@@ -21,6 +21,13 @@ def features(s: BatchShape) -> list[float]:
     return [1.0, s.num_requests, s.num_prefill_tokens, s.num_decodes, s.prefill_attn_pairs, s.decode_context, s.num_sampled]
 
 
+def linear_step_time(c: list[float], s: BatchShape, swap_s_per_block: float, mask_s_per_row: float) -> float:
+    """Seconds for a step of shape s under coefficients c (in FEATURES order), plus the terms timed apart."""
+    return (c[0] + c[1] * s.num_requests + c[2] * s.num_prefill_tokens + c[3] * s.num_decodes
+            + c[4] * s.prefill_attn_pairs + c[5] * s.decode_context + c[6] * s.num_sampled
+            + swap_s_per_block * s.num_swapped_blocks + mask_s_per_row * s.num_masked)
+
+
 def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: a negative per-token cost is a fitting artefact, not physics.
     Drop the most negative coefficient and refit until none is left (enough for 7 columns)."""
@@ -53,10 +60,7 @@ class ProfiledCostModel:
         self._coef = [float(self.coefficients[f]) for f in FEATURES]
 
     def step_time(self, s: BatchShape) -> float:
-        c = self._coef
-        return (c[0] + c[1] * s.num_requests + c[2] * s.num_prefill_tokens + c[3] * s.num_decodes
-                + c[4] * s.prefill_attn_pairs + c[5] * s.decode_context + c[6] * s.num_sampled
-                + self.swap_s_per_block * s.num_swapped_blocks + self.mask_s_per_row * s.num_masked)
+        return linear_step_time(self._coef, s, self.swap_s_per_block, self.mask_s_per_row)
 
     @classmethod
     def fit(cls, shapes: list[BatchShape], times: list[float], meta: dict | None = None) -> "ProfiledCostModel":
@@ -137,10 +141,7 @@ class LiveStepTime:
         return len(self._y)
 
     def step_time(self, s: BatchShape) -> float:
-        c, b = self.coef, self.base
-        return (c[0] + c[1] * s.num_requests + c[2] * s.num_prefill_tokens + c[3] * s.num_decodes
-                + c[4] * s.prefill_attn_pairs + c[5] * s.decode_context + c[6] * s.num_sampled
-                + b.swap_s_per_block * s.num_swapped_blocks + b.mask_s_per_row * s.num_masked)
+        return linear_step_time(self.coef, s, self.base.swap_s_per_block, self.base.mask_s_per_row)
 
     def observe(self, s: BatchShape, seconds: float) -> None:
         """One executed step's shape and measured time; refits every refit_every observations."""
