@@ -48,17 +48,25 @@ def test_an_engine_too_small_for_the_start_up_profile_serves_without_the_default
         Engine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=24), scheduler=SchedulerConfig(max_step_ms=100)))
 
 
-def test_the_start_up_profile_is_kept_on_disk_per_setup(monkeypatch, tmp_path) -> None:
+def _fake_start_up_profile(monkeypatch, tmp_path, constant_s: float, median_rel_error: float) -> list[int]:
+    """The quick start-up profile (~10-30 s for real) replaced by a constant one, the cache put in tmp_path; the
+    list it returns grows by one entry each time a profile is taken."""
     from paceline.core.step_time import FEATURES, ProfiledCostModel
 
     taken = []
 
-    def quick(runner, vocab_size, block_size, num_blocks, max_len, *rest):  # stands in for the ~10-30 s real one
+    def quick(runner, vocab_size, block_size, num_blocks, max_len, *rest):
         taken.append(num_blocks)
-        return ProfiledCostModel(dict.fromkeys(FEATURES, 0.0) | {"constant": 0.01}, meta={"median_rel_error": 0.0})
+        return ProfiledCostModel(dict.fromkeys(FEATURES, 0.0) | {"constant": constant_s},
+                                 meta={"median_rel_error": median_rel_error})
 
     monkeypatch.setattr("paceline.engine.profile.quick_step_time_model", quick)
     monkeypatch.setattr("paceline.engine.engine.cache_root", lambda: tmp_path)
+    return taken
+
+
+def test_the_start_up_profile_is_kept_on_disk_per_setup(monkeypatch, tmp_path) -> None:
+    taken = _fake_start_up_profile(monkeypatch, tmp_path, 0.01, 0.0)
     config = dict(dtype="float32", cache=CacheConfig(kv_cache_memory_gb=0.05))
     first = Engine(EngineConfig(**config))
     assert len(taken) == 1 and len(list((tmp_path / "step-profiles").glob("*.json"))) == 1
@@ -73,16 +81,7 @@ def test_the_start_up_profile_is_kept_on_disk_per_setup(monkeypatch, tmp_path) -
 
 
 def test_a_start_up_profile_that_fits_badly_serves_but_is_not_cached(monkeypatch, tmp_path) -> None:
-    from paceline.core.step_time import FEATURES, ProfiledCostModel
-
-    taken = []
-
-    def quick(runner, vocab_size, block_size, num_blocks, max_len, *rest):  # taken on a busy machine
-        taken.append(num_blocks)
-        return ProfiledCostModel(dict.fromkeys(FEATURES, 0.0) | {"constant": 0.117}, meta={"median_rel_error": 0.7})
-
-    monkeypatch.setattr("paceline.engine.profile.quick_step_time_model", quick)
-    monkeypatch.setattr("paceline.engine.engine.cache_root", lambda: tmp_path)
+    taken = _fake_start_up_profile(monkeypatch, tmp_path, 0.117, 0.7)  # as one taken on a busy machine
     config = dict(dtype="float32", cache=CacheConfig(kv_cache_memory_gb=0.05))
     first = Engine(EngineConfig(**config))
     assert first.scheduler.step_time is not None and not list(tmp_path.glob("step-profiles/*.json"))
