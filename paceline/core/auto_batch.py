@@ -56,7 +56,7 @@ class StepRatio:
         return median(self.ratios) if self.ratios else 1.0
 
 
-def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+def largest_that_fits(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     """The largest k in [lo, hi] with fits(k), fits being monotone (true, then false); lo if none."""
     if fits(hi):
         return hi
@@ -93,7 +93,7 @@ def auto_limits(step_time: Callable[[BatchShape], float], max_step_s: float, dec
         shape.add_chunk(0, block_size, sampled=False)
         return step_time(shape) <= seats_limit
 
-    seats = _largest(seats_fit, max(1, n), max(max_seqs_cap, n)) if n < max_seqs_cap else n
+    seats = largest_that_fits(seats_fit, max(1, n), max(max_seqs_cap, n)) if n < max_seqs_cap else n
 
     def tokens_fit(k: int) -> bool:
         shape = replace(running)
@@ -103,7 +103,7 @@ def auto_limits(step_time: Callable[[BatchShape], float], max_step_s: float, dec
     if n == 0:  # nothing runs, so no stream waits on the step: the time limit does not apply, nor does this
         return seats, max_tokens_cap
     # at least one block: the least a prompt chunk gets (chunk_within_step_time's floor)
-    tokens = _largest(tokens_fit, block_size, max(block_size, max_tokens_cap - n))
+    tokens = largest_that_fits(tokens_fit, block_size, max(block_size, max_tokens_cap - n))
     return seats, min(max_tokens_cap, n + tokens)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paceline.config import EngineConfig
+from paceline.core.auto_batch import largest_that_fits
 from paceline.core.batch_shape import BatchShape
 from paceline.engine.engine import Engine, RequestOutput
 from paceline.sampling import SamplingParams
@@ -48,7 +49,6 @@ class MultiEngine:
         self.engines: dict[str, Engine] = {}
         self._step_ms: dict[str, float] = {}  # each model's own max_step_ms, before the division by busy models
         self._budget: dict[str, int] = {}  # each model's own token budget, before a cap for the other's streams
-        self._fit: dict[tuple[str, float], int] = {}  # (model, step target in s) -> prompt tokens predicted to fit
         self._owner: dict[str, str] = {}  # request id -> model
         self._since: dict[str, float] = {}  # model -> when its streams started waiting for the loop
         self.risk_s = config.tbt_goal_ms / 2000.0 if config.tbt_goal_ms > 0 else 0.1
@@ -77,7 +77,6 @@ class MultiEngine:
         self._step_ms.pop(name, None)
         self._budget.pop(name, None)
         self._since.pop(name, None)
-        self._fit = {k: v for k, v in self._fit.items() if k[0] != name}
         return engine
 
     def is_idle(self, name: str) -> bool:
@@ -175,10 +174,9 @@ class MultiEngine:
         if not others_stream or config.max_step_ms <= 0 or sched.step_time is None:
             config.max_num_batched_tokens = own
             return
-        limit = config.max_step_ms / 1000.0 / sched.step_time_scale
-        fit = self._fit.get((name, limit))
-        if fit is None:
-            fit = self._fit[(name, limit)] = prompt_tokens_within(sched.step_time, limit, own, sched.block_size)
+        # not cached: the limit moves with the step-time scale and the model is refitted live (a ~9-call bisection)
+        fit = prompt_tokens_within(sched.step_time, config.max_step_ms / 1000.0 / sched.step_time_scale, own,
+                                   sched.block_size)
         # the model's own decodes always fit in: the scheduler cuts its prompt chunks around them
         config.max_num_batched_tokens = min(own, max(fit, len(sched.running) + sched.block_size))
 
@@ -191,16 +189,7 @@ def has_streams(engine: Engine) -> bool:
 def prompt_tokens_within(step_time: Any, limit_s: float, most: int, least: int) -> int:
     """The most prompt tokens (one fresh chunk, between `least` and `most`) of a step predicted to take at most
     limit_s; `least` when even that does not fit (prompts must progress)."""
-    if step_time(BatchShape.build(chunks=[(0, most)])) <= limit_s:
-        return most
-    lo, hi = least, most  # step time grows with the chunk: bisect
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if step_time(BatchShape.build(chunks=[(0, mid)])) <= limit_s:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return largest_that_fits(lambda k: step_time(BatchShape.build(chunks=[(0, k)])) <= limit_s, least, most)
 
 
 def best_priority(engine: Engine) -> int:
