@@ -10,6 +10,12 @@ serves wide steps (prepacked oneDNN, `Linear`) and, with `--before REV`, the int
 REV (its source built under its own name), all in this one process, interleaved:
 
     python benchmarks/int4_linear.py --sweep --rows 1,4,8,16,32,64,96,128,256,512 --before 98a8064
+
+`--w4a8` instead: the int4-weight x int8-activation op (w4a8_kernel.py; codes as bytes or as nibbles, R rows per
+micro-kernel pass) against the float32 copy and the int4 op, at the model's shapes and the LM head's (the LM head
+with int4 codes of a random matrix: the bundled model's head is not int4; it is here for its size), interleaved:
+
+    python benchmarks/int4_linear.py --w4a8 --rows 1,6,32,64,256,512 --w4a8-variants b4,n4,b6,n5
 """
 from __future__ import annotations
 
@@ -121,6 +127,53 @@ def bench_sweep(shapes: list[tuple[str, int, int]], rows: list[int], repeats: in
         print(f"| {m} | " + " | ".join(f"{t[c]:.1f}" for c in names) + f" | {t['fp32 oneDNN'] / t['int4']:.2f}x |")
 
 
+def bench_w4a8(shapes: list[tuple[str, int, int]], rows: list[int], repeats: int, variants: list[str]) -> None:
+    """variants: b<R> (codes as bytes) or n<R> (nibbles), R rows per micro-kernel pass."""
+    from paceline.model import w4a8_kernel
+    op4, op8 = int4_kernel.load(), w4a8_kernel.load()
+    if op8 is None:
+        raise SystemExit("the C++ w4a8 kernel cannot be built here")
+    names = ["fp32 oneDNN", "int4 op", *(f"w4a8 {v}" for v in variants)]
+    print("| linear (N x K) | rows | " + " | ".join(f"{n} us" for n in names) + " | " +
+          " | ".join(f"{n} GFLOP/s" for n in names[2:]) + " | fp32 / best w4a8 |")
+    print("|---|---:|" + "---:|" * (2 * len(names) - 1))
+    totals = {r: {n: 0.0 for n in names} for r in rows}
+    for name, n, k in shapes:
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+        codes, scale, lo = int4_codes(w)
+        dense = Linear((lo[..., None] + codes.view(n, -1, INT4_GROUP) * scale[..., None]).view(n, k), None, True)
+        p4 = int4_kernel.pack(codes, scale, lo + 8 * scale)
+        p8 = {nib: w4a8_kernel.pack(codes, scale, lo, nib) for nib in (False, True)}
+        for m in rows:
+            if name == "lm_head" and m > 64:
+                continue  # a step samples few rows: the LM head never sees hundreds
+            x = torch.randn(m, k)
+            fns = {"fp32 oneDNN": lambda x=x, dense=dense: dense(x),
+                   "int4 op": lambda x=x, n=n, p4=p4: op4(x, p4, n, None)}
+            for v in variants:
+                nib, r = v[0] == "n", int(v[1:])
+                fns[f"w4a8 {v}"] = lambda x=x, n=n, p=p8[nib], nib=nib, r=r: op8(x, p, n, None, nib, r)
+            for f in fns.values():
+                timed(f, 2)
+            ts = {key: [] for key in fns}
+            calls = max(3, repeats * 64 // max(64, m) * 3072 * 576 // (n * k))  # fewer calls for the big ones
+            for _ in range(max(1, calls // 3)):  # interleaved in rounds of 3 calls
+                for key, f in fns.items():
+                    ts[key] += timed(f, 3)
+            med = {key: statistics.median(v) * 1e6 for key, v in ts.items()}
+            if name != "lm_head":
+                for key in names:
+                    totals[m][key] += med[key]
+            best = min(med[key] for key in names[2:])
+            print(f"| {name} ({n} x {k}) | {m} | " + " | ".join(f"{med[c]:.1f}" for c in names) + " | " +
+                  " | ".join(f"{2 * m * n * k / med[c] / 1e3:.1f}" for c in names[2:]) +
+                  f" | {med['fp32 oneDNN'] / best:.2f}x |", flush=True)
+    print("\n| rows | " + " | ".join(f"{n}: one layer's 4 linears, us" for n in names) + " |")
+    print("|---:|" + "---:|" * len(names))
+    for m in rows:
+        print(f"| {m} | " + " | ".join(f"{totals[m][c]:.1f}" for c in names) + " |")
+
+
 def bench_steps(drafts: list[int], repeats: int, ctx: int) -> None:
     from benchmarks.spec_cost import build
     from paceline.config import CacheConfig, EngineConfig
@@ -163,6 +216,8 @@ def main() -> None:
     p.add_argument("--skip-steps", action="store_true")
     p.add_argument("--sweep", action="store_true", help="int4 op vs the float32 copy (and --before) over --rows")
     p.add_argument("--before", default=None, help="with --sweep: also the int4 op of this git revision")
+    p.add_argument("--w4a8", action="store_true", help="the w4a8 op vs the float32 copy and the int4 op over --rows")
+    p.add_argument("--w4a8-variants", default="b4,n4", help="with --w4a8: b<R> / n<R>, codes as bytes / nibbles")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -170,6 +225,10 @@ def main() -> None:
         raise SystemExit("the C++ int4 kernel cannot be built here")
     # SmolLM2-135M: hidden 576, 9 + 3 + 3 heads of 64 (fused q/k/v), intermediate 1536 (fused gate/up)
     shapes = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
+    if args.w4a8:
+        bench_w4a8(shapes + [("lm_head", 49152, 576)], [int(r) for r in args.rows.split(",")], args.repeats,
+                   args.w4a8_variants.split(","))
+        return
     if args.sweep:
         bench_sweep(shapes, [int(r) for r in args.rows.split(",")], args.repeats, args.before)
         return

@@ -37,9 +37,37 @@ MODES = {"fp32": {"dtype": "float32", "quantization": "none"},
          "bf16": {"dtype": "bfloat16", "quantization": "none", "wide_linears": "fp32"},
          "int4": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32"},
          "bf16 + int8 wide": {"dtype": "bfloat16", "quantization": "none", "wide_linears": "int8"},
-         "int4 + int8 wide": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "int8"}}
+         "int4 + int8 wide": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "int8"},
+         # int4 as before the int4 x int8 op (paceline/model/w4a8_kernel.py), which "int4" runs by default
+         "int4 no w4a8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
+                          "env": {"PACELINE_W4A8_KERNEL": "0"}},
+         # the w4a8 op on some linears only (llama.W4A8_LINEARS), the others as before
+         "int4 w4a8 not down": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
+                                     "w4a8_linears": ("qkv", "o", "gate_up")},
+         "int4 w4a8 down only": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
+                            "w4a8_linears": ("down",)},
+         "int4 w4a8 o+down": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
+                              "w4a8_linears": ("o", "down")}}
 NARROW = 8  # tokens per step of the second pass: the decode path's width
 CORPUS = ROOT / "paceline" / "bench" / "data" / "corpus.txt"
+
+
+def build_engine(model: str | None, env: dict[str, str], w4a8_linears: tuple | None, kw: dict) -> Engine:
+    """An engine of the mode, with `env` set while its model is built (kernel switches are read then), and
+    llama.W4A8_LINEARS patched if given. Such a mode skips the runtime snapshot, whose key holds neither."""
+    import contextlib
+    import os
+    from unittest import mock
+
+    from paceline.model import llama, loader
+
+    with contextlib.ExitStack() as stack:
+        if w4a8_linears is not None:
+            stack.enter_context(mock.patch.object(llama, "W4A8_LINEARS", w4a8_linears))
+        if env or w4a8_linears is not None:
+            stack.enter_context(mock.patch.dict(os.environ, env))
+            stack.enter_context(mock.patch.object(loader, "snapshot_path", lambda *a, **k: None))
+        return Engine(EngineConfig(model=model, tbt_goal_ms=0, cache=CacheConfig(kv_cache_memory_gb=0.1), **kw))
 
 
 def held_out_windows(engine: Engine, num_tokens: int, window: int) -> list[list[int]]:
@@ -83,8 +111,8 @@ def main() -> int:
     windows: list[list[int]] | None = None
     rows = []
     for mode in ["fp32"] + [m for m in args.modes.split(",") if m != "fp32"]:  # fp32 first: the reference
-        kw = MODES[mode]
-        engine = Engine(EngineConfig(model=args.model, tbt_goal_ms=0, cache=CacheConfig(kv_cache_memory_gb=0.1), **kw))
+        kw = dict(MODES[mode])
+        engine = build_engine(args.model, kw.pop("env", {}), kw.pop("w4a8_linears", None), kw)
         if windows is None:
             windows = held_out_windows(engine, args.tokens, args.window)
         extra = [int(c) for c in args.chunks.split(",") if c]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import warnings
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paceline.model import fused_kernel, int4_kernel, logits_kernel
+from paceline.model import fused_kernel, int4_kernel, logits_kernel, w4a8_kernel
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
@@ -246,6 +247,31 @@ INT4_GROUP = 32  # input features per scale/offset pair, as in GGUF's Q4_0/Q4_1 
 # benchmarks/summaries/profile_after.md).
 # 0 or anything up to Int4Linear.DENSE_ABOVE: only the few-row steps.
 INT4_KERNEL_ROWS = 256
+# int4 models: the layer linears (by LlamaLayer's names) that run the int4 x int8 op (w4a8_kernel.py) for steps of
+# at least W4A8_FROM_ROWS rows. One linear at a time it was 1.4-2.1x faster than the float32 copy's oneDNN matmul
+# and 1.3-2.1x faster than the int4 op at every row count from 1 to 512 (benchmarks/int4_linear.py --w4a8,
+# 2026-11-23 23:52 UTC), so a linear it serves builds no dense copy. Off by default: rounding the activations to
+# int8 per block of 32 cost too much quality on the bundled model (benchmarks/summaries/quality.md: all four linears
+# top-1 97.70 % of fp32 and perplexity +0.58 %, `down` alone 98.99 %, against 99.44 % without it; the bar is 99 %).
+# PACELINE_W4A8_LINEARS=qkv:o:gate_up:down (or "all") switches it on for a model built afterwards;
+# PACELINE_W4A8_KERNEL=0 keeps the op from loading at all.
+W4A8_FROM_ROWS = 1
+W4A8_LINEARS: tuple[str, ...] = ()
+ALL_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def w4a8_linears() -> tuple[str, ...]:
+    """W4A8_LINEARS, or the names PACELINE_W4A8_LINEARS gives (":"- or ","-separated; "all"; "" for none)."""
+    env = os.environ.get("PACELINE_W4A8_LINEARS")
+    if env is None:
+        return W4A8_LINEARS
+    names = tuple(n for n in env.replace(",", ":").split(":") if n)
+    names = ALL_LINEARS if names == ("all",) else names
+    unknown = set(names) - set(ALL_LINEARS)
+    if unknown:
+        raise ValueError(f"PACELINE_W4A8_LINEARS: unknown linear(s) {', '.join(sorted(unknown))}; "
+                         f"use {', '.join(ALL_LINEARS)} or all")
+    return names
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -279,7 +305,7 @@ class Int4Linear:
     DENSE_ABOVE = 8
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, wide: str | None = None,
-                 kernel_rows: int = 0):
+                 kernel_rows: int = 0, w4a8: bool = False):
         codes, scale, lo = int4_codes(weight)
         self.kernel = int4_kernel.load()
         # rows up to which paceline's own int4 op serves any step, float32 (wide) inputs included; 0: DENSE_ABOVE
@@ -292,6 +318,15 @@ class Int4Linear:
         self.bias = bias
         n, k = codes.shape
         self.out_features = n
+        # w4a8: the int4 x int8 op (w4a8_kernel.py) serves steps of at least W4A8_FROM_ROWS rows where it builds:
+        # the same codes with exact float32 scales and minimums, activations rounded to int8 per block of 32. It
+        # was faster than the float32 copy and the int4 op at every row count measured, so with it (and float32
+        # wide steps) the dense copy, 4 bytes a weight, is not built at all.
+        use_w4a8 = w4a8 and self.kernel is not None and w4a8_kernel.load() is not None and wide != "int8"
+        self.w4a8 = w4a8_kernel.pack(codes, scale, lo, nibbles=True) if use_w4a8 else None
+        if use_w4a8 and W4A8_FROM_ROWS <= 1:
+            self.dense = None
+            return
         dequantized = (lo[..., None] + codes.view(n, -1, INT4_GROUP) * scale[..., None]).view(n, k)
         # wide: the dense copy serves the float32 steps the model runs for many rows (float32 or int8); else bf16
         if wide:
@@ -305,7 +340,11 @@ class Int4Linear:
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.kernel_rows:  # reads x as float32 whatever its dtype, returns x's dtype
+        if self.w4a8 is not None and x.shape[0] >= W4A8_FROM_ROWS:
+            op = w4a8_kernel.op()
+            if op is not None:  # None: a snapshot built with the op, mapped where it cannot build (int4 op below)
+                return op(x, self.w4a8, self.out_features, self.bias, True, w4a8_kernel.MAX_R)
+        if x.shape[0] <= self.kernel_rows or self.dense is None:  # reads x as float32, returns x's dtype
             return self.kernel(x, self.packed, self.out_features, self.bias)
         if x.shape[0] > self.DENSE_ABOVE or x.dtype == torch.float32:
             return self.dense(x.to(self.dense.dtype)).to(x.dtype)
@@ -316,13 +355,15 @@ class Int4Linear:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, quantization: str,
-                dtype: torch.dtype, wide: str | None = None, int4_rows: int = 0) -> "Linear | Int4Linear":
-    """wide: None, or what serves the model's float32 (wide) steps: "fp32" or "int8" (see wide_linear)."""
+                dtype: torch.dtype, wide: str | None = None, int4_rows: int = 0, name: str = "") -> "Linear | Int4Linear":
+    """wide: None, or what serves the model's float32 (wide) steps: "fp32" or "int8" (see wide_linear). name: the
+    layer's name for it (W4A8_LINEARS)."""
     if quantization == "int4":
         if not Int4Linear.supports(weight, dtype):
             raise ValueError(f"int4 quantization needs a CPU, dtype bfloat16 and input sizes that are multiples "
                              f"of {INT4_GROUP}; got {weight.device.type}, {dtype} and {weight.shape[1]}")
-        return Int4Linear(weight, None if bias is None else bias.to(dtype), dtype, wide, int4_rows)
+        return Int4Linear(weight, None if bias is None else bias.to(dtype), dtype, wide, int4_rows,
+                          w4a8=name in w4a8_linears())
     # the wide copy comes from the checkpoint's weight, not from its rounding to the run dtype
     lin = Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack)
     if wide and dtype != torch.float32:
@@ -379,14 +420,14 @@ class LlamaLayer(nn.Module):
         self.eps = arch.rms_norm_eps
         self.scale = arch.head_dim ** -0.5
         dtype = dtype or w["qkv"].dtype
-        self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), pack, quantization, dtype, wide, int4_rows)
-        self.o = make_linear(w["o"], None, pack, quantization, dtype, wide, int4_rows)
-        self.gate_up = make_linear(w["gate_up"], None, pack, quantization, dtype, wide, int4_rows)
+        self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), pack, quantization, dtype, wide, int4_rows, "qkv")
+        self.o = make_linear(w["o"], None, pack, quantization, dtype, wide, int4_rows, "o")
+        self.gate_up = make_linear(w["gate_up"], None, pack, quantization, dtype, wide, int4_rows, "gate_up")
         # int8 wide steps keep `down` in float32: its input has outliers that belong to tokens (up to ~90x the
         # row's median), which neither smoothing nor fixed outlier channels catch; int8 there alone cost ~3 % of
         # top-1 agreement on the bundled model (benchmarks/summaries/int8_wide.md)
         self.down = make_linear(w["down"], None, pack, quantization, dtype, "fp32" if wide == "int8" else wide,
-                                int4_rows)
+                                int4_rows, "down")
         self.register_buffer("input_norm", w["input_norm"])
         self.register_buffer("post_norm", w["post_norm"])
         # float32 steps (wide) read float32 norm weights: rms_norm wants its input's dtype

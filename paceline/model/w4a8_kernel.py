@@ -1,0 +1,328 @@
+"""An int4-weight x int8-activation matmul for CPU steps of many rows (AVX2), built once and cached like the int4 op.
+
+Why: on this kind of CPU (AVX2, no VNNI, no AVX-512) the many-row steps of an int4 model were float32 FMA-bound:
+int4_kernel.py's GEMM dequantizes the codes and runs at the two cores' float32 peak. `vpmaddubsw` multiplies 32
+unsigned bytes by 32 signed bytes and adds pairs into int16: 32 multiply-adds per instruction against an FMA's 8.
+Q4_1's codes are unsigned 0..15, so with int8 activations a pair is at most 2 * 15 * 127 = 3810 and eight such
+products summed in int16 (a whole block of 32 inputs, 4 inputs per 32-bit lane) stay below 32767: no saturation,
+the block's integer dot product is exact.
+
+Numerics (weights exact, activations rounded): per group of 32 inputs the weight is w = d * q + m (the GGUF's own
+Q4_1 code q, scale d and minimum m, held in float32: no rounding of d and m to bfloat16 as the int4 op does). Each
+row's activations are quantized per block of 32 inputs, symmetric: a = max|x| / 127, xq = round(x / a) in int8
+(computed as x * (127 / max|x|), round half to even). Then
+
+    y[r, c] = sum over blocks b of  d[c, b] * a[r, b] * (sum_k q[c, k] * xq[r, k])  +  m[c, b] * s[r, b]
+
+with s[r, b] = a[r, b] * sum_k xq[r, k], the block sum of the quantized activations rather than of x: the error
+of the product is then sum_k w_k e_k (e the activation rounding) instead of d * sum_k q_k e_k, and with centred
+weights (m ~ -7.5 d) |w_k| is on average about half of d * q_k. Float32 for the per-block scaling and the sums.
+
+Layout (pack): columns in tiles of 16, each tile's blocks in order; per block 8 steps of 4 inputs, then the 16
+scales and the 16 minimums as float32. A step holds, per column, its 4 inputs' codes in one 32-bit lane, so one
+broadcast of 4 activation bytes against one vector of codes makes 32 multiply-adds (the VNNI layout). Codes are
+either bytes (two vectors of 8 columns a step: 1.25 bytes a weight with the scales) or nibbles (one vector a step,
+column j in the low and j + 8 in the high nibble, unpacked with an and and a shift: 0.75 bytes a weight); which one
+is faster was measured (benchmarks/int4_linear.py --w4a8), see docs/performance.md.
+
+The micro-kernel holds R rows x 16 columns of int16 accumulators over a block, then per block and row one
+`vpmaddwd` with ones to int32, a conversion, and two FMAs (scale and minimum) into float32 accumulators. Rows are
+cut into chunks of 128 whose int8 activations stay in L2 while every tile of weights runs over them.
+
+Built with int4_kernel.load_op (same cache, lock and fallback). `PACELINE_W4A8_KERNEL=0` switches it off (the
+model then serves those steps as before). CUDA never builds it (Int4Linear is CPU only).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Callable
+
+import torch
+
+from paceline.model import int4_kernel
+
+GROUP = 32  # inputs per scale/minimum pair (llama.INT4_GROUP, Q4_1's block)
+TILE = 16  # output columns per tile
+MAX_R = 4  # default rows per pass of the micro-kernel (the op takes 1-6)
+
+
+def block_bytes(nibbles: bool) -> int:
+    return (GROUP * TILE // 2 if nibbles else GROUP * TILE) + 2 * 4 * TILE
+
+
+SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <omp.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int GROUP = 32, TILE = 16, STEPS = GROUP / 4, ROW_CHUNK = 128;
+
+template <bool NIB> constexpr int code_bytes() { return NIB ? GROUP * TILE / 2 : GROUP * TILE; }
+template <bool NIB> constexpr int block_bytes() { return code_bytes<NIB>() + 2 * 4 * TILE; }
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline int hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// rows of x [M, K] (row stride ldx) -> xq [M][K] int8, a [M][G] = max|x| / 127, s [M][G] = a * sum xq
+void quantize_rows(const float* x, int64_t ldx, int M, int K, int8_t* xq, float* a, float* s, int nthreads) {
+  const int G = K / GROUP;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the lane interleave of the packs
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < G; ++g) {
+      const float* p = x + int64_t(m) * ldx + g * GROUP;
+      const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8), v2 = _mm256_loadu_ps(p + 16),
+                   v3 = _mm256_loadu_ps(p + 24);
+      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)),
+                                      _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
+      const float amax = hmax8(mx);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      // cvtps rounds half to even (the default MXCSR mode); |x * inv| <= 127, so the packs never saturate
+      const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv)),
+                    q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+      const __m256i b = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3)), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + int64_t(m) * K + g * GROUP), b);
+      const float scale = amax / 127.0f;
+      a[int64_t(m) * G + g] = scale;
+      s[int64_t(m) * G + g] = scale * float(hsum8i(_mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3))));
+    }
+}
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// y[r][0..nn) = sum over the G blocks of one tile, for R rows of int8 activations (row stride K); bias b[16].
+// Not inlined: alone it gets the 16 vector registers for the 2R int16 accumulators, the codes and a broadcast.
+template <int R, bool NIB>
+__attribute__((noinline)) void tile_rows(const int8_t* xq, int64_t K, const float* a, const float* s, int G,
+                                         const uint8_t* tile, const float* b, float* y, int64_t ldy, int nn) {
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  __m256 f0[R], f1[R];
+  for (int r = 0; r < R; ++r) f0[r] = f1[r] = _mm256_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    const uint8_t* blk = tile + size_t(g) * block_bytes<NIB>();
+    const int8_t* xg = xq + g * GROUP;
+    __m256i c0[R], c1[R];
+#pragma GCC unroll 8
+    for (int st = 0; st < STEPS; ++st) {
+      __m256i w0, w1;
+      if (NIB) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * st));
+        w0 = _mm256_and_si256(v, low);
+        w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      } else {
+        w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * st));
+        w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * st + 32));
+      }
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = bcast4(xg + r * K + 4 * st);
+        const __m256i p0 = _mm256_maddubs_epi16(w0, xb), p1 = _mm256_maddubs_epi16(w1, xb);
+        c0[r] = st == 0 ? p0 : _mm256_add_epi16(c0[r], p0);
+        c1[r] = st == 0 ? p1 : _mm256_add_epi16(c1[r], p1);
+      }
+    }
+    const float* sc = reinterpret_cast<const float*>(blk + code_bytes<NIB>());
+    const __m256 d0 = _mm256_loadu_ps(sc), d1 = _mm256_loadu_ps(sc + 8), m0 = _mm256_loadu_ps(sc + 16),
+                 m1 = _mm256_loadu_ps(sc + 24);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(a + r * G + g), sr = _mm256_broadcast_ss(s + r * G + g);
+      const __m256 i0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(c0[r], ones));
+      const __m256 i1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(c1[r], ones));
+      f0[r] = _mm256_fmadd_ps(m0, sr, _mm256_fmadd_ps(_mm256_mul_ps(i0, d0), ar, f0[r]));
+      f1[r] = _mm256_fmadd_ps(m1, sr, _mm256_fmadd_ps(_mm256_mul_ps(i1, d1), ar, f1[r]));
+    }
+  }
+  const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+  for (int r = 0; r < R; ++r) {
+    if (nn == TILE) {
+      _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(f0[r], b0));
+      _mm256_storeu_ps(y + r * ldy + 8, _mm256_add_ps(f1[r], b1));
+    } else {  // the last, partial tile of an output size that is not a multiple of 16
+      alignas(32) float tmp[TILE];
+      _mm256_store_ps(tmp, _mm256_add_ps(f0[r], b0));
+      _mm256_store_ps(tmp + 8, _mm256_add_ps(f1[r], b1));
+      std::memcpy(y + r * ldy, tmp, sizeof(float) * nn);
+    }
+  }
+}
+
+template <bool NIB>
+void run(const int8_t* xq, const float* a, const float* s, int M, int K, const uint8_t* w, int64_t N,
+         const float* b, float* y, int nthreads, int max_r) {
+  const int G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
+#pragma omp parallel num_threads(nthreads)
+  for (int mc = 0; mc < M; mc += ROW_CHUNK) {  // a chunk's int8 rows stay in L2 while every tile runs over them
+    const int mn = std::min(ROW_CHUNK, M - mc), passes = (mn + max_r - 1) / max_r;
+#pragma omp for schedule(static) nowait
+    for (int t = 0; t < T_; ++t) {
+      const uint8_t* tile = w + size_t(t) * G * block_bytes<NIB>();
+      const int n0 = t * TILE, nn = int(std::min<int64_t>(TILE, N - n0));
+      for (int p = 0, m0 = mc; p < passes; ++p) {
+        const int R = (mc + mn - m0 + (passes - p) - 1) / (passes - p);  // rows split evenly over the passes
+        const int8_t* xr = xq + int64_t(m0) * K;
+        const float *ar = a + int64_t(m0) * G, *sr = s + int64_t(m0) * G;
+        float* yr = y + int64_t(m0) * N + n0;
+        switch (R) {
+          case 1: tile_rows<1, NIB>(xr, K, ar, sr, G, tile, b + n0, yr, N, nn); break;
+          case 2: tile_rows<2, NIB>(xr, K, ar, sr, G, tile, b + n0, yr, N, nn); break;
+          case 3: tile_rows<3, NIB>(xr, K, ar, sr, G, tile, b + n0, yr, N, nn); break;
+          case 4: tile_rows<4, NIB>(xr, K, ar, sr, G, tile, b + n0, yr, N, nn); break;
+          case 5: tile_rows<5, NIB>(xr, K, ar, sr, G, tile, b + n0, yr, N, nn); break;
+          default: tile_rows<6, NIB>(xr, K, ar, sr, G, tile, b + n0, yr, N, nn); break;
+        }
+        m0 += R;
+      }
+    }
+  }
+}
+
+at::Tensor as_float_rows(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "x must be float32 or bfloat16 [M, K]");
+  TORCH_CHECK(x_in.size(1) % GROUP == 0, "K must be a multiple of 32");
+  at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in : x_in.to(at::kFloat);
+  return x.stride(1) == 1 ? x : x.contiguous();
+}
+
+// x [M, K] -> (xq [M, K] int8, a [M, K / 32] float32, s [M, K / 32] float32): the activations as the matmul sees them
+std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_quantize(const at::Tensor& x_in) {
+  const at::Tensor x = as_float_rows(x_in);
+  const int M = int(x.size(0)), K = int(x.size(1));
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto a = at::empty({M, K / GROUP}, x.options());
+  auto s = at::empty({M, K / GROUP}, x.options());
+  if (M > 0)
+    quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(),
+                  s.data_ptr<float>(), std::max(1, std::min(at::get_num_threads(), M)));
+  return {xq, a, s};
+}
+
+// x [M, K] float32 or bfloat16 (any row stride), w the packed uint8 [tiles, K / 32, block], n outputs, bias [n] or
+// None -> [M, n] in x's dtype. nibbles: w holds 4-bit codes (else bytes). max_rows: rows per micro-kernel pass, 1-6.
+at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
+                   bool nibbles, int64_t max_rows) {
+  const at::Tensor x = as_float_rows(x_in);
+  const int M = int(x.size(0)), K = int(x.size(1)), G = K / GROUP, T_ = int((n + TILE - 1) / TILE);
+  const int bb = nibbles ? block_bytes<true>() : block_bytes<false>();
+  TORCH_CHECK(n > 0 && max_rows >= 1 && max_rows <= 6, "n must be positive and max_rows 1-6");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == T_ &&
+              w.size(1) == G && w.size(2) == bb, "w must be the packed [tiles, K / 32, block] uint8 weight");
+  std::vector<float> b(size_t(TILE) * T_, 0.0f);
+  if (bias.has_value() && bias->defined()) {
+    const at::Tensor bf = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bf.numel() == n, "bias must have n elements");
+    std::memcpy(b.data(), bf.data_ptr<float>(), sizeof(float) * n);
+  }
+  auto y = at::empty({M, n}, x.options());
+  if (M == 0) return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  const int nthreads = std::max(1, at::get_num_threads());
+  std::vector<int8_t> xq(size_t(M) * K);
+  std::vector<float> a(size_t(M) * G), s(size_t(M) * G);
+  quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, xq.data(), a.data(), s.data(), std::min(nthreads, M));
+  const int workers = std::min(nthreads, T_);
+  if (nibbles) run<true>(xq.data(), a.data(), s.data(), M, K, w.data_ptr<uint8_t>(), n, b.data(), y.data_ptr<float>(),
+                         workers, int(max_rows));
+  else run<false>(xq.data(), a.data(), s.data(), M, K, w.data_ptr<uint8_t>(), n, b.data(), y.data_ptr<float>(),
+                  workers, int(max_rows));
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(NAMESPACE, m) {
+  m.def("w4a8_mm(Tensor x, Tensor w, int n, Tensor? bias, bool nibbles, int max_rows=4) -> Tensor");
+  m.def("w4a8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) {
+  m.impl("w4a8_mm", &w4a8_mm);
+  m.impl("w4a8_quantize", &w4a8_quantize);
+}
+"""
+
+
+def enabled() -> bool:
+    return os.environ.get("PACELINE_W4A8_KERNEL", "1") != "0"
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, nibbles: bool) -> torch.Tensor:
+    """codes [N, K] (0..15), scale and minimum [N, K / 32] (w = scale * code + lo, kept in float32) -> the op's
+    uint8 layout [ceil(N / 16), K / 32, block_bytes(nibbles)]; padding columns get code 0, scale 0, minimum 0."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"int4 input size must be a multiple of {GROUP}, got {k}")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+        raise ValueError("int4 codes must lie in 0..15")
+    tiles, groups, pad = -(-n // TILE), k // GROUP, -n % TILE
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad)).view(tiles, TILE, groups, GROUP // 4, 4)
+    c = c.permute(0, 2, 3, 1, 4)  # [tiles, groups, steps, 16 columns, 4 inputs]: one 32-bit lane per column
+    if nibbles:
+        c = c[:, :, :, :8] | (c[:, :, :, 8:] << 4)
+    c = c.reshape(tiles, groups, -1)
+
+    def per_tile(v: torch.Tensor) -> torch.Tensor:  # [N, groups] -> float32 bytes [tiles, groups, 64]
+        v = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).view(tiles, TILE, groups)
+        return v.permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return torch.cat([c, per_tile(scale), per_tile(lo)], -1).contiguous()
+
+
+def _library():
+    flags = int4_kernel._flags()
+    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16]
+    from paceline.model.cache_dir import cache_root
+    return cache_root() / "kernels" / f"w4a8_mm-{key}.so", f"paceline_w4a8_{key}", flags
+
+
+def load() -> Callable | None:
+    """The op `(x, packed, n, bias, nibbles, max_rows=4) -> y`, building it first if needed; None when switched off
+    or it cannot be built or run here (the reason is logged once)."""
+    if not enabled():
+        return None
+    return op()
+
+
+def op() -> Callable | None:
+    """The op whatever the switch says: a model decides at build time (load) whether to pack for it, and the
+    Int4Linears it built keep using it, so that two models of one process can be compared."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    path, namespace, flags = _library()
+    return int4_kernel.load_op(path, namespace, flags, SOURCE, "w4a8_mm", "CPU w4a8 matmul kernel unavailable")
+
+
+def load_quantize() -> Callable | None:
+    """The op's activation quantizer `x -> (xq, a, s)` (same library), for tests and emulations."""
+    if load() is None:
+        return None
+    _, namespace, _ = _library()
+    return getattr(torch.ops, namespace).w4a8_quantize

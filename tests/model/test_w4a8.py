@@ -1,0 +1,188 @@
+"""The int4 x int8 op (w4a8_kernel.py): its activation quantizer equals a torch emulation bit for bit, its product
+equals the integer emulation of the same quantization within float32 rounding at any shape, rows and layout, a
+row's result does not depend on the other rows of its step, and Int4Linear / the model serve with it (no dense
+copy) close to the float reference, on tiny random models and the bundled one."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paceline.engine.runner import ModelRunner
+from paceline.model import w4a8_kernel
+from paceline.model.llama import INT4_GROUP, Int4Linear, LlamaModel, int4_codes
+
+pytestmark = pytest.mark.skipif(w4a8_kernel.load() is None, reason="the C++ w4a8 kernel is not available here")
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's activation quantization in torch: per row, per block of 32, a = max|x| / 127, xq = round(x * (127 /
+    max|x|)) half to even, s = a * sum xq (float32 throughout, as the op computes it)."""
+    m, k = x.shape
+    xb = x.float().view(m, k // INT4_GROUP, INT4_GROUP)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv[..., None])
+    a = amax / 127
+    return xq.to(torch.int8).view(m, k), a, a * xq.sum(-1)
+
+
+def _emulate(x, codes, scale, lo, bias=None) -> torch.Tensor:
+    """y in float64 from the exact integer dot products of the codes and the quantized activations."""
+    xq, a, s = _quantize(x)
+    n, k = codes.shape
+    g = k // INT4_GROUP
+    dots = torch.einsum("mgk,ngk->mng", xq.view(-1, g, INT4_GROUP).long(), codes.view(n, g, INT4_GROUP).long())
+    y = (dots.double() * scale.double()[None] * a.double()[:, None]).sum(-1) + s.double() @ lo.double().T
+    return y if bias is None else y + bias.double()
+
+
+def _weight(n: int, k: int, seed: int):
+    return int4_codes(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_quantizer_equals_the_emulation_exactly():
+    quantize = w4a8_kernel.load_quantize()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 288, generator=g) * 4
+    x[3, :32] = 0  # an all-zero block: scale 0, codes 0
+    x[5, 40] = 1e4  # one outlier owns its block's scale
+    got, want = quantize(x), _quantize(x)
+    assert got[0].dtype == torch.int8 and torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-6)  # float32 sums, another order
+    assert got[0][3, :32].abs().sum() == 0 and got[1][3, 0] == 0
+    assert got[0].abs().max() == 127
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (45, 288), (160, 576), (37, 1536)])
+@pytest.mark.parametrize("nibbles", [True, False])
+def test_op_equals_the_integer_emulation(n, k, nibbles):
+    """45 and 37 outputs end in a partial tile; 300 rows span three row chunks of 128; every pass width 1-6."""
+    op = w4a8_kernel.load()
+    codes, scale, lo = _weight(n, k, n * k)
+    packed = w4a8_kernel.pack(codes, scale, lo, nibbles)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    g = torch.Generator().manual_seed(k)
+    for m in (1, 3, 7, 33, 300):
+        x = torch.randn(m, k, generator=g) * 3
+        want = _emulate(x, codes, scale, lo, bias)
+        for r in (1, 4, 6) if m < 300 else (4,):
+            got = op(x, packed, n, bias, nibbles, r)
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_rows_are_independent_and_inputs_may_be_strided_or_bfloat16():
+    op = w4a8_kernel.load()
+    codes, scale, lo = _weight(64, 576, 3)
+    packed = w4a8_kernel.pack(codes, scale, lo, True)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(130, 576, generator=g)
+    full = op(x, packed, 64, None, True, 4)
+    for i in (0, 77, 129):  # the same bits alone as in any step: a request's result does not depend on its batch
+        assert torch.equal(op(x[i:i + 1], packed, 64, None, True, 4)[0], full[i])
+    wide = torch.randn(130, 1000, generator=g)
+    strided = wide[:, 100:676]
+    assert torch.equal(op(strided, packed, 64, None, True, 4), op(strided.contiguous(), packed, 64, None, True, 4))
+    got = op(x.to(torch.bfloat16), packed, 64, None, True, 4)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), op(x.to(torch.bfloat16).float(), packed, 64, None, True, 4),
+                               rtol=2 ** -8, atol=1e-3)
+
+
+def test_bad_packs_and_inputs_are_plain_errors():
+    op = w4a8_kernel.load()
+    codes, scale, lo = _weight(32, 64, 5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        w4a8_kernel.pack(codes[:, :40], scale, lo, True)
+    with pytest.raises(ValueError, match="0..15"):
+        w4a8_kernel.pack(codes + 1, scale, lo, True)
+    packed = w4a8_kernel.pack(codes, scale, lo, True)
+    with pytest.raises(RuntimeError, match="packed"):
+        op(torch.randn(2, 64), packed, 32, None, False, 4)  # a nibble pack read as bytes: wrong block size
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.randn(2, 48), packed, 32, None, True, 4)
+    with pytest.raises(RuntimeError, match="max_rows"):
+        op(torch.randn(2, 64), packed, 32, None, True, 7)
+
+
+def test_int4_linear_serves_every_row_count_with_the_op_and_no_dense_copy(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    w, bias = torch.randn(96, 128, generator=g), torch.randn(96, generator=g).to(torch.bfloat16)
+    codes, scale, lo = int4_codes(w)
+    deq = (lo[..., None] + codes.view(96, 4, INT4_GROUP) * scale[..., None]).view(96, -1).double()
+    assert Int4Linear(w, bias, torch.bfloat16, wide="fp32").w4a8 is None  # off unless asked for (quality)
+    lin = Int4Linear(w, bias, torch.bfloat16, wide="fp32", kernel_rows=256, w4a8=True)
+    assert lin.w4a8 is not None and lin.dense is None
+    for rows in (1, 8, 9, 300):
+        x = torch.randn(rows, 128, generator=g)
+        want = _emulate(x, codes, scale, lo, bias.float())
+        got = lin(x)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        ref = x.double() @ deq.T + bias.double()
+        assert float((got.double() - ref).norm() / ref.norm()) < 0.01  # int8 activations: ~0.5 % here
+        assert lin(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    monkeypatch.setenv("PACELINE_W4A8_KERNEL", "0")  # switched off: the int4 op and the dense copy, as before
+    off = Int4Linear(w, bias, torch.bfloat16, wide="fp32", kernel_rows=256, w4a8=True)
+    assert off.w4a8 is None and off.dense is not None
+    x = torch.randn(9, 128, generator=g)
+    torch.testing.assert_close(off(x), off.kernel(x, off.packed, 96, off.bias))
+
+
+def test_tiny_model_with_the_op_stays_close_and_chunks_equal_whole(tiny, monkeypatch):
+    hf = tiny.make_hf_model("llama", hidden_size=64, intermediate_size=128)
+    arch = tiny.arch_of(hf)
+    weights = {k: v.float() for k, v in hf.state_dict().items()}
+
+    def runner(dtype=torch.bfloat16, quantization="int4") -> ModelRunner:
+        model = LlamaModel.from_weights(arch, weights, "cpu", dtype, quantization=quantization, wide_above=4,
+                                        wide_linears="fp32")
+        return ModelRunner(model, arch, 64, 4, dtype=dtype)
+
+    assert runner().model.layers[0].qkv.w4a8 is None  # the default: off
+    monkeypatch.setenv("PACELINE_W4A8_LINEARS", "all")
+    fast = runner()
+    assert fast.model.layers[0].qkv.w4a8 is not None and fast.model.layers[0].qkv.dense is None
+    monkeypatch.setenv("PACELINE_W4A8_KERNEL", "0")
+    base = runner()
+    assert base.model.layers[0].qkv.w4a8 is None
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    whole = fast.prefill_logits(ids)
+    for chunk in (None, 16, 3):  # wide float32 steps, and narrow ones where the base runs bfloat16 activations
+        got, want = fast.prefill_logits(ids, chunk), base.prefill_logits(ids, chunk)
+        assert float((got - want).norm() / want.norm()) < 0.05, chunk  # int8 vs float32 / bfloat16 rounding
+    # a row's linears do not depend on its step, so chunking changes only the attention's float rounding
+    torch.testing.assert_close(fast.prefill_logits(ids, 16), whole, rtol=1e-4, atol=1e-4)
+
+
+def test_w4a8_linears_switch(monkeypatch):
+    from paceline.model import llama
+
+    assert llama.w4a8_linears() == llama.W4A8_LINEARS
+    monkeypatch.setenv("PACELINE_W4A8_LINEARS", "down:o")
+    assert llama.w4a8_linears() == ("down", "o")
+    monkeypatch.setenv("PACELINE_W4A8_LINEARS", "all")
+    assert llama.w4a8_linears() == llama.ALL_LINEARS
+    monkeypatch.setenv("PACELINE_W4A8_LINEARS", "")
+    assert llama.w4a8_linears() == ()
+    monkeypatch.setenv("PACELINE_W4A8_LINEARS", "qkv,lm_head")
+    with pytest.raises(ValueError, match="unknown linear.*lm_head"):
+        llama.w4a8_linears()
+
+
+def test_bundled_model_with_the_op_stays_close_to_float32(monkeypatch):
+    from paceline.model.loader import load_checkpoint
+
+    monkeypatch.setenv("PACELINE_W4A8_LINEARS", "all")
+    ckpt = load_checkpoint(None, "float32")
+    ids = ckpt.tokenizer.encode("The history of the printing press begins in East Asia, where woodblock "
+                                "printing spread long before movable type reached Europe. In the fifteenth century")
+    f32 = ModelRunner(LlamaModel.from_weights(ckpt.arch, ckpt.weights), ckpt.arch, 16, 16).prefill_logits(ids)
+    q = LlamaModel.from_weights(ckpt.arch, ckpt.weights, dtype=torch.bfloat16, quantization="int4")
+    assert q.layers[0].gate_up.w4a8 is not None and q.layers[0].gate_up.dense is None
+    runner = ModelRunner(q, ckpt.arch, 16, 16, dtype=torch.bfloat16)
+    for chunk in (None, 1):  # one wide step, then one row a step (the decode path)
+        got = runner.prefill_logits(ids, chunk)
+        agree = (got.argmax(-1) == f32.argmax(-1)).float().mean()
+        cos = torch.nn.functional.cosine_similarity(got, f32, dim=-1)
+        assert agree >= 0.9 and cos.min() > 0.99, (chunk, agree, cos.min())
