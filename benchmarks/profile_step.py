@@ -137,11 +137,24 @@ def build_outputs(steps, vocab: int, bs: int):
 def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     """model_kw: LlamaModel.from_weights keywords, and int4_kernel=REV: the int4 op as it was at git revision REV
     (built under its own name) for the model's Int4Linears, for a before/after of the op in one process; fused=0:
-    without the fused norm/RoPE/SiLU ops."""
+    without the fused norm/RoPE/SiLU ops; w4a8=all (or names joined by ":", or none): the layer linears that run
+    the int4 x int8 op (paceline/model/w4a8_kernel.py)."""
     from paceline.engine.runner import ModelRunner
     from paceline.model import int4_kernel
     from paceline.model.llama import LlamaModel
 
+    if "w4a8" in model_kw:  # w4a8=all / w4a8=down:o / w4a8=none: the layer linears that run the int4 x int8 op
+        import os
+        w4a8 = model_kw.pop("w4a8")
+        saved_env = os.environ.get("PACELINE_W4A8_LINEARS")
+        os.environ["PACELINE_W4A8_LINEARS"] = "" if w4a8 is None else str(w4a8)
+        try:
+            return make_runner(ckpt, mode, blocks, bs, **model_kw)
+        finally:
+            if saved_env is None:
+                os.environ.pop("PACELINE_W4A8_LINEARS")
+            else:
+                os.environ["PACELINE_W4A8_LINEARS"] = saved_env
     fused = model_kw.pop("fused", None)
     if fused is not None:  # fused=0: the layers' norms, RoPE and SiLU * up as torch's ops (fused_kernel.py off)
         import os
