@@ -42,6 +42,8 @@ MODES = {"fp32": {"dtype": "float32", "quantization": "none"},
          "int4 no w4a8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
                           "env": {"PACELINE_W4A8_KERNEL": "0"}},
          # the w4a8 op on some linears only (llama.W4A8_LINEARS), the others as before
+         "int4 w4a8 all": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
+                           "w4a8_linears": ("qkv", "o", "gate_up", "down")},
          "int4 w4a8 not down": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
                                      "w4a8_linears": ("qkv", "o", "gate_up")},
          "int4 w4a8 down only": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",

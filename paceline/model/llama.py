@@ -248,16 +248,18 @@ INT4_GROUP = 32  # input features per scale/offset pair, as in GGUF's Q4_0/Q4_1 
 # 0 or anything up to Int4Linear.DENSE_ABOVE: only the few-row steps.
 INT4_KERNEL_ROWS = 256
 # int4 models: the layer linears (by LlamaLayer's names) that run the int4 x int8 op (w4a8_kernel.py) for steps of
-# at least W4A8_FROM_ROWS rows. One linear at a time it was 1.4-2.1x faster than the float32 copy's oneDNN matmul
-# and 1.3-2.1x faster than the int4 op at every row count from 1 to 512 (benchmarks/int4_linear.py --w4a8,
-# 2026-11-23 23:52 UTC), so a linear it serves builds no dense copy. Off by default: rounding the activations to
-# int8 per block of 32 cost too much quality on the bundled model (benchmarks/summaries/quality.md: all four linears
-# top-1 97.70 % of fp32 and perplexity +0.58 %, `down` alone 98.99 %, against 99.44 % without it; the bar is 99 %).
-# PACELINE_W4A8_LINEARS=qkv:o:gate_up:down (or "all") switches it on for a model built afterwards;
-# PACELINE_W4A8_KERNEL=0 keeps the op from loading at all.
-W4A8_FROM_ROWS = 1
-W4A8_LINEARS: tuple[str, ...] = ()
+# at least W4A8_FROM_ROWS rows; fewer rows keep the int4 op, and a linear the op serves builds no dense copy. One
+# linear at a time the op's first version (no outlier taken out) was 1.35-4.6x faster than the float32 copy's
+# oneDNN matmul at 1-512 rows (benchmarks/int4_linear.py --w4a8, 2026-11-23 23:52 UTC) but cost top-1 agreement
+# (97.70 % of fp32); with each block's largest activation taken out of the int8 block, top-1 is 99.12 % and
+# perplexity +0.09 % (benchmarks/summaries/quality.md) and whole steps gain 1.11-1.12x on prompts, ~even at 32
+# decodes (benchmarks/summaries/profile_after.md, 2026-11-24 00:53 UTC). From 7 rows: one decode stays on the int4
+# op, which was faster in the model's steps. Not yet the default (a gain on prompt steps only, and the tests of the
+# dense wide path in tests/model/test_wide.py need the op off first). PACELINE_W4A8_LINEARS=qkv:o:gate_up:down /
+# "all" / "" picks the linears for a model built afterwards; PACELINE_W4A8_KERNEL=0 keeps the op from loading at all.
+W4A8_FROM_ROWS = 7
 ALL_LINEARS = ("qkv", "o", "gate_up", "down")
+W4A8_LINEARS: tuple[str, ...] = ()
 
 
 def w4a8_linears() -> tuple[str, ...]:
@@ -324,7 +326,7 @@ class Int4Linear:
         # wide steps) the dense copy, 4 bytes a weight, is not built at all.
         use_w4a8 = w4a8 and self.kernel is not None and w4a8_kernel.load() is not None and wide != "int8"
         self.w4a8 = w4a8_kernel.pack(codes, scale, lo, nibbles=True) if use_w4a8 else None
-        if use_w4a8 and W4A8_FROM_ROWS <= 1:
+        if use_w4a8 and W4A8_FROM_ROWS <= self.kernel_rows + 1:  # fewer rows: the int4 op; more: this op
             self.dense = None
             return
         dequantized = (lo[..., None] + codes.view(n, -1, INT4_GROUP) * scale[..., None]).view(n, k)
@@ -426,8 +428,9 @@ class LlamaLayer(nn.Module):
         # int8 wide steps keep `down` in float32: its input has outliers that belong to tokens (up to ~90x the
         # row's median), which neither smoothing nor fixed outlier channels catch; int8 there alone cost ~3 % of
         # top-1 agreement on the bundled model (benchmarks/summaries/int8_wide.md)
+        # (and the int4 x int8 op does not serve it either there: int8 wide steps are a choice of their own)
         self.down = make_linear(w["down"], None, pack, quantization, dtype, "fp32" if wide == "int8" else wide,
-                                int4_rows, "down")
+                                int4_rows, "" if wide == "int8" else "down")
         self.register_buffer("input_norm", w["input_norm"])
         self.register_buffer("post_norm", w["post_norm"])
         # float32 steps (wide) read float32 norm weights: rms_norm wants its input's dtype

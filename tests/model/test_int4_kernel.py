@@ -133,6 +133,7 @@ def test_bundled_model_greedy_tokens_are_the_same_with_either_op(monkeypatch):
     ckpt = load_checkpoint(None, "float32")
     prompt = ckpt.tokenizer.encode("The history of the printing press begins in East Asia, where woodblock printing")
     results = {}
+    monkeypatch.setenv("PACELINE_W4A8_LINEARS", "")  # not the int4 x int8 op (test_w4a8.py): the int4 ops alone
     for flag in ("0", "1"):
         monkeypatch.setenv("PACELINE_INT4_KERNEL", flag)
         # int4_rows=0: the prompt's rows take the dense copy with either op (by default the C++ op serves them)

@@ -9,30 +9,38 @@ import torch
 
 from paceline.engine.runner import ModelRunner
 from paceline.model import w4a8_kernel
-from paceline.model.llama import INT4_GROUP, Int4Linear, LlamaModel, int4_codes
+from paceline.model.llama import INT4_GROUP, W4A8_FROM_ROWS, Int4Linear, LlamaModel, int4_codes
 
 pytestmark = pytest.mark.skipif(w4a8_kernel.load() is None, reason="the C++ w4a8 kernel is not available here")
 
 
-def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The op's activation quantization in torch: per row, per block of 32, a = max|x| / 127, xq = round(x * (127 /
-    max|x|)) half to even, s = a * sum xq (float32 throughout, as the op computes it)."""
+def _quantize(x: torch.Tensor):
+    """The op's activation quantization in torch: per row and block of 32, the largest |x| (first of equals) taken
+    out (its index `top` and value `xo`, a 0 in its place), then a = max|rest| / 127, xq = round(rest * (127 /
+    max|rest|)) half to even, s = a * sum xq (float32 throughout, as the op computes it)."""
     m, k = x.shape
-    xb = x.float().view(m, k // INT4_GROUP, INT4_GROUP)
+    xb = x.float().reshape(m, k // INT4_GROUP, INT4_GROUP).clone()
+    top = xb.abs().argmax(-1)
+    xo = xb.gather(-1, top[..., None])[..., 0]
+    xb.scatter_(-1, top[..., None], 0.0)
     amax = xb.abs().amax(-1)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xb * inv[..., None])
     a = amax / 127
-    return xq.to(torch.int8).view(m, k), a, a * xq.sum(-1)
+    return xq.to(torch.int8).view(m, k), a, a * xq.sum(-1), top.int(), xo
 
 
 def _emulate(x, codes, scale, lo, bias=None) -> torch.Tensor:
-    """y in float64 from the exact integer dot products of the codes and the quantized activations."""
-    xq, a, s = _quantize(x)
+    """y in float64 from the exact integer dot products of the codes and the quantized activations, plus each
+    block's taken-out element times its dequantized weights."""
+    xq, a, s, top, xo = _quantize(x)
     n, k = codes.shape
     g = k // INT4_GROUP
     dots = torch.einsum("mgk,ngk->mng", xq.view(-1, g, INT4_GROUP).long(), codes.view(n, g, INT4_GROUP).long())
     y = (dots.double() * scale.double()[None] * a.double()[:, None]).sum(-1) + s.double() @ lo.double().T
+    w = (lo[..., None] + codes.view(n, g, INT4_GROUP) * scale[..., None]).double()  # [n, g, 32]
+    w_top = w[:, torch.arange(g)[None, :], top.long()]  # [n, m, g]: each row's taken-out input's weights
+    y = y + torch.einsum("nmg,mg->mn", w_top, xo.double())
     return y if bias is None else y + bias.double()
 
 
@@ -48,10 +56,12 @@ def test_quantizer_equals_the_emulation_exactly():
     x[5, 40] = 1e4  # one outlier owns its block's scale
     got, want = quantize(x), _quantize(x)
     assert got[0].dtype == torch.int8 and torch.equal(got[0], want[0])
-    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[3], want[3]) and torch.equal(got[4], want[4])
     torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-6)  # float32 sums, another order
     assert got[0][3, :32].abs().sum() == 0 and got[1][3, 0] == 0
     assert got[0].abs().max() == 127
+    # the outlier is taken out whole: the block's other 31 values keep their own scale
+    assert got[3][5, 1] == 8 and got[4][5, 1] == 1e4 and got[0][5, 40] == 0 and got[1][5, 1] < 1
 
 
 @pytest.mark.parametrize("n,k", [(16, 32), (45, 288), (160, 576), (37, 1536)])
@@ -111,14 +121,17 @@ def test_int4_linear_serves_every_row_count_with_the_op_and_no_dense_copy(monkey
     w, bias = torch.randn(96, 128, generator=g), torch.randn(96, generator=g).to(torch.bfloat16)
     codes, scale, lo = int4_codes(w)
     deq = (lo[..., None] + codes.view(96, 4, INT4_GROUP) * scale[..., None]).view(96, -1).double()
-    assert Int4Linear(w, bias, torch.bfloat16, wide="fp32").w4a8 is None  # off unless asked for (quality)
+    assert Int4Linear(w, bias, torch.bfloat16, wide="fp32").w4a8 is None  # models ask by name (W4A8_LINEARS)
     lin = Int4Linear(w, bias, torch.bfloat16, wide="fp32", kernel_rows=256, w4a8=True)
     assert lin.w4a8 is not None and lin.dense is None
-    for rows in (1, 8, 9, 300):
+    for rows in (1, W4A8_FROM_ROWS - 1, W4A8_FROM_ROWS, 9, 300):  # below W4A8_FROM_ROWS: the int4 op
         x = torch.randn(rows, 128, generator=g)
         want = _emulate(x, codes, scale, lo, bias.float())
         got = lin(x)
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        if rows >= W4A8_FROM_ROWS:
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        else:
+            torch.testing.assert_close(got, lin.kernel(x, lin.packed, 96, lin.bias))
         ref = x.double() @ deq.T + bias.double()
         assert float((got.double() - ref).norm() / ref.norm()) < 0.01  # int8 activations: ~0.5 % here
         assert lin(x.to(torch.bfloat16)).dtype == torch.bfloat16
@@ -139,7 +152,8 @@ def test_tiny_model_with_the_op_stays_close_and_chunks_equal_whole(tiny, monkeyp
                                         wide_linears="fp32")
         return ModelRunner(model, arch, 64, 4, dtype=dtype)
 
-    assert runner().model.layers[0].qkv.w4a8 is None  # the default: off
+    monkeypatch.delenv("PACELINE_W4A8_LINEARS", raising=False)
+    assert runner().model.layers[0].qkv.w4a8 is None  # the default, W4A8_LINEARS: none yet
     monkeypatch.setenv("PACELINE_W4A8_LINEARS", "all")
     fast = runner()
     assert fast.model.layers[0].qkv.w4a8 is not None and fast.model.layers[0].qkv.dense is None
