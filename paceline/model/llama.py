@@ -251,8 +251,8 @@ INT4_KERNEL_ROWS = 256
 # at least W4A8_FROM_ROWS rows; fewer rows keep the int4 op, and a linear the op serves builds no dense copy. One
 # linear at a time the op's first version (no outlier taken out) was 1.35-4.6x faster than the float32 copy's
 # oneDNN matmul at 1-512 rows (benchmarks/int4_linear.py --w4a8, 2026-11-23 23:52 UTC) but cost top-1 agreement
-# (97.70 % of fp32); with each block's largest activation taken out of the int8 block, top-1 is 99.12 % and
-# perplexity +0.09 % (benchmarks/summaries/quality.md) and whole steps gain 1.11-1.12x on prompts, ~even at 32
+# (97.70 % of fp32); with each block's largest activation taken out of the int8 block, top-1 is 99.11 % and
+# perplexity +0.09 % (benchmarks/summaries/quality.md) and whole steps gain 1.10-1.11x on prompts, ~even at 32
 # decodes (benchmarks/summaries/profile_after.md, 2026-11-24 00:53 UTC). From 7 rows: one decode stays on the int4
 # op, which was faster in the model's steps. Not yet the default (a gain on prompt steps only, and the tests of the
 # dense wide path in tests/model/test_wide.py need the op off first). PACELINE_W4A8_LINEARS=qkv:o:gate_up:down /
