@@ -40,6 +40,11 @@ log = logging.getLogger("paceline.server")
 
 MAX_BODY_BYTES = 4 * 2**20
 GRACEFUL_SHUTDOWN_S = 5.0  # Ctrl-C: in-flight requests get this long to finish, then they are aborted
+# An idle keep-alive connection is closed after this long. It must outlast the clients' own pool expiry (httpx
+# and the openai client: 5 s, aiohttp: 15 s): with uvicorn's 5 s the server could close a connection just as a
+# client sent its next request on it, and that request died with a reset (httpx.ReadError, no status; one lost
+# stream in the 30-minute soak of 2026-11-23). vLLM made the same timeout configurable for the same race.
+KEEP_ALIVE_S = 65.0
 
 
 @dataclass
@@ -788,6 +793,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graceful-shutdown-s", type=float, default=GRACEFUL_SHUTDOWN_S,
                         help=f"on Ctrl-C / SIGTERM, how long in-flight requests may run before they are aborted "
                              f"(default: {GRACEFUL_SHUTDOWN_S})")
+    parser.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
+                        help="seconds an idle keep-alive connection stays open; keep it above the clients' pool "
+                             f"expiry (default: {KEEP_ALIVE_S})")
     parser.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES,
                         help=f"larger request bodies get 413 (default: {MAX_BODY_BYTES})")
     flag("dtype", "activations (and unquantized weights) dtype; auto = float32, or bfloat16 under int4",
@@ -816,8 +824,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("priority_aging_s", "a waiting request gains one priority level per this many seconds (0: off)", type=float)
     flag("max_batch_wait_ms", "static scheduler: how long to wait for a batch to fill", type=float)
     flag("max_waiting_requests", "waiting requests beyond which the server answers 503 (0: unlimited)", type=int)
-    flag("max_queue_delay_s", "a request whose predicted or actual wait in the queue exceeds this many seconds gets "
-         "503 with Retry-After instead of waiting (0: off)", type=float)
+    flag("max_queue_delay_s", "a request whose wait in the queue, predicted at arrival, exceeds this many seconds "
+         "gets 503 with Retry-After at once; an admitted request is served (0: off)", type=float)
     flag("max_step_ms", "stall-free: cut prompt chunks so each step's predicted time stays under this; set it "
          "below your TBT SLO (0: off)", type=float)
     flag("time_slice_tokens", "preempt a decoding request after this many output tokens (doubling per demotion) "
@@ -908,7 +916,8 @@ def run_server(args: argparse.Namespace) -> None:
                  engine.block_size, sched.max_num_batched_tokens, sched.max_num_seqs, sched.policy,
                  sched.scheduling_policy, sched.preemption_mode, engine.max_model_len)
     _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
-                                   timeout_graceful_shutdown=args.graceful_shutdown_s + 5, lifespan="on"),
+                                   timeout_graceful_shutdown=args.graceful_shutdown_s + 5, lifespan="on",
+                                   timeout_keep_alive=getattr(args, "timeout_keep_alive", KEEP_ALIVE_S)),
                     async_engine, args.graceful_shutdown_s).run()
 
 

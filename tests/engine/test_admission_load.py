@@ -49,7 +49,7 @@ def test_fixed_seats_beyond_what_keeps_the_step_target_are_refused_at_arrival():
     assert len(sched.running) == 84
     engine = SimpleNamespace(scheduler=sched)
     a = AdmissionControl(5.0)
-    a.expired(engine, now=3.0)  # the engine thread's look before a step
+    a.sweep(engine, now=3.0)  # the engine thread's look before a step
     assert a.start_rate(3.0) is None  # no start rate to go by: the load decides
     assert a.load.tbt_seats == 85 and a.load.seats == 128 and a.load.running_left == (97,) * 84  # 3 steps, 3 tokens out
     a.check(num_ahead=0, now=3.0)  # the 85th fits
@@ -66,9 +66,9 @@ def test_auto_seats_predict_the_wait_for_a_seat_from_the_running_budgets():
     a = AdmissionControl(5.0)
     engine = SimpleNamespace(scheduler=sched)
     for t in range(3):
-        a.expired(engine, now=0.5 * t)  # looks 0.5 s apart while requests run: a step is measured at 0.5 s
+        a.sweep(engine, now=0.5 * t)  # looks 0.5 s apart while requests run: a step is measured at 0.5 s
         run_step(sched, 0.5 * t)
-    a.expired(engine, now=1.5)
+    a.sweep(engine, now=1.5)
     load = a.load
     assert load.step_s == pytest.approx(0.5) and len(load.running_left) == load.seats == 85
     # all 85 seated in the first step (no decode waits on it), 3 tokens out since
@@ -116,6 +116,6 @@ def test_a_load_it_cannot_read_never_stops_the_engine_thread():
             raise RuntimeError("a scheduler this code does not know")
 
     a = AdmissionControl(5.0)
-    assert a.expired(SimpleNamespace(scheduler=Broken()), now=1.0) == []
+    assert a.sweep(SimpleNamespace(scheduler=Broken()), now=1.0) == []
     assert a.load is None  # back to the start rate, which is unknown here: admitted
     a.check(num_ahead=50, now=1.0)

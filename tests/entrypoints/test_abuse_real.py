@@ -193,6 +193,21 @@ def test_broken_http_gets_4xx_and_harms_nobody(server):
     assert server.wait_idle()["paceline:kv_cache_used_blocks"] == 0
 
 
+def test_an_idle_connection_outlives_the_clients_pool_expiry(servers):
+    """A pooled client reuses an idle connection for up to its keep-alive expiry (httpx and the openai client:
+    5 s). A server that closes it at the same moment resets the request sent on it (httpx.ReadError, no status:
+    the one lost stream of the 30-minute soak of 2026-11-23), so the server must keep it open for longer."""
+    s = servers["overload"].wait_ready()
+    expiry = httpx.Limits().keepalive_expiry
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", s.port), timeout=30) as conn:
+        conn.sendall(get)
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(expiry + 1)  # idle past the client's expiry: a client could have sent on it until now
+        conn.sendall(get)
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")  # still open: answered, not closed or reset
+
+
 def test_queue_delay_limit_answers_503_before_any_token(servers):
     s = servers["overload"].wait_ready()
     long = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
