@@ -107,15 +107,29 @@ async def drive(url: str, requests, prompts, grace_s: float,
     return records, answered
 
 
-def summarize(records: list[RequestRecord], answered: dict[int, float], tbt_slo_ms: float) -> dict:
+def config_limit_s(config: str) -> float | None:
+    delay = config.partition("@")[0].partition("+")[0]
+    return None if delay == "off" else float(delay)
+
+
+def summarize(records: list[RequestRecord], answered: dict[int, float], tbt_slo_ms: float,
+              limit_s: float | None = None) -> dict:
     ok = [r for r in records if r.ok and r.num_output_tokens == r.output_tokens]
     gaps = [g for r in ok for g in r.gaps]
     r503 = [r for r in records if r.error and r.error.startswith("HTTP 503")]
     expired = [r for r in r503 if "waited longer" in r.error]
     at_arrival = [r for r in r503 if r not in expired]
     other = [r for r in records if r.error and r not in r503]
+    every_503 = [answered[r.index] for r in r503]
     return {
         "requests": len(records), "admitted_complete": len(ok),
+        # the target: every 503 answered within 50 ms of sending (expired ones included, which should be none)
+        "rejected_all": {"n": len(r503), "answer_ms_p50": pct(every_503, 50), "answer_ms_p99": pct(every_503, 99),
+                         "answer_ms_max": pct(every_503, 100), "within_50ms": sum(1 for x in every_503 if x <= 0.05)},
+        # admitted requests whose first token came after the limit: their wait was mispredicted (TTFT includes
+        # their own prefill, so this over-counts the waits past the limit)
+        "admitted_ttft_over_limit": None if limit_s is None else sum(1 for r in ok if r.ttft > limit_s),
+        "ttft_ms_max": pct([r.ttft for r in ok], 100),
         "tbt_ms": {"n": len(gaps), "p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": pct(gaps, 100)},
         "tbt_p99_under_slo": bool(gaps) and pct(gaps, 99) < tbt_slo_ms,
         "ttft_ms": {"p50": pct([r.ttft for r in ok], 50), "p99": pct([r.ttft for r in ok], 99)},
@@ -181,7 +195,8 @@ def main() -> None:
             peaks: dict[str, float] = {}
             records, answered = asyncio.run(drive(server.url, requests, prompts, args.grace_s, peaks))
             steps = step_records(server.url)
-        report["configs"][config] = {"flags": flags, **summarize(records, answered, args.tbt_slo_ms),
+        report["configs"][config] = {"flags": flags, **summarize(records, answered, args.tbt_slo_ms,
+                                                                 config_limit_s(config)),
                                      "peak_running": peaks.get("running"), "peak_waiting": peaks.get("waiting"),
                                      "steps": summarize_steps(steps)}
         if args.steps_output:  # every step record, for a closer look at what the engine did

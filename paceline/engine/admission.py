@@ -112,13 +112,15 @@ class AdmissionControl:
             return None  # an engine without a paceline scheduler: only the start rate applies
         running = list(sched.running)
         running_ids = {id(r) for r in running}
-        # the gap between two looks while something ran is one step (with its bookkeeping): what a stream sees
+        waiting = [r for r in sched.requests.values() if r.status is not RequestStatus.RUNNING
+                   and not r.is_finished and id(r) not in running_ids]
+        # the gap between two looks with work on hand is one step (with its bookkeeping): what a stream sees. The
+        # first request's first step (its prefill) counts too, so a wait is predicted from the second look on,
+        # not left at 0 until two steps have run (a newcomer arriving then was admitted on a guess of 0)
         if self._last_look is not None and self._last_look[1]:
             gap = now - self._last_look[0]
             self._step_s = gap if self._step_s is None else (1 - STEP_EMA) * self._step_s + STEP_EMA * gap
-        self._last_look = (now, bool(running))
-        waiting = [r for r in sched.requests.values() if r.status is not RequestStatus.RUNNING
-                   and not r.is_finished and id(r) not in running_ids]
+        self._last_look = (now, bool(running or waiting))
         cfg = sched.config
         seats = max(1, int(cfg.max_num_seqs))
         step_time: Callable[[BatchShape], float] | None = getattr(sched, "step_time", None)

@@ -52,6 +52,9 @@ class GatedEngine:
     def abort(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
 
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(num_waiting=self.scheduler.num_waiting)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
