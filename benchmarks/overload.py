@@ -142,6 +142,26 @@ def summarize(records: list[RequestRecord], answered: dict[int, float], tbt_slo_
     }
 
 
+def queued_past(url: str, limit_s: float | None) -> dict | None:
+    """From the server's queue-time histogram (arrival to first scheduled, at finish): how many requests it
+    finished and how many of them had waited longer than the limit (exact when the limit is a bucket edge)."""
+    if limit_s is None:
+        return None
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    count = within = None
+    for line in text.splitlines():
+        if line.startswith("paceline:request_queue_time_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("paceline:request_queue_time_seconds_bucket") and f'le="{float(limit_s)}"' in line:
+            within = float(line.split()[-1])
+    if count is None or within is None:
+        return None
+    return {"finished": int(count), "waited_past_limit": int(count - within)}
+
+
 def step_records(url: str) -> list[dict]:
     """The server's last steps (its dashboard ring): duration, prediction, decodes, prefill tokens, queue sizes."""
     try:
@@ -195,8 +215,10 @@ def main() -> None:
             peaks: dict[str, float] = {}
             records, answered = asyncio.run(drive(server.url, requests, prompts, args.grace_s, peaks))
             steps = step_records(server.url)
+            queued = queued_past(server.url, config_limit_s(config))
         report["configs"][config] = {"flags": flags, **summarize(records, answered, args.tbt_slo_ms,
                                                                  config_limit_s(config)),
+                                     "server_queue_time": queued,
                                      "peak_running": peaks.get("running"), "peak_waiting": peaks.get("waiting"),
                                      "steps": summarize_steps(steps)}
         if args.steps_output:  # every step record, for a closer look at what the engine did
