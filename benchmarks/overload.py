@@ -117,7 +117,9 @@ def summarize(records: list[RequestRecord], answered: dict[int, float], tbt_slo_
     ok = [r for r in records if r.ok and r.num_output_tokens == r.output_tokens]
     gaps = [g for r in ok for g in r.gaps]
     r503 = [r for r in records if r.error and r.error.startswith("HTTP 503")]
-    expired = [r for r in r503 if "waited longer" in r.error]
+    # taken out of the queue after waiting (admission.py's expired_error); "has waited longer" is an arrival refused
+    # because an admitted request is overdue, which is answered at arrival like any other
+    expired = [r for r in r503 if "without being scheduled" in r.error]
     at_arrival = [r for r in r503 if r not in expired]
     other = [r for r in records if r.error and r not in r503]
     every_503 = [answered[r.index] for r in r503]
