@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from paceline.core.auto_batch import auto_limits
 from paceline.core.batch_shape import BatchShape
+from paceline.engine.engine import track_quantile
 from paceline.request import RequestStatus
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,13 @@ RATE_WINDOW_S = 10.0  # how far back the start rate looks
 MIN_STARTS = 4  # fewer starts in the window: the rate is unknown and arrivals are admitted
 SWEEP_EVERY_S = 0.05  # how often the engine thread looks for waiting requests past the limit
 LOG_EVERY_S = 60.0  # at most one warning a minute about admitted requests waiting past the limit
+# The load prediction's error, learned from admitted requests once they start: a high quantile of
+# (measured wait + FLOOR) / (predicted + FLOOR), tracked by its side only (one wild sample moves it no more than any
+# other), and applied as a factor of at least 1. FLOOR keeps waits much shorter than any limit from counting as
+# large ratios. At 3x capacity (2026-11-24) 10 of 54 admitted requests waited past a 5 s limit without it.
+MARGIN_QUANTILE = 0.9
+MARGIN_RATE = 0.2  # a sample above the estimate raises it 20 %, one below lowers it 2 %
+MARGIN_FLOOR_S = 0.5
 STEP_EMA = 0.2  # weight of the newest step in the measured step time
 DEFAULT_OUTPUT_TOKENS = 256  # a request's output budget when it set none (max_tokens None: up to the context)
 
@@ -93,6 +101,9 @@ class AdmissionControl:
         self._step_s: float | None = None
         self._last_look: tuple[float, bool] | None = None  # (when, whether anything ran) at the previous look
         self._load_failed = False
+        self.margin = 1.0  # the factor load predictions are multiplied by (the engine thread writes it)
+        self._ratio = 1.0  # the tracked quantile of measured / predicted (may fall below 1; margin does not)
+        self._promised: dict[str, tuple[float, float]] = {}  # request id -> (arrival, unscaled prediction)
 
     # ---- the load (snapshotted on the engine thread) -------------------------------------------------------
 
@@ -202,25 +213,31 @@ class AdmissionControl:
     def predicted_wait(self, num_ahead: int, now: float) -> float:
         return self._predict(num_ahead, now)[0]
 
-    def _predict(self, num_ahead: int, now: float) -> tuple[float, str]:
+    def _predict(self, num_ahead: int, now: float) -> tuple[float, str, float | None]:
+        """(predicted wait, why, the load's own prediction before the margin or None without a load)."""
         load = self.load  # one read: the engine thread swaps in a new snapshot whole
-        why = ""
+        why, raw = "", None
         if load is not None:
             num_ahead = max(num_ahead, load.num_waiting)
-            wait, why = self.load_wait(load, num_ahead)
+            raw, why = self.load_wait(load, num_ahead)
+            wait = raw * self.margin
         elif num_ahead <= 0:
-            return 0.0, ""
+            return 0.0, "", None
         else:
             rate = self.start_rate(now)
             wait = 0.0 if rate is None else (num_ahead + 1) / rate
         # the queue has proved slower than predicted (an admitted request waits, or waited a moment ago, past S)
         if num_ahead > 0 and (self._overdue or now - self._last_late < self.max_delay):
             wait = max(wait, math.nextafter(self.max_delay, math.inf))
-        return wait, why
+        return wait, why, raw
 
-    def check(self, num_ahead: int, now: float) -> None:
-        wait, why = self._predict(num_ahead, now)
+    def check(self, num_ahead: int, now: float, request_id: str | None = None) -> None:
+        """Raise QueueDelayError for a request that would wait too long; an admitted `request_id` is remembered
+        with its prediction, to learn the prediction's error when it starts."""
+        wait, why, raw = self._predict(num_ahead, now)
         if wait <= self.max_delay:
+            if request_id is not None and raw is not None:
+                self._promised[request_id] = (now, raw)
             return
         load = self.load
         if why == "tbt" and load is not None:
@@ -253,6 +270,8 @@ class AdmissionControl:
         requests = getattr(scheduler, "requests", None)
         if requests is None:  # an engine that shows no requests: only the arrival check applies
             return []
+        if self._promised:
+            self._learn(requests, now)
         cutoff = now - self.max_delay
         late = [rid for rid, r in requests.items() if r.status is RequestStatus.WAITING
                 and r.first_scheduled_time is None and r.arrival_time < cutoff]
@@ -270,6 +289,22 @@ class AdmissionControl:
                 len(late), self.max_delay, self.num_overdue)
         self._overdue = set(late)  # only those still waiting: the set stays as small as the queue
         return []
+
+    def _learn(self, requests: dict, now: float) -> None:
+        """The margin from the admitted requests that have started since the last sweep."""
+        for rid, (arrival, raw) in list(self._promised.items()):  # a copy: the event loop adds while we read
+            r = requests.get(rid)
+            if r is None:  # not added yet (the add is queued), or gone without starting (aborted, refused)
+                if now - arrival > 1.0:
+                    self._promised.pop(rid, None)
+                continue
+            if r.first_scheduled_time is None:
+                continue
+            self._promised.pop(rid, None)
+            measured = max(0.0, r.first_scheduled_time - r.arrival_time)
+            ratio = (measured + MARGIN_FLOOR_S) / (raw + MARGIN_FLOOR_S)
+            self._ratio = track_quantile(self._ratio, ratio, MARGIN_QUANTILE, MARGIN_RATE)
+            self.margin = max(1.0, self._ratio)
 
     def expired_error(self) -> QueueDelayError:
         return QueueDelayError(f"the request waited longer than {self.max_delay:g} s (--max-queue-delay-s) without "

@@ -154,7 +154,7 @@ class AsyncEngine:
             raise QueueFullError(ahead)
         if self.admission is not None:
             try:
-                self.admission.check(ahead, arrival)
+                self.admission.check(ahead, arrival, request_id)
             except QueueDelayError as e:
                 self._rejected(e.reason)
                 raise
