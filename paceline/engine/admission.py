@@ -21,7 +21,10 @@ the scheduler's seats, and the step-time model (scaled by the engine's running c
   played out step by step from their remaining output budgets (the requests ahead of it take the first seats
   that free, and hold them for their own budgets), at the measured step time.
 - The wait for the prompts ahead: their tokens at the prefill rate the model gives a step beside the decodes.
-Both are known from the first request on, so an overloaded server refuses at arrival from the start.
+Both are known from the first request on, so an overloaded server refuses at arrival from the start. The load
+prediction is then multiplied by a margin learned from the admitted requests once they start (MARGIN_*): what
+it leaves out (steps with a prompt chunk run longer than the mean step, a busy machine) shows up as measured waits
+longer than predicted.
 
 Before (measured 2026-11-23, benchmarks/summaries/soak.md section 3) the prediction was Little's law on the
 recent start rate; a server slow enough to start fewer than MIN_STARTS requests in the window had no rate, so it
