@@ -68,6 +68,31 @@ def analyse(steps: list[dict], target_ms: float | None) -> dict:
     return out
 
 
+def steps_around(steps: list[dict], stall: dict) -> dict:
+    """The steps the stall probe's largest gap spans (its ends on the monotonic clock the step log also uses), and
+    the longest interval between two decode-carrying steps' ends after the long prompt arrived: the gap as the
+    engine made it. The client's gap less that interval is what HTTP, the client and the GIL added."""
+    at, sent = stall.get("max_gap_at"), stall.get("long_sent_at")
+    if not at or sent is None:
+        return {}
+    a, b = at
+    # "t" is stamped after the step's update and metrics; a step ran from about t - dur
+    inside = [s for s in steps if s["t"] >= a - 0.02 and s["t"] - s["dur"] <= b + 0.02]
+    rows = [{"end_ms": round(1e3 * (s["t"] - a), 1), "dur_ms": round(1e3 * s["dur"], 1),
+             "pred_ms": round(1e3 * s["pred"], 1), "decode": s["decode"], "prefill": s["prefill"],
+             "running": s["running"], "waiting": s["waiting"]} for s in inside]
+    dec = [s for s in steps if s["decode"] and s["t"] >= sent]
+    intervals = [(b_["t"] - a_["t"], a_, b_) for a_, b_ in zip(dec, dec[1:])]
+    out = {"gap_ms": round(1e3 * (b - a), 1), "gap_start_after_long_sent_ms": round(1e3 * (a - sent), 1),
+           "steps_in_gap": rows}
+    if intervals:
+        iv, s0, s1 = max(intervals, key=lambda x: x[0])
+        out.update(engine_interval_max_ms=round(1e3 * iv, 1), engine_interval_step_dur_ms=round(1e3 * s1["dur"], 1),
+                   engine_interval_step=(s1["decode"], s1["prefill"]),
+                   engine_interval_at_after_long_sent_ms=round(1e3 * (s0["t"] - sent), 1))
+    return out
+
+
 def print_steps(steps: list[dict], every: int = 0) -> None:
     every = every or max(1, len(steps) // 30)
     for s in steps[::every]:
@@ -110,6 +135,7 @@ def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, v
                 st = steps_since(srv.url, n0)
                 row["stall_steps"] = analyse(st, target)
                 row["stall_longest_steps"] = sorted(st, key=lambda s: -s["dur"])[:5]
+                row["stall_gap"] = steps_around(st, row["stall"])
                 if verbose:
                     print_steps(st)
         finally:

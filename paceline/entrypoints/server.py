@@ -757,6 +757,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "time_slice_ms": (SchedulerConfig, "time_slice_ms"),
     "level_aging_s": (SchedulerConfig, "level_aging_s"),
     "step_profile": (EngineConfig, "step_profile"),
+    "tbt_goal_ms": (EngineConfig, "tbt_goal_ms"),
     "speculative_config": (EngineConfig, "speculative_config"),
     "tensor_parallel_size": (EngineConfig, "tensor_parallel_size"),
     "pipeline_parallel_size": (EngineConfig, "pipeline_parallel_size"),
@@ -764,7 +765,8 @@ _FLAGS: dict[str, tuple[type, str]] = {
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, int_or_auto, scheduler_name
+    from paceline.config import (PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, STEP_TARGET_FRACTION, int_or_auto,
+                                 scheduler_name)
 
     def flag(name: str, help: str, old: str | None = None, **kw: Any) -> None:
         """--name; `old`: the flag's former spelling, still accepted but not shown."""
@@ -827,6 +829,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
          "after its demotion (0: strict levels)", type=float)
     flag("step_profile", "profile (paceline profile) that --max-step-ms predicts with; default: a quick "
          "profile at start-up")
+    flag("tbt_goal_ms", "the gap between two tokens a stream should not exceed; stall-free without --max-step-ms "
+         f"takes its step-time target from it (x{STEP_TARGET_FRACTION:g}; 0: no target)", type=float)
     flag("speculative_config", 'speculative decoding, JSON as vLLM: {"method": "ngram", "num_speculative_tokens": K, '
          '"prompt_lookup_max": N, "prompt_lookup_min": M}')
     flag("tensor_parallel_size", "worker processes that split every layer (heads and MLP) of the model", type=int)
