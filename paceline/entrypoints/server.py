@@ -905,10 +905,9 @@ def run_server(args: argparse.Namespace) -> None:
                               served_model_names=tuple(args.served_model_name or ()), limits=limits_from_args(args),
                               dashboard=not getattr(args, "no_dashboard", False))
     app = build_app(async_engine, metrics, settings, router)
-    if router is None:
-        freeze_startup_heap()
     sched = config.scheduler
     if router is None:
+        freeze_startup_heap()
         log.info("serving %s on http://%s:%d  KV cache %d tokens (%d blocks x %d); token budget %d per step, "
                  "at most %d requests per step; scheduler %s, %s order, preemption %s; max model len %d",
                  engine.model_name, args.host, args.port, engine.num_blocks * engine.block_size, engine.num_blocks,
