@@ -113,8 +113,15 @@ def probe_stall(ep: Endpoint, prompts: Prompts, arrive_s: float = 1.5) -> dict:
     streams, long = res.records[:6], res.records[6]
     gaps_after = [t1 - t0 for r in streams for t0, t1 in zip(r.token_times, r.token_times[1:]) if t1 >= long.sent_s]
     still = all(r.token_times[-1] >= long.token_times[0] for r in streams)  # did the streams outlast the prefill?
+    # where the largest gap lies on the machine's monotonic clock (perf_counter is CLOCK_MONOTONIC on Linux, as a
+    # server's time.monotonic()), so a server's step log can be laid beside it (benchmarks/step_target_ab.py)
+    t0 = res.started_at - (time.time() - time.perf_counter())
+    window = max(((t1 - t0_, t0 + t0_, t0 + t1) for r in streams for t0_, t1 in zip(r.token_times, r.token_times[1:])
+                  if t1 >= long.sent_s), default=None)
     return {"max_gap_s": max(gaps_after) if gaps_after else None, "max_gap_any_s": max(g for r in streams for g in r.gaps),
-            "long_ttft_s": long.ttft, "streams_outlasted_prefill": still}
+            "long_ttft_s": long.ttft, "streams_outlasted_prefill": still,
+            "max_gap_at": list(window[1:]) if window else None, "long_sent_at": t0 + long.sent_s,
+            "long_first_token_at": t0 + long.token_times[0] if long.token_times else None}
 
 
 def scrape(url: str) -> dict[str, float] | None:

@@ -14,7 +14,8 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 # The serving default's TBT goal and the step-time target derived from it. A token gap is one step plus the
 # engine's and HTTP's own work per token, and the engine tracks the 98th percentile of measured / predicted step
-# time, so the target leaves the rest of the goal as headroom (see benchmarks/summaries/vs_vllm.md)
+# time, so the target leaves the rest of the goal as headroom (see benchmarks/summaries/vs_vllm.md). 200 ms, not
+# less: a 100 ms goal cut the 32-stream probe to 0.44x and raised chat's TTFT (docs/scheduling.md, 2026-11-23)
 DEFAULT_TBT_GOAL_MS = 200.0
 STEP_TARGET_FRACTION = 0.75
 
