@@ -72,54 +72,73 @@ def _shape_features(s: dict) -> list[float]:
     return [1.0, float(s["decode"]), float(s["prefill"]), 1.0 if s["prefill"] else 0.0]
 
 
-def step_split(records: list[dict], base: list[dict]) -> dict:
-    """Where a system's decode throughput goes against a baseline's (fcfs of the same round), from the two step
-    logs: decode tok/s = decodes per step x steps per second, and steps per second = busy share / mean step time.
-    The step time splits again into its shape (the baseline's own least-squares model of its steps, dur ~ 1 +
-    decodes + prompt tokens + a prompt chunk, applied to this system's steps) and the speed the host gave it
-    (measured / that model): a scheduling order changes the first, a busier host the second."""
+def shape_model(runs: list[list[dict]], rounds: int = 20):
+    """One step-cost model for every run of a benchmark, each run with its own speed factor: dur = speed(run) x
+    (features . coef), fitted by alternating least squares. Why pooled: one run's own fit swings with its host
+    stalls (on 2026-11-23 one fcfs run put 102 ms on a prompt chunk, the next -13 ms), while the shapes of all
+    runs together pin the costs and leave the host's share to the speed factors."""
     import numpy as np
 
-    if not records or not base:
-        return {}
+    xs = [np.array([_shape_features(s) for s in r]) for r in runs]
+    ds = [np.array([s["dur"] for s in r]) for r in runs]
+    speeds = [1.0] * len(runs)
+    coef = np.zeros(4)
+    for _ in range(rounds):
+        coef, *_ = np.linalg.lstsq(np.vstack(xs), np.concatenate([d / v for d, v in zip(ds, speeds)]), rcond=None)
+        speeds = [float(d @ (x @ coef) / max((x @ coef) @ (x @ coef), 1e-18)) for x, d in zip(xs, ds)]
+    return coef
+
+
+def step_split(records: list[dict], coef) -> dict:
+    """Where a system's decode throughput goes, from its step log: decode tok/s = decodes per step x steps per
+    second, steps per second = busy share / mean step time, and the step time = its shape (shape_model's cost of
+    these steps) x the speed the host gave the run (measured / shape). A scheduling order changes the first
+    three; a busier host the last."""
+    import numpy as np
+
     span = records[-1]["t"] - records[0]["t"] + records[-1]["dur"]
     dur = np.array([s["dur"] for s in records])
-    coef, *_ = np.linalg.lstsq(np.array([_shape_features(s) for s in base]), np.array([s["dur"] for s in base]),
-                               rcond=None)
     shape = np.array([_shape_features(s) for s in records]) @ coef
     n = len(records)
     return {"steps": n, "steps_per_s": n / max(span, 1e-9), "busy": float(dur.sum()) / max(span, 1e-9),
             "decode_per_step": sum(s["decode"] for s in records) / n,
             "prefill_per_step": sum(s["prefill"] for s in records) / n,
+            "prompt_step_share": sum(1 for s in records if s["prefill"]) / n,
             "dur_mean_ms": float(dur.mean()) * 1e3, "shape_ms": float(shape.mean()) * 1e3,
             "speed": float(dur.mean() / shape.mean()),
-            "pred_mean_ms": sum(s["pred"] for s in records) / n * 1e3,
             "seat_free_while_waiting": sum(1 for s in records if s["running"] < SEATS and s["waiting"] > 0),
-            "swap_out_steps": sum(1 for s in records if s.get("swapped_out")),
             "preempted": sum(s["preempted"] for s in records)}
 
 
 def split_table(runs: list[dict], duration: float) -> str:
-    """step_split of every run's steps in the arrival window against the fcfs run of its round, as one table."""
+    """step_split of every run's steps in the arrival window, each against the fcfs run of its round, as one
+    table. The last column is what the order itself cost: the decode tok/s ratio at the speed fcfs had."""
+    windows = {id(r): window_steps((r.get("steps") or {}).get("records") or [], duration) for r in runs}
+    if not all(windows.values()):
+        return ""
+    coef = shape_model(list(windows.values()))
+    split = {k: step_split(v, coef) for k, v in windows.items()}
     rows = []
     for r in runs:
         base = next((b for b in runs if b["system"].startswith("paceline-fcfs") and b["round"] == r["round"]), None)
-        mine = window_steps((r.get("steps") or {}).get("records") or [], duration)
-        ref = window_steps(((base or {}).get("steps") or {}).get("records") or [], duration)
-        if not mine or not ref:
+        if base is None:
             continue
-        x, b = step_split(mine, ref), step_split(ref, ref)
-        decode_ratio = (x["decode_per_step"] * x["steps_per_s"]) / max(b["decode_per_step"] * b["steps_per_s"], 1e-9)
+        x, b = split[id(r)], split[id(base)]
+        ratios = (x["decode_per_step"] / b["decode_per_step"], x["busy"] / b["busy"], x["shape_ms"] / b["shape_ms"],
+                  x["speed"] / b["speed"])
+        measured = x["decode_per_step"] * x["steps_per_s"] / max(b["decode_per_step"] * b["steps_per_s"], 1e-9)
         rows.append([r["system"], str(r["round"]), str(x["steps"]), f"{x['decode_per_step']:.2f}",
-                     f"{x['prefill_per_step']:.2f}", f"{x['busy']:.3f}", f"{x['dur_mean_ms']:.1f}",
-                     f"{x['shape_ms']:.1f}", f"{x['speed']:.3f}", str(x["seat_free_while_waiting"]),
-                     str(x["preempted"]), f"{decode_ratio:.3f}x",
-                     f"{x['decode_per_step'] / b['decode_per_step']:.3f} x {x['busy'] / b['busy']:.3f} / "
-                     f"{x['shape_ms'] / b['shape_ms']:.3f} / {x['speed']:.3f}"])
-    return markdown_table(["system", "round", "steps (window)", "decodes / step", "prompt tokens / step", "busy",
-                           "step mean (ms)", "of it shape (ms, fcfs model)", "speed (measured / shape)",
-                           "seat free while waiting", "preempted", "decode tok/s vs fcfs",
-                           "= decodes/step x busy / shape / speed"], rows)
+                     f"{x['prefill_per_step']:.2f}", f"{x['prompt_step_share']:.3f}", f"{x['busy']:.3f}",
+                     f"{x['dur_mean_ms']:.1f}", f"{x['shape_ms']:.1f}", f"{ratios[3]:.3f}",
+                     str(x["seat_free_while_waiting"]), str(x["preempted"]), f"{measured:.3f}x",
+                     "{:.3f} x {:.3f} / {:.3f} / {:.3f}".format(*ratios),
+                     f"{ratios[0] * ratios[1] / ratios[2]:.3f}x"])
+    names = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in zip(("fixed", "decode", "prompt token", "prompt chunk"), coef))
+    return markdown_table(["system", "round", "steps (window)", "decodes / step", "prompt tokens / step",
+                           "steps with a prompt chunk", "busy", "step mean (ms)", "its shape (ms)",
+                           "host speed vs fcfs", "seat free while waiting", "preempted", "decode tok/s vs fcfs",
+                           "= decodes/step x busy / shape / speed", "at fcfs's speed"], rows) + \
+        f"\n\nStep cost model pooled over these runs (ms): {names}\n"
 
 
 def simulate(args: argparse.Namespace, spec, requests) -> list[dict]:
