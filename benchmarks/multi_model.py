@@ -115,8 +115,13 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, va
                                   prompt_tokens=LengthDist("lognormal", median=300, sigma=0.8, min=16, max=1000)),
                           rate=args.rate / 2, duration_s=args.switch_seconds, seed=args.seed + 7)
         steady = [replace(r, model=other) for r in steady]
-        at = args.switch_seconds / 2
-        one = RequestSpec(len(steady), at, 64, 16, 0, target)
+        # 1 s after the first of the other model's arrivals past mid-run, so that its streams run while the
+        # target loads (at a fixed mid-run time the loop was idle on 2026-11-24: nothing to measure a gap of)
+        at = 1.0 + min((r.arrival_s for r in steady if r.arrival_s >= args.switch_seconds / 2),
+                       default=args.switch_seconds / 2)
+        # model= by name: before 2026-11-24 this was the sixth positional field (client), so the request went to
+        # the first model served, and "switch-int4" loaded nothing
+        one = RequestSpec(len(steady), at, 64, 16, 0, model=target)
         requests = steady + [one]
         prompts = build_prompts(source, requests, args.seed, as_text=False, epoch=9)
         res = run(Endpoint(server.url), requests, prompts, progress=False, scrape_interval=None,
