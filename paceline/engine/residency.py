@@ -186,8 +186,8 @@ class Residency:
                 slot.state, slot.timeline = "loading", timeline
                 t0 = time.perf_counter()
                 try:
-                    engine = await loop.run_in_executor(self._loader, _build_engine, config, timeline, held,
-                                                        name)
+                    engine, step_ms = await loop.run_in_executor(self._loader, _build_engine, config, timeline,
+                                                                 held)
                 except Exception as e:
                     held.set()
                     slot.state = "unloaded"
@@ -197,8 +197,8 @@ class Residency:
                 # The join is queued now and not awaited: the requests waiting for this load are released when
                 # this task ends, after the join's command (asyncio runs callbacks in order), so each one's add
                 # reaches the engine thread at the same step boundary as the join instead of one step later.
-                joined = asyncio.ensure_future(self.async_engine.call(lambda: self.multi.add_model(name, engine,
-                                                                                                   timeline)))
+                joined = asyncio.ensure_future(self.async_engine.call(
+                    lambda: _install(self.multi, name, engine, step_ms, timeline)))
                 slot.engine, slot.state = engine, "loaded"
                 slot.nbytes = slot.nbytes or need  # measured once it has joined (_after_join)
                 slot.num_loads += 1
@@ -333,9 +333,9 @@ def _estimate(config: EngineConfig) -> int:
 
 
 def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
-                  held: threading.Event | None = None, name: str = "") -> Engine:
-    """On the loader thread, one torch thread: the Engine, built without a step-time model, then given the cached
-    profile of its setup (use_cached_profile). Its KV pool's prefault waits for `held` (set at the first token)."""
+                  held: threading.Event | None = None) -> tuple[Engine, float]:
+    """On the loader thread, one torch thread: the Engine without its step-time model, and the max_step_ms that
+    _install gives it once it has a profile. Its KV pool's prefault waits for `held` (set at the first token)."""
     timeline = timeline or LoadTimeline(time.monotonic())
     timeline.mark("build_start")
     step_ms, config.scheduler.max_step_ms = config.scheduler.max_step_ms, 0.0
@@ -368,8 +368,7 @@ def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
             if LOAD_WARM_UP:
                 warm_up(model)
                 timeline.mark("warmed")
-        use_cached_profile(engine, step_ms, name or config.served_model_name or "")
-        return engine
+        return engine, step_ms
     finally:
         torch.set_num_threads(threads)
 
@@ -464,9 +463,12 @@ def drop_plain_weights(linears: list[Linear]) -> None:
             lin.weight = None
 
 
-def use_cached_profile(engine: Engine, step_ms: float, name: str) -> None:
-    """Before the model joins the loop: the cached step-time profile of this setup and the max_step_ms it serves
-    under (never a new profile: that would stall every other model's streams for seconds)."""
+def _install(multi: MultiEngine, name: str, engine: Engine, step_ms: float,
+             timeline: LoadTimeline | None = None) -> None:
+    """On the engine thread: the cached step-time profile of this setup (never a new one: that would stall every
+    other model's streams for seconds), then the model joins the loop. Here, not on the loader thread: the
+    profile's key holds torch's thread count, which is 1 there (2026-11-24 the switch served without its
+    profile that way)."""
     if step_ms > 0:
         from paceline.core.step_time import ProfiledCostModel
 
@@ -477,6 +479,7 @@ def use_cached_profile(engine: Engine, step_ms: float, name: str) -> None:
         except (OSError, ValueError, KeyError):
             log.warning("model %s: no cached step-time profile at %s, so it serves without a step-time target; "
                         "load it once at start-up (load: eager) to profile it", name, path)
+    multi.add_model(name, engine, timeline)
 
 
 def engine_bytes(engine: Engine) -> int:

@@ -146,7 +146,7 @@ def test_unknown_model_and_duplicate_id_are_plain_errors(tiny_dirs):
 
 def test_a_model_loaded_beside_others_serves_unpacked_then_packs_with_the_same_tokens(tiny_dirs):
     want, _ = run_all(Engine(config(tiny_dirs["llama"])), [("r", PROMPTS[0], None)], max_tokens=16)
-    engine = _build_engine(config(tiny_dirs["llama"]))  # what the loader thread builds
+    engine, _ = _build_engine(config(tiny_dirs["llama"]))  # what the loader thread builds
     linears = unpacked_linears(engine)
     if not linears:
         pytest.skip("this torch build has no oneDNN linear packing")

@@ -121,7 +121,7 @@ def test_a_broken_snapshot_is_rebuilt(gguf):
 def test_loader_thread_build_from_snapshot_serves_unpacked_then_packed(gguf, monkeypatch):
     expected = greedy(Engine(config(gguf, dtype="bfloat16", quantization="int4")))
     no_conversion(monkeypatch)
-    engine = _build_engine(config(gguf, dtype="bfloat16", quantization="int4"))  # deferred, mapped
+    engine, _ = _build_engine(config(gguf, dtype="bfloat16", quantization="int4"))  # deferred, mapped
     linears = unpacked_linears(engine)
     assert linears and all(lin.packed is None for lin in linears)
     assert not getattr(llama._defer, "on", False)  # the deferral ends with the build
