@@ -99,13 +99,15 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, va
     variant "" : smol-fp32 is loaded while smol-int4 streams run; "int4": the other way round; "nice19": as "",
     with the loader at nice 19 (PACELINE_LOADER_NICE=19, as before 2026-11-23 21:30 UTC); "pack-first": as "",
     packing the weights before the model serves (PACELINE_DEFER_PACKING=0); "warm-up": as "", with the loader's
-    two warm-up forwards before the model joins (PACELINE_LOAD_WARM_UP=1, as before 2026-11-24).
+    two warm-up forwards before the model joins (PACELINE_LOAD_WARM_UP=1, as before 2026-11-24); "whole" and
+    "int4-whole": as "" and "int4", the first prompt in one uncapped step (PACELINE_DEBUT_STEP=whole).
     The server's own split of the switch (seconds from the request to each mark; residency.LoadTimeline) comes
     back from /v1/models; the streams' gaps are split at its `joined` mark into the load and the first prompt
     (the client's send time stands for the server's request mark: both on this machine, a few ms apart)."""
     env = {"pack-first": {"PACELINE_DEFER_PACKING": "0"}, "nice19": {"PACELINE_LOADER_NICE": "19"},
-           "warm-up": {"PACELINE_LOAD_WARM_UP": "1"}}.get(variant, {})
-    target = "smol-int4" if variant == "int4" else "smol-fp32"
+           "warm-up": {"PACELINE_LOAD_WARM_UP": "1"}, "whole": {"PACELINE_DEBUT_STEP": "whole"},
+           "int4-whole": {"PACELINE_DEBUT_STEP": "whole"}}.get(variant, {})
+    target = "smol-int4" if variant.startswith("int4") else "smol-fp32"
     other = next(name for name in MODELS if name != target)
     label = f"switch{'-' + variant if variant else ''}"
     server = Served(["--models-config", str(models_yaml(log_dir / f"{label}.yaml", {target}))], args.threads,
@@ -168,7 +170,7 @@ def main() -> None:
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
                    help="comma-separated parts (prepare: load both once, so that a switch finds their runtime "
                         "snapshots and step-time profiles cached); switch variants (see switch_run): switch, switch-int4, "
-                        "switch-nice19, switch-pack-first, switch-warm-up")
+                        "switch-nice19, switch-pack-first, switch-warm-up, switch-whole, switch-int4-whole")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="multi-model-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +222,7 @@ def main() -> None:
             for s in servers.values():
                 s.stop()
         print("two processes", results["two_processes"], flush=True)
-    for variant in ("pack-first", "nice19", "warm-up", "", "int4"):
+    for variant in ("pack-first", "nice19", "warm-up", "", "whole", "int4", "int4-whole"):
         key = f"switch{'-' + variant if variant else ''}"
         if key in only:
             results[key] = switch_run(args, out, source, variant)

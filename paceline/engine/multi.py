@@ -24,6 +24,7 @@ MultiEngine is not thread-safe; AsyncEngine calls it from its engine thread only
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,6 +34,10 @@ from paceline.core.auto_batch import largest_that_fits
 from paceline.core.batch_shape import BatchShape
 from paceline.engine.engine import Engine, RequestOutput
 from paceline.sampling import SamplingParams
+
+# How a model loaded on demand runs its first prompt beside other models' streams: "left" (what the others' last
+# steps left of the step-time target, _debut_step_target) or "whole" (its own budget, uncapped: the A/B's other arm)
+DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "left")
 
 
 @dataclass
@@ -163,9 +168,12 @@ class MultiEngine:
         engine = self.engines[name]
         if len(busy) > 1 or engine.scheduler.config.max_step_ms != self._step_ms[name]:
             self._share_step_target(busy)
-        if name in self._debut:
-            self._debut_step_target(name, busy)
-        self._cap_budget(name, busy)
+        if name in self._debut and DEBUT_STEP == "whole":
+            engine.scheduler.config.max_num_batched_tokens = self._budget[name]
+        else:
+            if name in self._debut:
+                self._debut_step_target(name, busy)
+            self._cap_budget(name, busy)
         debut = self._debut.get(name)
         if debut is not None:
             debut.mark("first_step_start")
