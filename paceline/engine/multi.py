@@ -35,9 +35,12 @@ from paceline.core.batch_shape import BatchShape
 from paceline.engine.engine import Engine, RequestOutput
 from paceline.sampling import SamplingParams
 
-# How a model loaded on demand runs its first prompt beside other models' streams: "left" (what the others' last
-# steps left of the step-time target, _debut_step_target) or "whole" (its own budget, uncapped: the A/B's other arm)
-DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "left")
+# How a model loaded on demand runs its first prompt beside other models' streams: "whole" (its own token budget,
+# uncapped: one step for a short prompt) or "left" (cut to what the others' last steps left of the step-time target,
+# _debut_step_target). Whole by default: in four switches each (2026-11-24, docs/multi-model.md) cutting the prompt
+# cost first-token time (0.56-0.99 s against 0.34-0.53 s) and did not keep the other streams' gaps down (largest
+# gap during the first prompt 135-551 ms against 211-357 ms; their p99 123-176 ms).
+DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "whole")
 
 
 @dataclass
@@ -215,8 +218,8 @@ class MultiEngine:
                 config.max_step_ms = self._step_ms[name] / shares
 
     def _debut_step_target(self, name: str, busy: list[str]) -> None:
-        """A model loaded on demand, before its first token, takes what the other models' last steps left of the
-        step-time target rather than only its 1/k share.
+        """Under PACELINE_DEBUT_STEP=left: a model loaded on demand, before its first token, takes what the other
+        models' last steps left of the step-time target rather than only its 1/k share.
 
         The target is the gap budget of one rotation: another model's stream waits for one step of each busy
         model. A model with no stream of its own has no gap of its own to protect, so its step may be the target
