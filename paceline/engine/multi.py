@@ -38,8 +38,8 @@ from paceline.sampling import SamplingParams
 # How a model loaded on demand runs its first prompt beside other models' streams: "whole" (its own token budget,
 # uncapped: one step for a short prompt) or "left" (cut to what the others' last steps left of the step-time target,
 # _debut_step_target). Whole by default: in four switches each (2026-11-24, docs/multi-model.md) cutting the prompt
-# cost first-token time (0.56-0.99 s against 0.34-0.53 s) and did not keep the other streams' gaps down (largest
-# gap during the first prompt 135-551 ms against 211-357 ms; their p99 123-176 ms).
+# cost first-token time (0.557-0.994 s against 0.342-0.533 s) and did not keep the other streams' gaps down
+# (largest gap during the first prompt 134.7-550.9 ms against 210.6-356.5 ms; their p99 122.9-176.3 ms).
 DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "whole")
 
 
