@@ -153,3 +153,28 @@ def test_prefault_held_until_its_gate_opens():
     gate.set()
     held.join(30)
     assert not held.is_alive()
+
+
+def test_a_model_built_on_the_loader_thread_gets_the_profile_its_setup_cached(tiny_dirs, monkeypatch, tmp_path):
+    """The profile's key holds torch's thread count, which is 1 on the loader thread: the lookup happens when the
+    model joins, on the engine thread (here the test's), where a start-up load of the same setup cached it."""
+    import concurrent.futures
+
+    from paceline.core.step_time import FEATURES, ProfiledCostModel
+    from paceline.engine.residency import _build_engine, _install
+
+    monkeypatch.setattr("paceline.engine.engine.cache_root", lambda: tmp_path)
+    torch.set_num_threads(2)
+    config = EngineConfig(model=tiny_dirs["llama"], dtype="float32", tbt_goal_ms=0,
+                          cache=CacheConfig(num_blocks=64, block_size=4, swap_space_gb=0),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_step_ms=50.0))
+    with concurrent.futures.ThreadPoolExecutor(1) as loader:
+        built, step_ms = loader.submit(_build_engine, config).result()
+    assert step_ms == 50.0 and built.scheduler.step_time is None  # no profile taken on the loader thread
+    path = built._profile_cache_path()
+    path.parent.mkdir(parents=True)
+    ProfiledCostModel(dict.fromkeys(FEATURES, 0.0) | {"constant": 0.01}).save(path)
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0))
+    _install(multi, "m", built, step_ms)
+    assert built.scheduler.step_time is not None and built.config.scheduler.max_step_ms == 50.0
+    assert multi.engines["m"] is built
