@@ -86,7 +86,7 @@ class SchedulerConfig:
     # is 2**L times the first, so a long generation is preempted O(log length) times
     time_slice_tokens: int = 0
     time_slice_ms: float = 0.0
-    max_queue_delay_s: float = 0.0  # 0: off; else 503 for a request predicted to wait longer, or that waited longer
+    max_queue_delay_s: float = 0.0  # 0: off; else 503 at arrival for a request predicted to wait longer (an admitted request is served)
     # 0: off; else the stall-free scheduler cuts prompt chunks so the predicted step time stays under it (needs a step-time model).
     # None: not given; a scheduler alone takes 0, an EngineConfig derives it from its tbt_goal_ms (stall-free only)
     max_step_ms: float | None = None
