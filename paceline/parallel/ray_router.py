@@ -1,0 +1,88 @@
+"""routing.Router as Ray Serve's request router, so that one deployment of engines (with `num_replicas` or
+`autoscaling_config` bounds) routes by prefix: Ray Serve's own routers pick by load only.
+
+Ray Serve runs one instance per deployment handle, in the process that calls the handle (here the ingress). It asks
+`choose_replicas` for ranks of replicas, best first, and takes the first replica of a rank whose queue is not full
+(`max_ongoing_requests`), so a full preferred replica passes the request to the next rank: load then beats
+affinity, as `max_imbalance` does in the Router. It may ask again for the same request (after a rejection), so
+ranking records nothing; `on_request_routed` records the replica the request went to, and `on_request_completed`
+ends its count in `outstanding`. Replicas that join (autoscaling) get the next number, with an empty index;
+one that dies is never a candidate again (the one Serve starts in its place is a new replica, with an empty cache).
+
+Needs Ray Serve with custom request routers (`ray.serve.request_router`, Ray >= 2.46; measured on 2.60.0).
+"""
+from __future__ import annotations
+
+import json
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from paceline.parallel.routing import Router, prompt_of
+
+# The routers in this process by (application, deployment), so that the ingress (which owns the handle, and so the router)
+# can report per-replica state: Ray Serve gives no way back from a handle to its router.
+ROUTERS: dict[tuple[str, str], PrefixRequestRouter] = {}
+
+
+def body_of(pending_request: PendingRequest | None) -> dict:
+    """The OpenAI request body of a call `handle.remote(method, path, body, content_type)`, parsed ({} if none)."""
+    if pending_request is None or len(pending_request.args) < 3:
+        return {}
+    try:
+        body = json.loads(pending_request.args[2] or b"{}")
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+class PrefixRequestRouter(RequestRouter):
+    """Not FIFO: the replica chosen for a request is the one that request goes to (Serve's default matching)."""
+
+    def initialize_state(self, policy: str = "prefix", **router_kwargs) -> None:
+        self.router = Router(1, policy, **router_kwargs)
+        self.router.num_replicas = 0  # replicas are numbered as they appear (Router wants >= 1 at construction)
+        self.router.outstanding, self.router.index, self.router.routed = [], [], []
+        self.numbers: dict[ReplicaID, int] = {}  # replica -> its number in the Router
+        self.in_flight: dict[str, int] = {}  # internal request id -> the replica number it was routed to
+        # through the module: Serve may ship this class by value (cloudpickle), and then a bare ROUTERS would be
+        # the copy's own dict, which the ingress never sees
+        import paceline.parallel.ray_router as module
+
+        module.ROUTERS[(self._deployment_id.app_name, self._deployment_id.name)] = self
+
+    def number(self, replica_id: ReplicaID) -> int:
+        if replica_id not in self.numbers:
+            self.numbers[replica_id] = self.router.add_replica()
+        return self.numbers[replica_id]
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_number = {self.number(r.replica_id): r for r in candidate_replicas}
+        keys = self.router.keys(prompt_of(body_of(pending_request)))
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # every rank full: wait before asking again
+        return [[by_number[n]] for n in self.router.rank(keys, sorted(by_number))]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        rid = pending_request.metadata.internal_request_id
+        n = self.number(replica_id)
+        self.router.record(n, self.router.keys(prompt_of(body_of(pending_request))))
+        self.router.outstanding[n] += 1
+        self.in_flight[rid] = n
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        # also called for an attempt the replica rejected (never routed there): only the routed one counts
+        if self.in_flight.get(internal_request_id) == self.numbers.get(replica_id):
+            self.router.outstanding[self.in_flight.pop(internal_request_id)] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        if replica_id in self.numbers:
+            self.router.index[self.numbers[replica_id]].clear()
+
+    def replicas(self) -> list[dict]:
+        """Per replica ever seen: its number, Serve's id, whether it is routable, requests in flight and routed."""
+        live = set(self.curr_replicas)
+        return [{"replica": n, "replica_id": rid.unique_id, "actor_name": rid.to_full_id_str(), "live": rid in live,
+                 "outstanding": self.router.outstanding[n], "routed": self.router.routed[n]}
+                for rid, n in sorted(self.numbers.items(), key=lambda item: item[1])]
