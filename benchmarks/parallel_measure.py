@@ -380,16 +380,17 @@ def measure_ray(args) -> dict:
             for name in (args.routers or "round_robin,least_outstanding,prefix").split(","):
                 kwargs = dict(ROUTERS[name])
                 t0 = time.perf_counter()
-                serve.run(ray_serve.build(2, engine, kwargs.pop("policy"), router_kwargs=kwargs), name="paceline",
-                          route_prefix="/")
+                serve.run(ray_serve.build(args.replicas, engine, kwargs.pop("policy"), router_kwargs=kwargs),
+                          name="paceline", route_prefix="/")
                 client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
                 for b in bodies:
                     if "messages" in b:
                         client.chat.completions.create(model="m", messages=b["messages"], max_tokens=1, temperature=0)
                     else:
                         client.completions.create(model="m", prompt=b["prompt"], max_tokens=1, temperature=0)
+                # every replica the router saw, live or not: one that Serve dropped or replaced served requests too
                 stats = [r for r in json.loads(urllib.request.urlopen(
-                    f"http://127.0.0.1:{port}/paceline/replicas").read())["replicas"] if r["live"]]
+                    f"http://127.0.0.1:{port}/paceline/replicas").read())["replicas"] if "prefix_cache_queries" in r]
                 hits, queries = (sum(s["prefix_cache_hits"] for s in stats),
                                  sum(s["prefix_cache_queries"] for s in stats))
                 rates[name] = {"hit_rate": down(hits / queries), "hit_tokens": hits, "prompt_tokens": queries,
@@ -594,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
                         "several, comma-separated, run one after another")
     p.add_argument("--rounds", type=int, default=2, help="overhead: times every layout runs, in turn")
     p.add_argument("--repeats", type=int, default=1000, help="allreduce: timed all-reduces per shape")
-    p.add_argument("--replicas", type=int, default=2, help="replay: replicas")
+    p.add_argument("--replicas", type=int, default=2, help="ray, replay: replicas")
     p.add_argument("--sim-replicas", type=int, default=2, help="sim: replicas")
     p.add_argument("--sim-rate", type=float, default=4.0, help="sim: requests/s of the poisson pattern")
     p.add_argument("--sim-model", default="llama-3-8b", help="sim: the roofline's model config")

@@ -27,8 +27,10 @@ from paceline.parallel.routing import POLICIES
 ROUTER_CLASS = "paceline.parallel.ray_router.PrefixRequestRouter"  # by name: imported where the handle lives
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=1, health_check_timeout_s=10,
-                  max_ongoing_requests=64)  # the engine batches what it is given; Serve's default (5) would queue
+# the engine batches what it is given (Serve's default max_ongoing_requests, 5, would queue); a replica busy with
+# long steps on a loaded host can take more than 10 s to answer a health check
+@serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=1, health_check_timeout_s=30,
+                  max_ongoing_requests=64)
 class EngineReplica:
     """One paceline engine; `engine_kwargs` as LLM(...) takes them."""
 

@@ -19,8 +19,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from paceline.parallel.routing import Router, prompt_of
 
-# The routers in this process by (application, deployment), so that the ingress (which owns the handle, and so the router)
-# can report per-replica state: Ray Serve gives no way back from a handle to its router.
+# The routers in this process by (application, deployment), so that the ingress (which owns the handle, and so the
+# router) can report per-replica state: Ray Serve gives no way back from a handle to its router.
 ROUTERS: dict[tuple[str, str], PrefixRequestRouter] = {}
 
 
@@ -38,8 +38,16 @@ def body_of(pending_request: PendingRequest | None) -> dict:
 class PrefixRequestRouter(RequestRouter):
     """Not FIFO: the replica chosen for a request is the one that request goes to (Serve's default matching)."""
 
-    def initialize_state(self, policy: str = "prefix", **router_kwargs) -> None:
+    def initialize_state(self, policy: str = "prefix", affinity_tries: int = 3, **router_kwargs) -> None:
+        """`affinity_tries`: how often Serve is offered only the prefix policy's first choice before the others.
+        Serve passes over a replica whose queue length it cannot fetch within its deadline (0.1 s, growing), and a
+        replica busy with a long prefill is slow to answer: without a few tries its prompts would scatter exactly
+        under load. A replica that is gone is dropped by Serve, and the next ranking goes without it."""
+        if affinity_tries < 1:
+            raise ValueError(f"affinity_tries must be >= 1, got {affinity_tries}")
         self.router = Router(1, policy, **router_kwargs)
+        self.affinity_tries = affinity_tries
+        self.tries: dict[str, int] = {}  # internal request id -> times ranked, until routed
         self.router.num_replicas = 0  # replicas are numbered as they appear (Router wants >= 1 at construction)
         self.router.outstanding, self.router.index, self.router.routed = [], [], []
         self.numbers: dict[ReplicaID, int] = {}  # replica -> its number in the Router
@@ -59,12 +67,20 @@ class PrefixRequestRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_number = {self.number(r.replica_id): r for r in candidate_replicas}
         keys = self.router.keys(prompt_of(body_of(pending_request)))
+        ranked = self.router.rank(keys, sorted(by_number))
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # every rank full: wait before asking again
-        return [[by_number[n]] for n in self.router.rank(keys, sorted(by_number))]
+            rid = pending_request.metadata.internal_request_id
+            if len(self.tries) > 100_000:  # requests cancelled before they were routed leave their count behind
+                self.tries.clear()
+            self.tries[rid] = self.tries.get(rid, 0) + 1
+            if self.router.policy == "prefix" and self.tries[rid] <= self.affinity_tries:
+                ranked = ranked[:1]
+        return [[by_number[n]] for n in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = pending_request.metadata.internal_request_id
+        self.tries.pop(rid, None)
         n = self.number(replica_id)
         self.router.record(n, self.router.keys(prompt_of(body_of(pending_request))))
         self.router.outstanding[n] += 1

@@ -56,9 +56,13 @@ def test_a_prefix_stays_on_its_replica_and_new_ones_are_spread() -> None:
     assert sorted(homes.values()) == ["a", "b"]
     for i, t in enumerate(["chess", "tax", "chess"]):
         assert route(router, replicas, request(10 + i, system(t) + f"question {i}?")) == homes[t]
-    # asking twice for one request (Serve does when its choice rejects it) records nothing twice
+    # asking again for one request (Serve does when its choice is full or slow to answer) records nothing twice;
+    # the first choice alone is offered 3 times, then all replicas, best first
     pr = request(20, system("chess") + "again?")
-    asyncio.run(router.choose_replicas(replicas, pr))
+    for _ in range(3):
+        assert [[r.replica_id.unique_id for r in rank] for rank in asyncio.run(router.choose_replicas(replicas, pr))] \
+            == [[homes["chess"]]]
+    assert len(asyncio.run(router.choose_replicas(replicas, pr))) == 2
     assert route(router, replicas, pr) == homes["chess"]
     state = {r["replica_id"]: r for r in router.replicas()}
     assert state[homes["chess"]]["routed"] == 4 and state[homes["tax"]]["routed"] == 2
@@ -95,6 +99,8 @@ def test_a_replica_that_joins_gets_new_prefixes_and_a_dead_one_is_forgotten() ->
 def test_unknown_policy_and_bad_bodies() -> None:
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_router(policy="random")
+    with pytest.raises(ValueError, match="affinity_tries"):
+        make_router(policy="prefix", affinity_tries=0)
     router, replicas = make_router(policy="prefix"), [replica("a"), replica("b")]
     bad = PendingRequest(args=["POST", "/v1/completions", b"{not json", "application/json"], kwargs={},
                          metadata=RequestMetadata(request_id="9", internal_request_id="internal-9"), future=None)
