@@ -14,6 +14,7 @@ Needs Ray Serve with custom request routers (`ray.serve.request_router`, Ray >= 
 from __future__ import annotations
 
 import json
+import time
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -52,6 +53,10 @@ class PrefixRequestRouter(RequestRouter):
         self.router.outstanding, self.router.index, self.router.routed = [], [], []
         self.numbers: dict[ReplicaID, int] = {}  # replica -> its number in the Router
         self.in_flight: dict[str, int] = {}  # internal request id -> the replica number it was routed to
+        # internal request id -> (replica number, when) of its latest first choice, until Serve reports it routed.
+        # Counted in `outstanding` meanwhile: Serve asks for the requests of a burst before any is routed, and by the
+        # routed counts alone all of them would pick the same replica
+        self.chosen: dict[str, tuple[int, float]] = {}
         # through the module: Serve may ship this class by value (cloudpickle), and then a bare ROUTERS would be
         # the copy's own dict, which the ingress never sees
         import paceline.parallel.ray_router as module
@@ -67,20 +72,36 @@ class PrefixRequestRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_number = {self.number(r.replica_id): r for r in candidate_replicas}
         keys = self.router.keys(prompt_of(body_of(pending_request)))
+        rid = pending_request.metadata.internal_request_id if pending_request is not None else None
+        self._unchoose(rid)  # this request's own earlier choice does not count against its replica
+        self._expire_choices()
         ranked = self.router.rank(keys, sorted(by_number))
-        if pending_request is not None:
+        if rid is not None:
             pending_request.routing_context.should_backoff = True  # every rank full: wait before asking again
-            rid = pending_request.metadata.internal_request_id
             if len(self.tries) > 100_000:  # requests cancelled before they were routed leave their count behind
                 self.tries.clear()
             self.tries[rid] = self.tries.get(rid, 0) + 1
             if self.router.policy == "prefix" and self.tries[rid] <= self.affinity_tries:
                 ranked = ranked[:1]
+            if ranked:
+                self.chosen[rid] = (ranked[0], time.monotonic())
+                self.router.outstanding[ranked[0]] += 1
         return [[by_number[n]] for n in ranked]
+
+    def _unchoose(self, rid: str | None) -> None:
+        if rid in self.chosen:
+            self.router.outstanding[self.chosen.pop(rid)[0]] -= 1
+
+    def _expire_choices(self, max_age_s: float = 30.0) -> None:
+        """A request cancelled while Serve was routing it is never reported: its choice stops counting after a while."""
+        now = time.monotonic()
+        for rid in [rid for rid, (_, since) in self.chosen.items() if now - since > max_age_s]:
+            self._unchoose(rid)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = pending_request.metadata.internal_request_id
         self.tries.pop(rid, None)
+        self._unchoose(rid)
         n = self.number(replica_id)
         self.router.record(n, self.router.keys(prompt_of(body_of(pending_request))))
         self.router.outstanding[n] += 1
@@ -88,7 +109,8 @@ class PrefixRequestRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         # also called for an attempt the replica rejected (never routed there): only the routed one counts
-        if self.in_flight.get(internal_request_id) == self.numbers.get(replica_id):
+        n = self.in_flight.get(internal_request_id)
+        if n is not None and n == self.numbers.get(replica_id):
             self.router.outstanding[self.in_flight.pop(internal_request_id)] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

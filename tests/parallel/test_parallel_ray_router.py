@@ -81,6 +81,20 @@ def test_in_flight_counts_end_with_the_request_and_a_rejected_attempt_does_not_c
     assert route(router, replicas, request(2, "z")) == "a"  # the less busy one
 
 
+def test_a_burst_asked_for_before_any_is_routed_is_spread() -> None:
+    # Serve ranks every request of a burst before it reports any of them routed
+    router, replicas = make_router(policy="least_outstanding"), [replica("a"), replica("b")]
+    burst = [request(i, f"List {i} colours:") for i in range(4)]
+    firsts = [asyncio.run(router.choose_replicas(replicas, pr))[0][0].replica_id for pr in burst]
+    assert sorted(r.unique_id for r in firsts) == ["a", "a", "b", "b"]
+    asyncio.run(router.choose_replicas(replicas, burst[0]))  # asked again: its earlier choice is replaced, not added
+    assert sum(r["outstanding"] for r in router.replicas()) == 4
+    for pr, chosen in zip(burst, firsts):
+        router.on_request_routed(pr, chosen, result=None)
+    assert [r["outstanding"] for r in router.replicas()] == [2, 2]
+    router.on_request_completed(ReplicaID(unique_id="zz", deployment_id=DEPLOYMENT), "never-routed")  # ignored
+
+
 def test_a_replica_that_joins_gets_new_prefixes_and_a_dead_one_is_forgotten() -> None:
     router = make_router(policy="prefix")
     a, b, c = replica("a"), replica("b"), replica("c")
