@@ -55,7 +55,9 @@ from paceline.bench.workload import RequestSpec  # noqa: E402
 MODES = {"fp32": ["--dtype", "float32", "--quantization", "none"],
          "bf16": ["--dtype", "bfloat16", "--quantization", "none"],
          "int4": ["--quantization", "int4"],
-         "default": []}
+         "default": [],
+         "w4a8": []}  # the default with int8 activations on the int4 linears (off by default: top-1 below the bar)
+MODE_ENV = {"w4a8": {"PACELINE_W4A8_LINEARS": "all"}}
 QUEUE_TIMES = ("paceline:request_queue_time_seconds", "vllm:request_queue_time_seconds")
 CHAT_ARGS = ["--workload", "chat", "--rate", "0.5", "--duration", "90", "--seed", "7", "--tbt-slo", "190"]
 SMALL_BUDGET = 64
@@ -392,6 +394,8 @@ def main() -> int:
         small = this_checkout(paceline_system("sarathi", SMALL_BUDGET, model, args.threads, extra=extra))
         # paceline's defaults: no scheduler flags at all, so config.py decides (budget, step-time target)
         default = this_checkout(paceline_system("sarathi", 0, model, args.threads, extra=extra))
+        for system in (small, default):
+            system.env = {**system.env, **MODE_ENV.get(mode, {})}
         i = default.argv.index("--scheduler")
         assert default.argv[i:i + 4] == ["--scheduler", "sarathi", "--max-num-batched-tokens", "0"]
         del default.argv[i:i + 4]
