@@ -57,6 +57,90 @@ def step_summary(url: str, since: int) -> dict:
             "preempted": sum(s["preempted"] for s in steps), "records": steps}
 
 
+def window_steps(records: list[dict], duration: float) -> list[dict]:
+    """The steps that started within the arrival window (from the run's first step): every system is then
+    compared over the same span, not over a drain that one of them may still be in."""
+    if not records:
+        return []
+    t0 = records[0]["t"]
+    return [s for s in records if s["t"] - t0 < duration]
+
+
+def _shape_features(s: dict) -> list[float]:
+    # what a step costs on this CPU, to first order: a fixed part, every row (decode or prompt token) through the
+    # int4 matmuls, and a prompt chunk's own attention path
+    return [1.0, float(s["decode"]), float(s["prefill"]), 1.0 if s["prefill"] else 0.0]
+
+
+def shape_model(runs: list[list[dict]], rounds: int = 20):
+    """One step-cost model for every run of a benchmark, each run with its own speed factor: dur = speed(run) x
+    (features . coef), fitted by alternating least squares. Why pooled: one run's own fit swings with its host
+    stalls (on 2026-11-23 one fcfs run put 102 ms on a prompt chunk, the next -13 ms), while the shapes of all
+    runs together pin the costs and leave the host's share to the speed factors."""
+    import numpy as np
+
+    xs = [np.array([_shape_features(s) for s in r]) for r in runs]
+    ds = [np.array([s["dur"] for s in r]) for r in runs]
+    speeds = [1.0] * len(runs)
+    coef = np.zeros(4)
+    for _ in range(rounds):
+        coef, *_ = np.linalg.lstsq(np.vstack(xs), np.concatenate([d / v for d, v in zip(ds, speeds)]), rcond=None)
+        speeds = [float(d @ (x @ coef) / max((x @ coef) @ (x @ coef), 1e-18)) for x, d in zip(xs, ds)]
+    return coef
+
+
+def step_split(records: list[dict], coef) -> dict:
+    """Where a system's decode throughput goes, from its step log: decode tok/s = decodes per step x steps per
+    second, steps per second = busy share / mean step time, and the step time = its shape (shape_model's cost of
+    these steps) x the speed the host gave the run (measured / shape). A scheduling order changes the first
+    three; a busier host the last."""
+    import numpy as np
+
+    span = records[-1]["t"] - records[0]["t"] + records[-1]["dur"]
+    dur = np.array([s["dur"] for s in records])
+    shape = np.array([_shape_features(s) for s in records]) @ coef
+    n = len(records)
+    return {"steps": n, "steps_per_s": n / max(span, 1e-9), "busy": float(dur.sum()) / max(span, 1e-9),
+            "decode_per_step": sum(s["decode"] for s in records) / n,
+            "prefill_per_step": sum(s["prefill"] for s in records) / n,
+            "prompt_step_share": sum(1 for s in records if s["prefill"]) / n,
+            "dur_mean_ms": float(dur.mean()) * 1e3, "shape_ms": float(shape.mean()) * 1e3,
+            "speed": float(dur.mean() / shape.mean()),
+            "seat_free_while_waiting": sum(1 for s in records if s["running"] < SEATS and s["waiting"] > 0),
+            "preempted": sum(s["preempted"] for s in records)}
+
+
+def split_table(runs: list[dict], duration: float) -> str:
+    """step_split of every run's steps in the arrival window, each against the fcfs run of its round, as one
+    table. The last column is what the order itself cost: the decode tok/s ratio at the speed fcfs had."""
+    windows = {id(r): window_steps((r.get("steps") or {}).get("records") or [], duration) for r in runs}
+    if not all(windows.values()):
+        return ""
+    coef = shape_model(list(windows.values()))
+    split = {k: step_split(v, coef) for k, v in windows.items()}
+    rows = []
+    for r in runs:
+        base = next((b for b in runs if b["system"].startswith("paceline-fcfs") and b["round"] == r["round"]), None)
+        if base is None:
+            continue
+        x, b = split[id(r)], split[id(base)]
+        ratios = (x["decode_per_step"] / b["decode_per_step"], x["busy"] / b["busy"], x["shape_ms"] / b["shape_ms"],
+                  x["speed"] / b["speed"])
+        measured = x["decode_per_step"] * x["steps_per_s"] / max(b["decode_per_step"] * b["steps_per_s"], 1e-9)
+        rows.append([r["system"], str(r["round"]), str(x["steps"]), f"{x['decode_per_step']:.2f}",
+                     f"{x['prefill_per_step']:.2f}", f"{x['prompt_step_share']:.3f}", f"{x['busy']:.3f}",
+                     f"{x['dur_mean_ms']:.1f}", f"{x['shape_ms']:.1f}", f"{ratios[3]:.3f}",
+                     str(x["seat_free_while_waiting"]), str(x["preempted"]), f"{measured:.3f}x",
+                     "{:.3f} x {:.3f} / {:.3f} / {:.3f}".format(*ratios),
+                     f"{ratios[0] * ratios[1] / ratios[2]:.3f}x"])
+    names = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in zip(("fixed", "decode", "prompt token", "prompt chunk"), coef))
+    return markdown_table(["system", "round", "steps (window)", "decodes / step", "prompt tokens / step",
+                           "steps with a prompt chunk", "busy", "step mean (ms)", "its shape (ms)",
+                           "host speed vs fcfs", "seat free while waiting", "preempted", "decode tok/s vs fcfs",
+                           "= decodes/step x busy / shape / speed", "at fcfs's speed"], rows) + \
+        f"\n\nStep cost model pooled over these runs (ms): {names}\n"
+
+
 def simulate(args: argparse.Namespace, spec, requests) -> list[dict]:
     """The paceline systems of --systems, simulated on the same requests: the same table, virtual time."""
     from paceline.config import CacheConfig, SchedulerConfig
@@ -92,7 +176,11 @@ def simulate(args: argparse.Namespace, spec, requests) -> list[dict]:
         r["steps"] = {"steps": len(steps), "dur_p50_ms": dur[len(dur) // 2] * 1e3 if dur else 0.0,
                       "pred_p50_ms": dur[len(dur) // 2] * 1e3 if dur else 0.0,
                       "decode_per_s": sum(x.num_decode_tokens for x in steps) / span,
-                      "prefill_per_s": sum(x.num_prefill_tokens for x in steps) / span}
+                      "prefill_per_s": sum(x.num_prefill_tokens for x in steps) / span,
+                      # the server's step-log fields, so step_split reads a simulated run like a served one
+                      "records": [{"t": x.start, "dur": x.duration, "pred": x.duration, "decode": x.num_decode_tokens,
+                                   "prefill": x.num_prefill_tokens, "running": x.num_running,
+                                   "waiting": x.num_waiting, "preempted": x.num_preempted} for x in steps]}
         runs.append(r)
         print(client_table(r), flush=True)
     return runs
@@ -130,7 +218,7 @@ def main() -> None:
     p.add_argument("--time-slice-tokens", type=int, default=16)
     p.add_argument("--preemption-mode", default="swap")
     p.add_argument("--rounds", type=int, default=1,
-                   help="run the systems this many times, interleaved (fcfs, fair, ..., fcfs, fair, ...): the host's "
+                   help="run the systems this many times, interleaved (fcfs, fair, then fair, fcfs, ...): the host's "
                         "drift then spreads over every system instead of landing on one")
     p.add_argument("--drain-s", type=float, default=None,
                    help="after the arrival window, wait at most this long for the requests still running, then cancel "
@@ -166,7 +254,9 @@ def main() -> None:
         runs = []
         deadline = args.duration + args.drain_s if args.drain_s is not None else None
         for round_ in range(args.rounds):
-            for system in systems(args, model):
+            # odd rounds run the systems in reverse (A B, B A, ...): a host that drifts steadily over the run then
+            # slows each system as much as the others instead of the last one most
+            for system in systems(args, model)[::-1 if round_ % 2 else 1]:
                 print(f"== {system.name} (round {round_ + 1})", flush=True)
                 if system.skip:
                     print(f"   skipped: {system.skip}")
@@ -216,6 +306,10 @@ def main() -> None:
     env = environment()
     text = (f"two-tenants, rate {args.rate}, {args.duration:.0f} s window, seed {args.seed}, {time.strftime('%Y-%m-%d')}, "
             f"{env['cpu']} ({env['cpus']} CPUs), commit {env['commit']}{' (dirty)' if env['dirty'] else ''}\n\n{table}\n")
+    split = split_table(runs, args.duration)
+    if split:
+        text += ("\nWhere the decode throughput went (steps of the arrival window, each against fcfs of its round):"
+                 f"\n\n{split}\n")
     (out / "results.md").write_text(text)
     print(text)
 

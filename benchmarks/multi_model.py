@@ -98,9 +98,16 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, va
     included) and the streams' largest gap while it loads, against their p99 over the rest of the run.
     variant "" : smol-fp32 is loaded while smol-int4 streams run; "int4": the other way round; "nice19": as "",
     with the loader at nice 19 (PACELINE_LOADER_NICE=19, as before 2026-11-23 21:30 UTC); "pack-first": as "",
-    packing the weights before the model serves (PACELINE_DEFER_PACKING=0)."""
-    env = {"pack-first": {"PACELINE_DEFER_PACKING": "0"}, "nice19": {"PACELINE_LOADER_NICE": "19"}}.get(variant, {})
-    target = "smol-int4" if variant == "int4" else "smol-fp32"
+    packing the weights before the model serves (PACELINE_DEFER_PACKING=0); "warm-up": as "", with the loader's
+    two warm-up forwards before the model joins (PACELINE_LOAD_WARM_UP=1, as before 2026-11-24); "whole" and
+    "int4-whole": as "" and "int4", the first prompt in one uncapped step (PACELINE_DEBUT_STEP=whole).
+    The server's own split of the switch (seconds from the request to each mark; residency.LoadTimeline) comes
+    back from /v1/models; the streams' gaps are split at its `joined` mark into the load and the first prompt
+    (the client's send time stands for the server's request mark: both on this machine, a few ms apart)."""
+    env = {"pack-first": {"PACELINE_DEFER_PACKING": "0"}, "nice19": {"PACELINE_LOADER_NICE": "19"},
+           "warm-up": {"PACELINE_LOAD_WARM_UP": "1"}, "whole": {"PACELINE_DEBUT_STEP": "whole"},
+           "int4-whole": {"PACELINE_DEBUT_STEP": "whole"}}.get(variant, {})
+    target = "smol-int4" if variant.startswith("int4") else "smol-fp32"
     other = next(name for name in MODELS if name != target)
     label = f"switch{'-' + variant if variant else ''}"
     server = Served(["--models-config", str(models_yaml(log_dir / f"{label}.yaml", {target}))], args.threads,
@@ -110,8 +117,13 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, va
                                   prompt_tokens=LengthDist("lognormal", median=300, sigma=0.8, min=16, max=1000)),
                           rate=args.rate / 2, duration_s=args.switch_seconds, seed=args.seed + 7)
         steady = [replace(r, model=other) for r in steady]
-        at = args.switch_seconds / 2
-        one = RequestSpec(len(steady), at, 64, 16, 0, target)
+        # 1 s after the first of the other model's arrivals past mid-run, so that its streams run while the
+        # target loads (at a fixed mid-run time the loop was idle on 2026-11-24: nothing to measure a gap of)
+        at = 1.0 + min((r.arrival_s for r in steady if r.arrival_s >= args.switch_seconds / 2),
+                       default=args.switch_seconds / 2)
+        # model= by name: before 2026-11-24 this was the sixth positional field (client), so the request went to
+        # the first model served, and "switch-int4" loaded nothing
+        one = RequestSpec(len(steady), at, 64, 16, 0, model=target)
         requests = steady + [one]
         prompts = build_prompts(source, requests, args.seed, as_text=False, epoch=9)
         res = run(Endpoint(server.url), requests, prompts, progress=False, scrape_interval=None,
@@ -122,10 +134,16 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, va
     rec = res.records[-1]
     first = rec.token_times[0] if rec.token_times else None
     window = (rec.sent_s, first if first is not None else rec.sent_s)
-    inside, outside = [], []
+    split = next((m.get("last_load") for m in models if m["id"] == target), None) or {}
+    joined = rec.sent_s + split["joined"] if "joined" in split else window[1]
+    inside, outside, loading, prompting = [], [], [], []
     for r in res.records[:-1]:
         for a, b in zip(r.token_times, r.token_times[1:]):
-            (inside if b > window[0] and a < window[1] else outside).append(b - a)
+            if b > window[0] and a < window[1]:
+                inside.append(b - a)
+                (loading if a < joined else prompting).append(b - a)
+            else:
+                outside.append(b - a)
     log_lines = [line.strip() for line in (log_dir / f"{label}.log").read_text().splitlines()
                  if target in line and ("loaded in" in line or "packed" in line)]
     return {"target": target, "switch_ttft_s": (first - rec.sent_s) if first is not None else None,
@@ -133,7 +151,11 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, va
             "log": log_lines,
             "others_max_gap_during_load_ms": 1e3 * max(inside, default=0.0),
             "others_p99_gap_elsewhere_ms": 1e3 * float(np.percentile(outside, 99)) if outside else None,
-            "gaps_during_load": len(inside), "models": models}
+            "gaps_during_load": len(inside),
+            "split_s": split,
+            "others_max_gap_loading_ms": 1e3 * max(loading, default=0.0),
+            "others_max_gap_first_prompt_ms": 1e3 * max(prompting, default=0.0),
+            "models": models}
 
 
 def main() -> None:
@@ -146,8 +168,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for logs and results.json (default: a temp folder)")
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
-                   help="comma-separated parts; switch variants (see switch_run): switch, switch-int4, "
-                        "switch-nice19, switch-pack-first")
+                   help="comma-separated parts (prepare: load both once, so that a switch finds their runtime "
+                        "snapshots and step-time profiles cached); switch variants (see switch_run): switch, switch-int4, "
+                        "switch-nice19, switch-pack-first, switch-warm-up, switch-whole, switch-int4-whole")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="multi-model-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -168,6 +191,8 @@ def main() -> None:
         epoch += 1
         return build_prompts(source, reqs, args.seed, as_text=False, epoch=epoch)
 
+    if "prepare" in only:  # both models loaded at start-up once: their snapshots and step-time profiles cached
+        Served(["--models-config", str(models_yaml(out / "prepare.yaml"))], args.threads, out, "prepare").stop()
     if "alone" in only:  # each model alone, its own share of the traffic at the same times
         results["alone"] = {}
         for name, flags in MODELS.items():
@@ -197,7 +222,7 @@ def main() -> None:
             for s in servers.values():
                 s.stop()
         print("two processes", results["two_processes"], flush=True)
-    for variant in ("pack-first", "nice19", "", "int4"):
+    for variant in ("pack-first", "nice19", "warm-up", "", "whole", "int4", "int4-whole"):
         key = f"switch{'-' + variant if variant else ''}"
         if key in only:
             results[key] = switch_run(args, out, source, variant)

@@ -107,15 +107,31 @@ async def drive(url: str, requests, prompts, grace_s: float,
     return records, answered
 
 
-def summarize(records: list[RequestRecord], answered: dict[int, float], tbt_slo_ms: float) -> dict:
+def config_limit_s(config: str) -> float | None:
+    delay = config.partition("@")[0].partition("+")[0]
+    return None if delay == "off" else float(delay)
+
+
+def summarize(records: list[RequestRecord], answered: dict[int, float], tbt_slo_ms: float,
+              limit_s: float | None = None) -> dict:
     ok = [r for r in records if r.ok and r.num_output_tokens == r.output_tokens]
     gaps = [g for r in ok for g in r.gaps]
     r503 = [r for r in records if r.error and r.error.startswith("HTTP 503")]
-    expired = [r for r in r503 if "waited longer" in r.error]
+    # taken out of the queue after waiting (admission.py's expired_error); "has waited longer" is an arrival refused
+    # because an admitted request is overdue, which is answered at arrival like any other
+    expired = [r for r in r503 if "without being scheduled" in r.error]
     at_arrival = [r for r in r503 if r not in expired]
     other = [r for r in records if r.error and r not in r503]
+    every_503 = [answered[r.index] for r in r503]
     return {
         "requests": len(records), "admitted_complete": len(ok),
+        # the target: every 503 answered within 50 ms of sending (expired ones included, which should be none)
+        "rejected_all": {"n": len(r503), "answer_ms_p50": pct(every_503, 50), "answer_ms_p99": pct(every_503, 99),
+                         "answer_ms_max": pct(every_503, 100), "within_50ms": sum(1 for x in every_503 if x <= 0.05)},
+        # admitted requests whose first token came after the limit: their wait was mispredicted (TTFT includes
+        # their own prefill, so this over-counts the waits past the limit)
+        "admitted_ttft_over_limit": None if limit_s is None else sum(1 for r in ok if r.ttft > limit_s),
+        "ttft_ms_max": pct([r.ttft for r in ok], 100),
         "tbt_ms": {"n": len(gaps), "p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": pct(gaps, 100)},
         "tbt_p99_under_slo": bool(gaps) and pct(gaps, 99) < tbt_slo_ms,
         "ttft_ms": {"p50": pct([r.ttft for r in ok], 50), "p99": pct([r.ttft for r in ok], 99)},
@@ -126,6 +142,26 @@ def summarize(records: list[RequestRecord], answered: dict[int, float], tbt_slo_
                              "answer_ms_max": pct([answered[r.index] for r in expired], 100)},
         "other_errors": len(other), "other_error_examples": sorted({(r.error or "")[:120] for r in other})[:5],
     }
+
+
+def queued_past(url: str, limit_s: float | None) -> dict | None:
+    """From the server's queue-time histogram (arrival to first scheduled, at finish): how many requests it
+    finished and how many of them had waited longer than the limit (exact when the limit is a bucket edge)."""
+    if limit_s is None:
+        return None
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    count = within = None
+    for line in text.splitlines():
+        if line.startswith("paceline:request_queue_time_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("paceline:request_queue_time_seconds_bucket") and f'le="{float(limit_s)}"' in line:
+            within = float(line.split()[-1])
+    if count is None or within is None:
+        return None
+    return {"finished": int(count), "waited_past_limit": int(count - within)}
 
 
 def step_records(url: str) -> list[dict]:
@@ -181,7 +217,10 @@ def main() -> None:
             peaks: dict[str, float] = {}
             records, answered = asyncio.run(drive(server.url, requests, prompts, args.grace_s, peaks))
             steps = step_records(server.url)
-        report["configs"][config] = {"flags": flags, **summarize(records, answered, args.tbt_slo_ms),
+            queued = queued_past(server.url, config_limit_s(config))
+        report["configs"][config] = {"flags": flags, **summarize(records, answered, args.tbt_slo_ms,
+                                                                 config_limit_s(config)),
+                                     "server_queue_time": queued,
                                      "peak_running": peaks.get("running"), "peak_waiting": peaks.get("waiting"),
                                      "steps": summarize_steps(steps)}
         if args.steps_output:  # every step record, for a closer look at what the engine did

@@ -377,18 +377,20 @@ def measure_ray(args) -> dict:
         for blocks in [int(b) for b in str(args.replica_blocks).split(",")]:
             engine = {"block_size": BLOCK_SIZE, "num_blocks": blocks, "served_model_name": "m"}
             rates: dict = {}
-            for name in args.routers.split(","):
+            for name in (args.routers or "round_robin,least_outstanding,prefix").split(","):
                 kwargs = dict(ROUTERS[name])
                 t0 = time.perf_counter()
-                serve.run(ray_serve.build(2, engine, kwargs.pop("policy"), router_kwargs=kwargs), name="paceline",
-                          route_prefix="/")
+                serve.run(ray_serve.build(args.replicas, engine, kwargs.pop("policy"), router_kwargs=kwargs),
+                          name="paceline", route_prefix="/")
                 client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
                 for b in bodies:
                     if "messages" in b:
                         client.chat.completions.create(model="m", messages=b["messages"], max_tokens=1, temperature=0)
                     else:
                         client.completions.create(model="m", prompt=b["prompt"], max_tokens=1, temperature=0)
-                stats = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/paceline/replicas").read())
+                # every replica the router saw, live or not: one that Serve dropped or replaced served requests too
+                stats = [r for r in json.loads(urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/paceline/replicas").read())["replicas"] if "prefix_cache_queries" in r]
                 hits, queries = (sum(s["prefix_cache_hits"] for s in stats),
                                  sum(s["prefix_cache_queries"] for s in stats))
                 rates[name] = {"hit_rate": down(hits / queries), "hit_tokens": hits, "prompt_tokens": queries,
@@ -497,13 +499,14 @@ def measure_replay(args) -> dict:
     from paceline.bench.prompts import load_tokenizer
 
     tokenizer = load_tokenizer()
-    out: dict = {"groups": args.groups, "per_group": args.per_group}
+    out: dict = {"groups": args.groups, "per_group": args.per_group, "replicas": args.replicas}
     for workload in args.workload.split(","):
         for blocks in [int(b) for b in str(args.replica_blocks).split(",")]:
             runs, ratios = {}, []
             for seed in range(args.seeds):
                 bodies = workload_bodies(workload, args.groups, args.per_group, seed)
-                run = {name: replay_hits(bodies, kw, blocks, tokenizer) for name, kw in ROUTERS.items()}
+                run = {name: replay_hits(bodies, ROUTERS[name], blocks, tokenizer, args.replicas)
+                       for name in (args.routers or ",".join(ROUTERS)).split(",")}
                 ratios.append(run["prefix"]["hit_tokens"] / run["round_robin"]["hit_tokens"])  # same prompt tokens
                 run["prefix / round_robin"] = down(ratios[-1], 3)
                 runs[f"seed {seed}"] = run
@@ -583,14 +586,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replica-blocks", default="256", help="ray, replay: KV blocks per replica (comma-separated)")
     p.add_argument("--workload", default="system-prompts",
                    help=f"ray, replay, sim: of {', '.join(WORKLOADS)} (comma-separated)")
-    p.add_argument("--routers", default="round_robin,least_outstanding,prefix",
-                   help=f"ray: which of {', '.join(ROUTERS)} (comma-separated)")
+    p.add_argument("--routers", default=None,
+                   help=f"ray, replay: which of {', '.join(ROUTERS)} (comma-separated; default: ray the first "
+                        "three, replay all)")
     p.add_argument("--seeds", type=int, default=1, help="replay: shuffles of the workload, seeds 0..N-1 (ray: seed 0)")
     p.add_argument("--arrive-every-tokens", default="0",
                    help="pp: a new request each time this many more tokens have been run (0: all at once); "
                         "several, comma-separated, run one after another")
     p.add_argument("--rounds", type=int, default=2, help="overhead: times every layout runs, in turn")
     p.add_argument("--repeats", type=int, default=1000, help="allreduce: timed all-reduces per shape")
+    p.add_argument("--replicas", type=int, default=2, help="ray, replay: replicas")
     p.add_argument("--sim-replicas", type=int, default=2, help="sim: replicas")
     p.add_argument("--sim-rate", type=float, default=4.0, help="sim: requests/s of the poisson pattern")
     p.add_argument("--sim-model", default="llama-3-8b", help="sim: the roofline's model config")

@@ -82,10 +82,11 @@ async def well_behaved(client: httpx.AsyncClient, book: Book, phase: str, refs: 
         return await well_behaved_whole(client, book, phase, refs, q, max_tokens)
     body = {"prompt": PREFIX + q, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    text, times, finish, usage, done = "", [], None, None, False
+    text, times, finish, usage, done, status = "", [], None, None, False, None
     sent = time.monotonic()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
+            status = r.status_code
             if r.status_code != 200:
                 await r.aread()
                 outcome = f"http {r.status_code}"
@@ -114,7 +115,7 @@ async def well_behaved(client: httpx.AsyncClient, book: Book, phase: str, refs: 
                     finish = c["finish_reason"] or finish
     except httpx.HTTPError as e:
         book.add(phase, "good", "transport error")
-        book.corrupted.append(f"{type(e).__name__}: {e}")
+        book.corrupted.append(transport_error(e, sent, status, len(times)))
         return
     ok = done and finish == "length" and usage and usage["completion_tokens"] == max_tokens \
         and refs[q].startswith(text)
@@ -123,6 +124,15 @@ async def well_behaved(client: httpx.AsyncClient, book: Book, phase: str, refs: 
         book.corrupted.append(f"{q!r} max_tokens={max_tokens} done={done} finish={finish} usage={usage} "
                               f"text={text[:80]!r} ref={refs[q][:80]!r}")
     book.gaps[phase].extend(b - a for a, b in zip(times, times[1:]))
+
+
+def transport_error(e: httpx.HTTPError, sent: float, status: int | None, tokens: int) -> str:
+    """What a lost request's record must say to find the cause: when (UTC, to match the server log), how far it
+    got, and the socket error under httpx's (an empty ReadError over BrokenResourceError is a connection reset:
+    e.g. a server closing an idle keep-alive connection as the request arrived on it)."""
+    where = "before any status" if status is None else f"after status {status} and {tokens} tokens"
+    return (f"{type(e).__name__}: {e} ({where}, {time.monotonic() - sent:.1f} s after sending, at "
+            f"{time.strftime('%H:%M:%S', time.gmtime())} UTC; cause {e.__context__!r})")
 
 
 async def well_behaved_whole(client: httpx.AsyncClient, book: Book, phase: str, refs: dict[str, str], q: str,
@@ -134,7 +144,7 @@ async def well_behaved_whole(client: httpx.AsyncClient, book: Book, phase: str, 
                                                        "temperature": 0, "ignore_eos": True})
     except httpx.HTTPError as e:
         book.add(phase, "good_whole", "transport error")
-        book.corrupted.append(f"whole: {type(e).__name__}: {e}")
+        book.corrupted.append("whole: " + transport_error(e, sent, None, 0))
         return
     if r.status_code != 200:
         if r.status_code == 503:

@@ -2,9 +2,11 @@
 with each server's step log read back: a before/after of a scheduler change in one run.
 
     flock -x /tmp/paceline-cpu.lock python benchmarks/step_target_ab.py tput,stall --config "" --config "--max-num-batched-tokens 2048"
+    flock -x /tmp/paceline-cpu.lock python benchmarks/step_target_ab.py tput,stall --rounds 2 --config "" --config "--tbt-goal-ms 100"
 
 Probes (comma-separated): `tput` = (a) 32 streams and (d) a lone 1,500-token prompt (median of 2); `stall` = (e) 6
-streams, then a 1,500-token prompt, on a server with `--max-num-batched-tokens 64` added (as vs_vllm.py runs it).
+streams, then a 1,500-token prompt, on a server with `--max-num-batched-tokens 64` added (as vs_vllm.py runs it);
+`chat` = vs_vllm.py's chat probe (`paceline bench serve --workload chat --rate 0.5 --duration 90 ...`, ~2 min).
 Each --config is extra `paceline serve` flags (default: one config, no flags: the serving defaults), optionally
 after `@DIR`: that checkout's paceline (e.g. an exported older commit) instead of this one. For each
 probe the step log says where the time went: how full the steps that carry decodes were against the step-time
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -68,6 +71,31 @@ def analyse(steps: list[dict], target_ms: float | None) -> dict:
     return out
 
 
+def steps_around(steps: list[dict], stall: dict) -> dict:
+    """The steps the stall probe's largest gap spans (its ends on the monotonic clock the step log also uses), and
+    the longest interval between two decode-carrying steps' ends after the long prompt arrived: the gap as the
+    engine made it. The client's gap less that interval is what HTTP, the client and the GIL added."""
+    at, sent = stall.get("max_gap_at"), stall.get("long_sent_at")
+    if not at or sent is None:
+        return {}
+    a, b = at
+    # "t" is stamped after the step's update and metrics; a step ran from about t - dur
+    inside = [s for s in steps if s["t"] >= a - 0.02 and s["t"] - s["dur"] <= b + 0.02]
+    rows = [{"end_ms": round(1e3 * (s["t"] - a), 1), "dur_ms": round(1e3 * s["dur"], 1),
+             "pred_ms": round(1e3 * s["pred"], 1), "decode": s["decode"], "prefill": s["prefill"],
+             "running": s["running"], "waiting": s["waiting"]} for s in inside]
+    dec = [s for s in steps if s["decode"] and s["t"] >= sent]
+    intervals = [(b_["t"] - a_["t"], a_, b_) for a_, b_ in zip(dec, dec[1:])]
+    out = {"gap_ms": round(1e3 * (b - a), 1), "gap_start_after_long_sent_ms": round(1e3 * (a - sent), 1),
+           "steps_in_gap": rows}
+    if intervals:
+        iv, s0, s1 = max(intervals, key=lambda x: x[0])
+        out.update(engine_interval_max_ms=round(1e3 * iv, 1), engine_interval_step_dur_ms=round(1e3 * s1["dur"], 1),
+                   engine_interval_step=(s1["decode"], s1["prefill"]),
+                   engine_interval_at_after_long_sent_ms=round(1e3 * (s0["t"] - sent), 1))
+    return out
+
+
 def print_steps(steps: list[dict], every: int = 0) -> None:
     every = every or max(1, len(steps) // 30)
     for s in steps[::every]:
@@ -101,6 +129,10 @@ def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, v
                 n0 = num_steps(srv.url)
                 row["prefill"] = V.probe_prefill(ep, prompts, repeats=2)
                 row["prefill_steps"] = analyse(steps_since(srv.url, n0), target)
+            elif probe == "chat":  # the issue's chat command against this server (vs_vllm.py's probe)
+                row["chat"] = V.probe_chat(srv.url, "paceline", Path(tempfile.mkdtemp(prefix="step-ab-chat-")),
+                                           sysm.send_priority)
+                row["chat_steps"] = analyse(steps_since(srv.url, n0), target)
             else:
                 # warm it first, as vs_vllm.py does (its budget-64 server runs the 32-stream probe before this one):
                 # the first seconds after a start are slower than the rest (engine._warming_up)
@@ -110,6 +142,7 @@ def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, v
                 st = steps_since(srv.url, n0)
                 row["stall_steps"] = analyse(st, target)
                 row["stall_longest_steps"] = sorted(st, key=lambda s: -s["dur"])[:5]
+                row["stall_gap"] = steps_around(st, row["stall"])
                 if verbose:
                     print_steps(st)
         finally:
@@ -123,18 +156,27 @@ def main() -> int:
     ap.add_argument("probes", help="tput, stall or tput,stall")
     ap.add_argument("--config", action="append", default=None, help="extra serve flags of one configuration; repeat")
     ap.add_argument("--verbose", action="store_true", help="print every n-th step of the log")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configurations this many times, alternating (A B A B): the host drifts within a run")
     args = ap.parse_args()
+    # killed by a timeout: unwind, so the finally blocks stop the server in flight
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = bundled_gguf()
     prompts = V.Prompts(PromptSource(load_tokenizer(model)), 0)
     rows = [run_config(c, args.probes.split(","), prompts, model, args.verbose)
-            for c in (args.config or [""])]
-    print("\n| config | 32 streams tok/s | p99 TBT ms | steps | lone 1,500 TTFT ms | stall gap ms |")
-    print("|---|---:|---:|---:|---:|---:|")
+            for _ in range(args.rounds) for c in (args.config or [""])]
+    print("\n| config | 32 streams tok/s | p99 TBT ms | steps | lone 1,500 TTFT ms | stall gap ms | engine's part ms "
+          "| chat TTFT p50 / p99 ms | chat TBT p99 / max ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         tp, pf, st = r.get("throughput", {}), r.get("prefill", {}), r.get("stall", {})
         cells = [V.fmt(tp.get("gen_tok_s"), ".1f"), V.fmt(tp.get("tbt_p99_s"), ".0f", 1e3),
                  V.fmt(r.get("throughput_steps", {}).get("steps"), ".0f"), V.fmt(pf.get("ttft_s"), ".0f", 1e3),
-                 V.fmt(st.get("max_gap_s"), ".0f", 1e3)]
+                 V.fmt(st.get("max_gap_s"), ".0f", 1e3),
+                 V.fmt(r.get("stall_gap", {}).get("engine_interval_max_ms"), ".0f")]
+        ch = r.get("chat", {})
+        cells += [f'{V.fmt(ch.get("ttft_p50_s"), ".0f", 1e3)} / {V.fmt(ch.get("ttft_p99_s"), ".0f", 1e3)}',
+                  f'{V.fmt(ch.get("tbt_p99_s"), ".0f", 1e3)} / {V.fmt(ch.get("tbt_max_s"), ".0f", 1e3)}']
         print(f"| {r['flags'] or 'defaults'} | " + " | ".join(cells) + " |")
     return 0
 

@@ -55,7 +55,9 @@ from paceline.bench.workload import RequestSpec  # noqa: E402
 MODES = {"fp32": ["--dtype", "float32", "--quantization", "none"],
          "bf16": ["--dtype", "bfloat16", "--quantization", "none"],
          "int4": ["--quantization", "int4"],
-         "default": []}
+         "default": [],
+         "w4a8": []}  # the default with int8 activations on the int4 linears (off by default: top-1 below the bar)
+MODE_ENV = {"w4a8": {"PACELINE_W4A8_LINEARS": "all"}}
 QUEUE_TIMES = ("paceline:request_queue_time_seconds", "vllm:request_queue_time_seconds")
 CHAT_ARGS = ["--workload", "chat", "--rate", "0.5", "--duration", "90", "--seed", "7", "--tbt-slo", "190"]
 SMALL_BUDGET = 64
@@ -113,8 +115,15 @@ def probe_stall(ep: Endpoint, prompts: Prompts, arrive_s: float = 1.5) -> dict:
     streams, long = res.records[:6], res.records[6]
     gaps_after = [t1 - t0 for r in streams for t0, t1 in zip(r.token_times, r.token_times[1:]) if t1 >= long.sent_s]
     still = all(r.token_times[-1] >= long.token_times[0] for r in streams)  # did the streams outlast the prefill?
+    # where the largest gap lies on the machine's monotonic clock (perf_counter is CLOCK_MONOTONIC on Linux, as a
+    # server's time.monotonic()), so a server's step log can be laid beside it (benchmarks/step_target_ab.py)
+    t0 = res.started_at - (time.time() - time.perf_counter())
+    window = max(((t1 - t0_, t0 + t0_, t0 + t1) for r in streams for t0_, t1 in zip(r.token_times, r.token_times[1:])
+                  if t1 >= long.sent_s), default=None)
     return {"max_gap_s": max(gaps_after) if gaps_after else None, "max_gap_any_s": max(g for r in streams for g in r.gaps),
-            "long_ttft_s": long.ttft, "streams_outlasted_prefill": still}
+            "long_ttft_s": long.ttft, "streams_outlasted_prefill": still,
+            "max_gap_at": list(window[1:]) if window else None, "long_sent_at": t0 + long.sent_s,
+            "long_first_token_at": t0 + long.token_times[0] if long.token_times else None}
 
 
 def scrape(url: str) -> dict[str, float] | None:
@@ -385,6 +394,8 @@ def main() -> int:
         small = this_checkout(paceline_system("sarathi", SMALL_BUDGET, model, args.threads, extra=extra))
         # paceline's defaults: no scheduler flags at all, so config.py decides (budget, step-time target)
         default = this_checkout(paceline_system("sarathi", 0, model, args.threads, extra=extra))
+        for system in (small, default):
+            system.env = {**system.env, **MODE_ENV.get(mode, {})}
         i = default.argv.index("--scheduler")
         assert default.argv[i:i + 4] == ["--scheduler", "sarathi", "--max-num-batched-tokens", "0"]
         del default.argv[i:i + 4]

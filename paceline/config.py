@@ -14,7 +14,8 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 # The serving default's TBT goal and the step-time target derived from it. A token gap is one step plus the
 # engine's and HTTP's own work per token, and the engine tracks the 98th percentile of measured / predicted step
-# time, so the target leaves the rest of the goal as headroom (see benchmarks/summaries/vs_vllm.md)
+# time, so the target leaves the rest of the goal as headroom (see benchmarks/summaries/vs_vllm.md). 200 ms, not
+# less: a 100 ms goal cut the 32-stream probe to 0.44x and raised chat's TTFT (docs/scheduling.md, 2026-11-23)
 DEFAULT_TBT_GOAL_MS = 200.0
 STEP_TARGET_FRACTION = 0.75
 
@@ -85,7 +86,7 @@ class SchedulerConfig:
     # is 2**L times the first, so a long generation is preempted O(log length) times
     time_slice_tokens: int = 0
     time_slice_ms: float = 0.0
-    max_queue_delay_s: float = 0.0  # 0: off; else 503 for a request predicted to wait longer, or that waited longer
+    max_queue_delay_s: float = 0.0  # 0: off; else 503 at arrival for a request predicted to wait longer (an admitted request is served)
     # 0: off; else the stall-free scheduler cuts prompt chunks so the predicted step time stays under it (needs a step-time model).
     # None: not given; a scheduler alone takes 0, an EngineConfig derives it from its tbt_goal_ms (stall-free only)
     max_step_ms: float | None = None

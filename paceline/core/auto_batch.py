@@ -6,9 +6,14 @@ from the step-time model and the step-time target (max_step_ms, which the engine
   block of prompt (the least a prompt chunk gets), under the target. While steps are far under it (short
   contexts, a light load) that is many; as contexts grow it shrinks, so the TBT goal holds without a hand-picked
   number. Seats only gate admission: a running request is never cut for them (the count falls as requests end).
-- Token budget: the running decodes plus the most fresh prompt tokens one step can add under the target (at
-  least one block); with nothing running, the cap (a step without decodes has no time limit either). The stall-free scheduler then cuts each chunk to the time left (chunk_within_step_time); the
-  budget no longer stops a step that the time would allow, nor lets one run past it.
+- Token budget: the decodes of the next step plus the most fresh prompt tokens one step can add under the
+  target (at least one block); with no request decoding, the cap: a step without decodes has no time limit
+  (chunk_within_step_time does not cut one either), and a prompt mid-prefill is not a decode. Counting it as
+  one held every later chunk of a lone long prompt to what fits beside a phantom decode: on long-prompt
+  (simulated at this machine's speed, 2026-11-24) prompt-only steps ran 70 tokens where a fixed budget of 512
+  ran 512, and auto's capacity fell below the fixed setting's. The stall-free scheduler then cuts each chunk to
+  the time left (chunk_within_step_time); the budget no longer stops a step that the time would allow, nor lets
+  one run past it.
 
 A fixed setting is right for one load; these follow the batch actually running. Both stay within [floor, cap]:
 the floor keeps a slow machine serving (one request, one block), the cap bounds the bisection.
@@ -72,15 +77,17 @@ def largest_that_fits(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 def auto_limits(step_time: Callable[[BatchShape], float], max_step_s: float, decode_contexts: Iterable[int],
                 new_context: int, block_size: int, max_seqs_cap: int = AUTO_MAX_NUM_SEQS,
                 max_tokens_cap: int = AUTO_MAX_NUM_BATCHED_TOKENS,
-                seats_step_s: float | None = None) -> tuple[int, int]:
+                seats_step_s: float | None = None, prefill_contexts: Iterable[int] = ()) -> tuple[int, int]:
     """(seats, token budget) for the next step.
 
-    decode_contexts: the context each running request's next token attends to; new_context: what a newcomer's is
-    assumed to be (the waiting head's prompt, or the running requests' mean); max_step_s: the predicted time the
-    budget must fit (the target over the tail scale); seats_step_s: the one the seats must fit (the target over
-    the typical ratio; default max_step_s)."""
+    decode_contexts: the context each decoding request's next token attends to; prefill_contexts: the running
+    requests still in their prompts (each will decode at about that context: they count for the seats, not for
+    the budget); new_context: what a newcomer's is assumed to be (the waiting head's prompt, or the running
+    requests' mean); max_step_s: the predicted time the budget must fit (the target over the tail scale);
+    seats_step_s: the one the seats must fit (the target over the typical ratio; default max_step_s)."""
     seats_limit = max_step_s if seats_step_s is None else seats_step_s
-    running = BatchShape.build(decode_contexts=decode_contexts)
+    decodes = list(decode_contexts)
+    running = BatchShape.build(decode_contexts=decodes + list(prefill_contexts))
     n = running.num_decodes
 
     def seats_fit(k: int) -> bool:
@@ -95,16 +102,19 @@ def auto_limits(step_time: Callable[[BatchShape], float], max_step_s: float, dec
 
     seats = largest_that_fits(seats_fit, max(1, n), max(max_seqs_cap, n)) if n < max_seqs_cap else n
 
+    stepping = BatchShape.build(decode_contexts=decodes)
+    d = stepping.num_decodes
+
     def tokens_fit(k: int) -> bool:
-        shape = replace(running)
+        shape = replace(stepping)
         shape.add_chunk(0, k, sampled=True)
         return step_time(shape) <= max_step_s
 
-    if n == 0:  # nothing runs, so no stream waits on the step: the time limit does not apply, nor does this
+    if d == 0:  # nothing decodes, so no stream waits on the step: the time limit does not apply, nor does this
         return seats, max_tokens_cap
     # at least one block: the least a prompt chunk gets (chunk_within_step_time's floor)
-    tokens = largest_that_fits(tokens_fit, block_size, max(block_size, max_tokens_cap - n))
-    return seats, min(max_tokens_cap, n + tokens)
+    tokens = largest_that_fits(tokens_fit, block_size, max(block_size, max_tokens_cap - d))
+    return seats, min(max_tokens_cap, d + tokens)
 
 
 def apply_auto_limits(sched: Scheduler) -> tuple[int, int]:
@@ -112,6 +122,8 @@ def apply_auto_limits(sched: Scheduler) -> tuple[int, int]:
     from what runs now; returns (seats, budget). The scheduler holds its own copy of the config under auto."""
     cfg = sched.config
     contexts = [r.num_tokens for r in sched.running]  # each decode attends to its whole sequence
+    decoding = [r.num_tokens for r in sched.running if r.is_decoding]
+    prefilling = [r.num_tokens for r in sched.running if not r.is_decoding]
     head = sched.waiting.peek()
     if head is not None:
         new_context = head.num_tokens
@@ -119,8 +131,8 @@ def apply_auto_limits(sched: Scheduler) -> tuple[int, int]:
         new_context = sum(contexts) // len(contexts) if contexts else sched.block_size
     target = cfg.max_step_ms / 1000.0
     ratio = sched.auto_ratio.value if sched.auto_ratio is not None else sched.step_time_scale
-    seats, budget = auto_limits(sched.step_time, target / sched.step_time_scale, contexts, new_context,
-                                sched.block_size, seats_step_s=target / ratio)
+    seats, budget = auto_limits(sched.step_time, target / sched.step_time_scale, decoding, new_context,
+                                sched.block_size, seats_step_s=target / ratio, prefill_contexts=prefilling)
     if cfg.auto_max_num_seqs:
         cfg.max_num_seqs = seats
     if cfg.auto_max_num_batched_tokens:

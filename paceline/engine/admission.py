@@ -1,11 +1,15 @@
 """Admission by queueing delay (`--max-queue-delay-s`): say "overloaded" early instead of timing everyone out.
 
-Two checks, both against the same limit S:
-- at arrival, on the event loop (no round trip to the engine thread, so a rejection is answered at once): the
-  predicted wait of this request. Over S: QueueDelayError, a 503 with Retry-After.
-- while waiting: a request that has waited S without being scheduled is taken out (its KV was never touched) and
-  its client gets the same 503; a stream learns it before any token. A request that started and was preempted
-  back into the queue has already streamed tokens, so it is never expired.
+The decision is made once, at arrival, on the event loop (no round trip to the engine thread, so a rejection
+is answered at once, however long the step in flight): the predicted wait of this request against the limit S.
+Over S: QueueDelayError, a 503 with Retry-After. A request that was admitted is then served, however long it
+ends up waiting: a prediction that was too short costs that request a longer wait, never a late 503 (the late
+503s were 5 % of all 503s at 3x capacity, 2026-11-23, benchmarks/summaries/soak.md section 3). Such a request is
+counted (`num_overdue`: admitted, then waited more than S without being scheduled), and while one is overdue (and
+for S seconds after) an arrival with anyone waiting ahead is refused at once: the queue has proved slower than
+predicted, so the prediction is not trusted until it has drained. Only an engine with no load to read (no
+paceline scheduler, e.g. several models) still takes a waiting request out after S (`queue_delay_expired`),
+since there the start-rate prediction may know nothing and admit everyone.
 
 The prediction is from the load, snapshotted on the engine thread before every step (`Load`): the requests
 running and how many tokens each has left to generate, the waiting requests' prompt tokens and output budgets,
@@ -17,17 +21,20 @@ the scheduler's seats, and the step-time model (scaled by the engine's running c
   played out step by step from their remaining output budgets (the requests ahead of it take the first seats
   that free, and hold them for their own budgets), at the measured step time.
 - The wait for the prompts ahead: their tokens at the prefill rate the model gives a step beside the decodes.
-Both are known from the first request on, so an overloaded server refuses at arrival from the start.
+Both are known from the first request on, so an overloaded server refuses at arrival from the start. The load
+prediction is then multiplied by a margin learned from the admitted requests once they start (MARGIN_*): what
+it leaves out (steps with a prompt chunk run longer than the mean step, a busy machine) shows up as measured waits
+longer than predicted.
 
 Before (measured 2026-11-23, benchmarks/summaries/soak.md section 3) the prediction was Little's law on the
 recent start rate; a server slow enough to start fewer than MIN_STARTS requests in the window had no rate, so it
 admitted, and 22-24 % of the 503s came only after the S wait. That rule remains for an engine without a paceline
-scheduler (no load to read). Either way, a deadline that fired is evidence too: while a request expired less
-than S ago, an arrival with anyone waiting ahead of it is rejected at once.
+scheduler (no load to read).
 """
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, replace
@@ -35,11 +42,22 @@ from typing import Any, Callable
 
 from paceline.core.auto_batch import auto_limits
 from paceline.core.batch_shape import BatchShape
+from paceline.engine.engine import track_quantile
 from paceline.request import RequestStatus
+
+log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 10.0  # how far back the start rate looks
 MIN_STARTS = 4  # fewer starts in the window: the rate is unknown and arrivals are admitted
-SWEEP_EVERY_S = 0.05  # how often the engine thread looks for expired waiting requests
+SWEEP_EVERY_S = 0.05  # how often the engine thread looks for waiting requests past the limit
+LOG_EVERY_S = 60.0  # at most one warning a minute about admitted requests waiting past the limit
+# The load prediction's error, learned from admitted requests once they start: a high quantile of
+# (measured wait + FLOOR) / (predicted + FLOOR), tracked by its side only (one wild sample moves it no more than any
+# other), and applied as a factor of at least 1. FLOOR keeps waits much shorter than any limit from counting as
+# large ratios. At 3x capacity (2026-11-24) 10 of 54 admitted requests waited past a 5 s limit without it.
+MARGIN_QUANTILE = 0.9
+MARGIN_RATE = 0.2  # a sample above the estimate raises it 20 %, one below lowers it 2 %
+MARGIN_FLOOR_S = 0.5
 STEP_EMA = 0.2  # weight of the newest step in the measured step time
 DEFAULT_OUTPUT_TOKENS = 256  # a request's output budget when it set none (max_tokens None: up to the context)
 
@@ -78,11 +96,17 @@ class AdmissionControl:
         self.window = window_s
         self._starts: deque[float] = deque()  # when recent requests got their first token (engine thread appends)
         self._next_sweep = 0.0
-        self._last_expiry = -math.inf  # when a waiting request last expired (engine thread writes, event loop reads)
+        self._last_late = -math.inf  # when a waiting request was last seen past S (engine thread writes, loop reads)
+        self._overdue: set[str] = set()  # admitted requests waiting past S now (engine thread only)
+        self.num_overdue = 0  # admitted requests that waited past S before their first step, since start
+        self._last_log = -math.inf
         self.load: Load | None = None  # the engine thread replaces it whole before every step; None: no scheduler
         self._step_s: float | None = None
         self._last_look: tuple[float, bool] | None = None  # (when, whether anything ran) at the previous look
         self._load_failed = False
+        self.margin = 1.0  # the factor load predictions are multiplied by (the engine thread writes it)
+        self._ratio = 1.0  # the tracked quantile of measured / predicted (may fall below 1; margin does not)
+        self._promised: dict[str, tuple[float, float]] = {}  # request id -> (arrival, unscaled prediction)
 
     # ---- the load (snapshotted on the engine thread) -------------------------------------------------------
 
@@ -93,8 +117,7 @@ class AdmissionControl:
             self.load = self._snapshot(engine, now)
         except Exception:
             if not self._load_failed:
-                import logging
-                logging.getLogger(__name__).exception("admission: could not read the load; using the start rate")
+                log.exception("admission: could not read the load; using the start rate")
             self._load_failed, self.load = True, None
 
     def _snapshot(self, engine: Any, now: float) -> Load | None:
@@ -103,13 +126,15 @@ class AdmissionControl:
             return None  # an engine without a paceline scheduler: only the start rate applies
         running = list(sched.running)
         running_ids = {id(r) for r in running}
-        # the gap between two looks while something ran is one step (with its bookkeeping): what a stream sees
+        waiting = [r for r in sched.requests.values() if r.status is not RequestStatus.RUNNING
+                   and not r.is_finished and id(r) not in running_ids]
+        # the gap between two looks with work on hand is one step (with its bookkeeping): what a stream sees. The
+        # first request's first step (its prefill) counts too, so a wait is predicted from the second look on,
+        # not left at 0 until two steps have run (a newcomer arriving then was admitted on a guess of 0)
         if self._last_look is not None and self._last_look[1]:
             gap = now - self._last_look[0]
             self._step_s = gap if self._step_s is None else (1 - STEP_EMA) * self._step_s + STEP_EMA * gap
-        self._last_look = (now, bool(running))
-        waiting = [r for r in sched.requests.values() if r.status is not RequestStatus.RUNNING
-                   and not r.is_finished and id(r) not in running_ids]
+        self._last_look = (now, bool(running or waiting))
         cfg = sched.config
         seats = max(1, int(cfg.max_num_seqs))
         step_time: Callable[[BatchShape], float] | None = getattr(sched, "step_time", None)
@@ -191,24 +216,31 @@ class AdmissionControl:
     def predicted_wait(self, num_ahead: int, now: float) -> float:
         return self._predict(num_ahead, now)[0]
 
-    def _predict(self, num_ahead: int, now: float) -> tuple[float, str]:
+    def _predict(self, num_ahead: int, now: float) -> tuple[float, str, float | None]:
+        """(predicted wait, why, the load's own prediction before the margin or None without a load)."""
         load = self.load  # one read: the engine thread swaps in a new snapshot whole
-        why = ""
+        why, raw = "", None
         if load is not None:
             num_ahead = max(num_ahead, load.num_waiting)
-            wait, why = self.load_wait(load, num_ahead)
+            raw, why = self.load_wait(load, num_ahead)
+            wait = raw * self.margin
         elif num_ahead <= 0:
-            return 0.0, ""
+            return 0.0, "", None
         else:
             rate = self.start_rate(now)
             wait = 0.0 if rate is None else (num_ahead + 1) / rate
-        if num_ahead > 0 and now - self._last_expiry < self.max_delay:  # the queue just proved slower than S
+        # the queue has proved slower than predicted (an admitted request waits, or waited a moment ago, past S)
+        if num_ahead > 0 and (self._overdue or now - self._last_late < self.max_delay):
             wait = max(wait, math.nextafter(self.max_delay, math.inf))
-        return wait, why
+        return wait, why, raw
 
-    def check(self, num_ahead: int, now: float) -> None:
-        wait, why = self._predict(num_ahead, now)
+    def check(self, num_ahead: int, now: float, request_id: str | None = None) -> None:
+        """Raise QueueDelayError for a request that would wait too long; an admitted `request_id` is remembered
+        with its prediction, to learn the prediction's error when it starts."""
+        wait, why, raw = self._predict(num_ahead, now)
         if wait <= self.max_delay:
+            if request_id is not None and raw is not None:
+                self._promised[request_id] = (now, raw)
             return
         load = self.load
         if why == "tbt" and load is not None:
@@ -220,7 +252,7 @@ class AdmissionControl:
                 "stream within the step-time target; retry later", retry_after_s=max(1, math.ceil(soonest)),
                 reason="queue_delay_predicted")
         text = (f"the predicted wait of {wait:.1f} s" if wait > math.nextafter(self.max_delay, math.inf) else
-                "a request waiting as long a moment ago expired, so the predicted wait")
+                "a request admitted a while ago has waited longer than the limit, so the predicted wait")
         raise QueueDelayError(
             f"the server is overloaded: {num_ahead} requests are waiting and {text} "
             f"exceeds the limit of {self.max_delay:g} s (--max-queue-delay-s); retry later",
@@ -228,23 +260,54 @@ class AdmissionControl:
 
     # ---- while waiting (engine thread) ---------------------------------------------------------------------
 
-    def expired(self, engine: Any, now: float) -> list[str]:
-        """Ids of requests that have waited longer than the limit and never run; at most every SWEEP_EVERY_S.
-        The engine thread calls it before every step, so it also takes the load snapshot there."""
+    def sweep(self, engine: Any, now: float) -> list[str]:
+        """The engine thread calls it before every step: it takes the load snapshot, and at most every
+        SWEEP_EVERY_S looks for waiting requests that have waited past the limit without running. With a load
+        (a paceline scheduler) they stay queued and are counted as overdue; without one, their ids are returned
+        to be taken out with a 503 (the only rejection made after arrival)."""
         self.look(engine, now)
         if now < self._next_sweep:
             return []
         self._next_sweep = now + SWEEP_EVERY_S
         scheduler = getattr(engine, "scheduler", None)
         requests = getattr(scheduler, "requests", None)
-        if requests is None:  # an engine without a paceline scheduler: only the arrival check applies
+        if requests is None:  # an engine that shows no requests: only the arrival check applies
             return []
+        if self._promised:
+            self._learn(requests, now)
         cutoff = now - self.max_delay
-        expired = [rid for rid, r in requests.items() if r.status is RequestStatus.WAITING
-                   and r.first_scheduled_time is None and r.arrival_time < cutoff]
-        if expired:
-            self._last_expiry = now
-        return expired
+        late = [rid for rid, r in requests.items() if r.status is RequestStatus.WAITING
+                and r.first_scheduled_time is None and r.arrival_time < cutoff]
+        if late:
+            self._last_late = now
+        if self.load is None:
+            return late
+        new = sum(1 for rid in late if rid not in self._overdue)
+        self.num_overdue += new
+        if new and now - self._last_log >= LOG_EVERY_S:  # a misprediction says so in the log, not in every line
+            self._last_log = now
+            log.warning(
+                "admission: %d admitted request(s) have waited more than %g s without running (%d since start); "
+                "they are served, and arrivals with a queue ahead are refused until the queue drains",
+                len(late), self.max_delay, self.num_overdue)
+        self._overdue = set(late)  # only those still waiting: the set stays as small as the queue
+        return []
+
+    def _learn(self, requests: dict, now: float) -> None:
+        """The margin from the admitted requests that have started since the last sweep."""
+        for rid, (arrival, raw) in list(self._promised.items()):  # a copy: the event loop adds while we read
+            r = requests.get(rid)
+            if r is None:  # not added yet (the add is queued), or gone without starting (aborted, refused)
+                if now - arrival > 1.0:
+                    self._promised.pop(rid, None)
+                continue
+            if r.first_scheduled_time is None:
+                continue
+            self._promised.pop(rid, None)
+            measured = max(0.0, r.first_scheduled_time - r.arrival_time)
+            ratio = (measured + MARGIN_FLOOR_S) / (raw + MARGIN_FLOOR_S)
+            self._ratio = track_quantile(self._ratio, ratio, MARGIN_QUANTILE, MARGIN_RATE)
+            self.margin = max(1.0, self._ratio)
 
     def expired_error(self) -> QueueDelayError:
         return QueueDelayError(f"the request waited longer than {self.max_delay:g} s (--max-queue-delay-s) without "

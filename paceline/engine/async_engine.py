@@ -114,7 +114,11 @@ class AsyncEngine:
         self._idle = threading.Event()
         self.admission: AdmissionControl | None = None  # --max-queue-delay-s, set once the engine is built
         self.on_reject: Callable[[str], None] | None = None  # on_reject(reason) for every 503 of overload
-        self._num_waiting = 0  # the engine thread's count after its last step, read by the arrival check
+        # The arrival check's count of requests ahead: waiting in the engine (recounted after every step, +1 for
+        # each add the engine thread applied since) plus adds submitted and not yet applied. Both move under _lock,
+        # so an add is never counted twice or missed, even while a long step runs.
+        self._num_waiting = 0
+        self._pending_adds = 0
         self._dead: BaseException | None = None  # what killed the engine thread
         built: concurrent.futures.Future = concurrent.futures.Future()
         if self.engine is not None:
@@ -141,9 +145,16 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineStoppedError("the server is shutting down")
         arrival = time.monotonic()
+        # Every overload decision is made here, from the engine thread's last count and snapshot, never on the
+        # engine thread: a 503 must not wait for the step in flight (up to a second with a long prompt chunk).
+        with self._lock:
+            ahead = self._num_waiting + self._pending_adds
+        if self.max_waiting and ahead >= self.max_waiting:
+            self._rejected("queue_full")
+            raise QueueFullError(ahead)
         if self.admission is not None:
-            try:  # here, not on the engine thread: a rejection must not wait for the step in flight
-                self.admission.check(self._num_waiting, arrival)
+            try:
+                self.admission.check(ahead, arrival, request_id)
             except QueueDelayError as e:
                 self._rejected(e.reason)
                 raise
@@ -156,7 +167,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._num_waiting += 1  # until the next step recounts: a burst sees itself
+            self._pending_adds += 1  # a burst sees itself, until the engine thread has taken the add
             self._submit(lambda: self._add(request_id, prompt, params, priority, arrival, added, client_id, model))
         try:
             await asyncio.wrap_future(added)
@@ -242,6 +253,8 @@ class AsyncEngine:
 
     def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
              arrival: float, added: concurrent.futures.Future, client_id: str = "", model: str | None = None) -> None:
+        with self._lock:
+            self._pending_adds -= 1
         if not added.set_running_or_notify_cancel():  # the caller went away before we got here
             with self._lock:
                 self._streams.pop(request_id, None)
@@ -249,7 +262,7 @@ class AsyncEngine:
         try:
             if self._dead is not None:
                 raise EngineStoppedError("the engine stopped after an internal error; the server must be restarted")
-            if self.max_waiting:
+            if self.max_waiting:  # a backstop: the arrival check decided from a count that may be a step old
                 num_waiting = self.engine.stats().num_waiting
                 if num_waiting >= self.max_waiting:
                     self._rejected("queue_full")
@@ -257,6 +270,8 @@ class AsyncEngine:
             routed = {"model": model} if model is not None else {}
             self.engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival,
                                     client_id=client_id, **routed)
+            with self._lock:
+                self._num_waiting += 1
         except Exception as e:  # ValueError for bad input, QueueFullError; either way nothing was added
             with self._lock:
                 self._streams.pop(request_id, None)
@@ -309,7 +324,7 @@ class AsyncEngine:
             if self.admission is not None:
                 self._expire_waiting()
             if not self.engine.has_unfinished():
-                self._num_waiting = _num_waiting(self.engine)
+                self._recount()
                 self._observe([], False)  # gauges reflect aborts applied while idle
                 self._idle.set()
                 # with a queue-delay limit the thread also wakes to expire requests (none wait while idle)
@@ -327,16 +342,24 @@ class AsyncEngine:
                 time.sleep(0.01)  # a failure that repeats must not spin a core
                 continue
             failed_steps = 0
-            self._num_waiting = _num_waiting(self.engine)
+            self._recount()
             if self.admission is not None:
                 self.admission.observe(outputs, time.monotonic())
             self._observe(outputs, True)
             self._dispatch(outputs)
         self._fail_all(EngineStoppedError("the server shut down"))
 
+    def _recount(self) -> None:
+        """The waiting count the arrival check reads. On this thread no add lands between the count and the
+        assignment, so it is exact; adds still pending are in _pending_adds."""
+        count = _num_waiting(self.engine)
+        with self._lock:
+            self._num_waiting = count
+
     def _expire_waiting(self) -> None:
-        """--max-queue-delay-s: requests that waited too long without running leave with a 503 (admission.py)."""
-        expired = self.admission.expired(self.engine, time.monotonic())
+        """--max-queue-delay-s: the load snapshot before the step; only an engine with no load to read takes
+        requests that waited too long out (with a 503), an admitted request is otherwise served (admission.py)."""
+        expired = self.admission.sweep(self.engine, time.monotonic())
         if not expired:
             return
         error = self.admission.expired_error()

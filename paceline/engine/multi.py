@@ -24,15 +24,23 @@ MultiEngine is not thread-safe; AsyncEngine calls it from its engine thread only
 """
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from paceline.config import EngineConfig
 from paceline.core.auto_batch import largest_that_fits
 from paceline.core.batch_shape import BatchShape
 from paceline.engine.engine import Engine, RequestOutput
 from paceline.sampling import SamplingParams
+
+# How a model loaded on demand runs its first prompt beside other models' streams: "whole" (its own token budget,
+# uncapped: one step for a short prompt) or "left" (cut to what the others' last steps left of the step-time target,
+# _debut_step_target). Whole by default: in four switches each (2026-11-24, docs/multi-model.md) cutting the prompt
+# cost first-token time (0.557-0.994 s against 0.342-0.533 s) and did not keep the other streams' gaps down
+# (largest gap during the first prompt 134.7-550.9 ms against 210.6-356.5 ms; their p99 122.9-176.3 ms).
+DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "whole")
 
 
 @dataclass
@@ -43,6 +51,30 @@ class MultiStats:
     num_swapped: int = 0
 
 
+@dataclass
+class LoadTimeline:
+    """When each part of a load on demand happened (time.monotonic), from the request that asked for the model to
+    that request's first token: the split a switch's first-token time is judged by. The residency marks the load
+    (size estimate, room made, Engine built, pages mapped, joined); MultiEngine marks the rest on the engine
+    thread (request added, first step start and end, first token) and then calls on_first_token (the residency
+    starts the work it held back: packing, the KV pool's prefault)."""
+    start: float
+    marks: dict[str, float] = field(default_factory=dict)
+    on_first_token: Callable[[], None] | None = None
+
+    def mark(self, what: str, when: float | None = None) -> None:
+        self.marks.setdefault(what, time.monotonic() if when is None else when)  # the first time counts
+
+    def split(self) -> dict[str, float]:
+        """Seconds from the request to each mark, in the order they happened."""
+        return {k: round(v - self.start, 4) for k, v in sorted(self.marks.items(), key=lambda kv: kv[1])}
+
+    def finish(self) -> None:
+        callback, self.on_first_token = self.on_first_token, None
+        if callback is not None:
+            callback()
+
+
 class MultiEngine:
     def __init__(self, config: EngineConfig, engines: dict[str, Engine] | None = None) -> None:
         self.config = config  # the server's settings; AsyncEngine reads config.scheduler.max_waiting_requests
@@ -51,6 +83,7 @@ class MultiEngine:
         self._budget: dict[str, int] = {}  # each model's own token budget, before a cap for the other's streams
         self._owner: dict[str, str] = {}  # request id -> model
         self._since: dict[str, float] = {}  # model -> when its streams started waiting for the loop
+        self._debut: dict[str, LoadTimeline] = {}  # models loaded on demand that have not yet produced a token
         self.risk_s = config.tbt_goal_ms / 2000.0 if config.tbt_goal_ms > 0 else 0.1
         self.last_model: str | None = None
         self.last_step = None
@@ -59,10 +92,13 @@ class MultiEngine:
 
     # ---- models in and out (engine thread) ----------------------------------------------------------------------
 
-    def add_model(self, name: str, engine: Engine) -> None:
+    def add_model(self, name: str, engine: Engine, timeline: LoadTimeline | None = None) -> None:
         if name in self.engines:
             raise ValueError(f"model {name!r} is already loaded")
         self.engines[name] = engine
+        if timeline is not None:
+            timeline.mark("joined")
+            self._debut[name] = timeline
         self._step_ms[name] = engine.scheduler.config.max_step_ms
         self._budget[name] = engine.scheduler.config.max_num_batched_tokens
 
@@ -74,6 +110,9 @@ class MultiEngine:
         if engine.has_unfinished():
             raise ValueError(f"model {name!r} still has requests in flight")
         del self.engines[name]
+        debut = self._debut.pop(name, None)
+        if debut is not None:  # it never produced a token: what waited for that goes on now
+            debut.finish()
         self._step_ms.pop(name, None)
         self._budget.pop(name, None)
         self._since.pop(name, None)
@@ -100,6 +139,8 @@ class MultiEngine:
         request = engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time,
                                      client_id=client_id)
         self._owner[request_id] = model
+        if model in self._debut:
+            self._debut[model].mark("request_added")
         if was_idle:  # its streams' clock starts at this arrival, not at the model's last step long ago
             self._since[model] = request.arrival_time
         return request
@@ -130,10 +171,24 @@ class MultiEngine:
         engine = self.engines[name]
         if len(busy) > 1 or engine.scheduler.config.max_step_ms != self._step_ms[name]:
             self._share_step_target(busy)
-        self._cap_budget(name, busy)
+        if name in self._debut and DEBUT_STEP == "whole":
+            engine.scheduler.config.max_num_batched_tokens = self._budget[name]
+        else:
+            if name in self._debut:
+                self._debut_step_target(name, busy)
+            self._cap_budget(name, busy)
+        debut = self._debut.get(name)
+        if debut is not None:
+            debut.mark("first_step_start")
         outputs = engine.step()
         self._since[name] = time.monotonic()
         self.last_model, self.last_step = name, engine.last_step
+        if debut is not None:
+            debut.mark("first_step_end", self._since[name])
+            if any(out.new_token_ids for out in outputs):
+                debut.mark("first_token", self._since[name])
+                del self._debut[name]
+                debut.finish()
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
@@ -161,6 +216,27 @@ class MultiEngine:
             config = self.engines[name].scheduler.config
             if self._step_ms[name] > 0:
                 config.max_step_ms = self._step_ms[name] / shares
+
+    def _debut_step_target(self, name: str, busy: list[str]) -> None:
+        """Under PACELINE_DEBUT_STEP=left: a model loaded on demand, before its first token, takes what the other
+        models' last steps left of the step-time target rather than only its 1/k share.
+
+        The target is the gap budget of one rotation: another model's stream waits for one step of each busy
+        model. A model with no stream of its own has no gap of its own to protect, so its step may be the target
+        less the other streaming models' steps (their last ones, as measured), and the others' gaps stay within
+        the target, which is what their own prompt chunks already make their usual p99. For the bundled model
+        loaded in float32 beside int4 streams (~25-40 ms decode steps, 2026-11-23) that is ~110-125 ms of the
+        150 ms target against a 75 ms share: a 64-token prompt in two chunks instead of three or four, each
+        chunk costing the others one gap. Never less than the share. Only the debut: in steady traffic a model
+        with only prompts keeps its share (the one-loop figures in docs/multi-model.md were measured so)."""
+        own = self._step_ms[name]
+        config = self.engines[name].scheduler.config
+        streaming = [o for o in busy if o != name and has_streams(self.engines[o])]
+        if own <= 0 or not streaming:
+            return
+        taken_ms = sum(1e3 * self.engines[o].last_step.duration if self.engines[o].last_step is not None
+                       else own / len(busy) for o in streaming)
+        config.max_step_ms = max(config.max_step_ms, own - taken_ms)
 
     def _cap_budget(self, name: str, busy: list[str]) -> None:
         """Lower `name`'s token budget for this step to the prompt tokens that fit its share of the step-time

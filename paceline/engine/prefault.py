@@ -13,14 +13,19 @@ does not wait for the ~2 s it takes to populate 2 GiB on this 2-core machine. ct
 call. Where the kernel lacks it, nothing happens (the pool stays lazy, as before). The thread runs at nice 19:
 on 2 cores, faulting 2 GiB beside a server's first steps made them 3-10x slower (2026-11-23, the step-time
 refit's log); pages it has not reached yet are faulted by the step that first writes them, as without it.
+A model loaded on demand beside other models' streams holds its pool's prefault back (`held_until`) until its
+first token: even at nice 19, zeroing 2 GiB takes memory bandwidth and a core whenever a step's threads sleep,
+and the first prompt is what a switch waits for.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
@@ -29,6 +34,7 @@ log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it only from 3.14 on
 CHUNK_BYTES = 64 * 2**20  # one madvise call per chunk, so a process that exits meanwhile is not held for long
+_held = threading.local()  # .gate: the Event that prefault threads started on this thread wait for
 
 
 def madvise_function() -> Callable[..., int] | None:
@@ -71,14 +77,29 @@ def set_nice(value: int, thread_id: int | None = None) -> None:
         pass
 
 
-def _populate_niced(tensor: torch.Tensor, nice: int) -> bool:
+@contextlib.contextmanager
+def held_until(gate: threading.Event) -> Iterator[None]:
+    """Prefault threads started by this thread inside the block wait for `gate` before they populate anything."""
+    before = getattr(_held, "gate", None)
+    _held.gate = gate
+    try:
+        yield
+    finally:
+        _held.gate = before
+
+
+def _populate_niced(tensor: torch.Tensor, nice: int, gate: threading.Event | None) -> bool:
     set_nice(nice)
+    if gate is not None:
+        gate.wait()
     return populate(tensor)
 
 
 def populate_in_background(tensor: torch.Tensor, name: str = "paceline-prefault", nice: int = 19) -> threading.Thread:
     """populate(tensor) on a daemon thread at the given nice value; the thread (started) is returned so a caller
-    may join it. The thread holds a reference to the tensor until it is done."""
-    thread = threading.Thread(target=_populate_niced, args=(tensor, nice), name=name, daemon=True)
+    may join it. The thread holds a reference to the tensor until it is done. Inside held_until(gate) it waits
+    for the gate first."""
+    gate = getattr(_held, "gate", None)
+    thread = threading.Thread(target=_populate_niced, args=(tensor, nice, gate), name=name, daemon=True)
     thread.start()
     return thread

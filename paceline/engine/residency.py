@@ -11,9 +11,11 @@ is one, else the model serves without a step-time target until a start-up load (
 
 A GGUF model loads from its runtime snapshot (loader.build_model: the model as built, mapped from one file), so
 the load is mostly the kernel's work with the interpreter free, and it runs at the loaded models' priority. The
-loader then maps the pages in and runs two tiny forwards, so that the first step on the engine thread pays
-neither. Float32 and int4 models join the loop on plain linears; a packer thread at nice 19 packs them for oneDNN
-one at a time while the model serves, and the new KV pool's prefault runs at nice 19 too.
+loader then maps the pages in, so that the first step on the engine thread takes no page faults. Float32 and int4
+models join the loop on plain linears. What the first token does not need waits until the model has produced it
+(or FIRST_TOKEN_WAIT_S): a packer thread at nice 19 then packs the linears for oneDNN one at a time while the
+model serves, and the new KV pool's prefault starts (nice 19 too). Each load keeps its LoadTimeline (multi.py):
+request, estimate, room, build, mapping, joining, first step, first token; /v1/models shows it as `last_load`.
 
 Memory is counted as each model's weights plus its KV pool (and host swap pool): measured once loaded, estimated
 from the file's header before its first load.
@@ -25,6 +27,7 @@ import concurrent.futures
 import contextlib
 import gc
 import logging
+import threading
 import math
 import mmap
 import os
@@ -37,8 +40,8 @@ import torch
 from paceline.config import EngineConfig
 from paceline.engine.engine import Engine
 from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
-from paceline.engine.multi import MultiEngine
-from paceline.engine.prefault import madvise_function, set_nice
+from paceline.engine.multi import LoadTimeline, MultiEngine
+from paceline.engine.prefault import held_until, madvise_function, set_nice
 from paceline.model.llama import Linear, deferred_packing
 from paceline.model.loader import unpacked_linears as model_unpacked_linears
 
@@ -48,6 +51,9 @@ REAP_INTERVAL_S = 0.5
 DEFER_PACKING = os.environ.get("PACELINE_DEFER_PACKING", "1") != "0"  # 0: pack before serving (the A/B's before)
 PACK_PAUSE_S = 0.002  # between two Linears packed in the background
 LOADER_NICE = int(os.environ.get("PACELINE_LOADER_NICE", "0"))  # the load's CPU priority (19: the A/B's before)
+# Two warm-up forwards on the loader thread before the model joins (1: the A/B's before, 2026-11-23)
+LOAD_WARM_UP = os.environ.get("PACELINE_LOAD_WARM_UP", "0") != "0"
+FIRST_TOKEN_WAIT_S = 5.0  # packing and the KV prefault wait this long at most for a loaded model's first token
 
 
 class UnknownModelError(KeyError):
@@ -85,6 +91,7 @@ class ModelSlot:
     loading: asyncio.Future | None = None
     num_loads: int = 0
     load_s: float = 0.0  # duration of the last load
+    timeline: LoadTimeline | None = None  # the last load on demand, request to first token
 
 
 class Residency:
@@ -125,6 +132,7 @@ class Residency:
 
     async def acquire(self, name: str, keep_alive: float | None = None) -> Engine:
         """The model's Engine, loaded first if need be; the model stays loaded until release(name)."""
+        requested = time.monotonic()
         slot = self.slots.get(name)
         if slot is None:
             raise UnknownModelError(name, self.names)
@@ -134,7 +142,7 @@ class Residency:
                 slot.keep_alive = keep_alive
             if slot.state != "loaded":
                 if slot.loading is None:
-                    slot.loading = asyncio.ensure_future(self._load(slot))
+                    slot.loading = asyncio.ensure_future(self._load(slot, LoadTimeline(requested)))
                 # shielded: a client that leaves must not cancel a load that others may be waiting for
                 await asyncio.shield(slot.loading)
             slot.last_used = time.monotonic()
@@ -151,35 +159,82 @@ class Residency:
 
     # ---- loading and unloading -----------------------------------------------------------------------------------
 
-    async def _load(self, slot: ModelSlot) -> None:
+    async def _load(self, slot: ModelSlot, timeline: LoadTimeline) -> None:
         name = slot.spec.name
+        loop = asyncio.get_running_loop()
+        first_token = asyncio.Event()
+        held = threading.Event()  # the new KV pool's prefault waits for it
+
+        def on_first_token() -> None:  # on the engine thread (or the event loop, after FIRST_TOKEN_WAIT_S)
+            held.set()
+            loop.call_soon_threadsafe(first_token.set)
+            log.info("model %s: switch %s (seconds after the request)", name, timeline.split())
+
+        timeline.on_first_token = on_first_token
         try:
             async with self._lock:
                 if slot.state == "loaded":
                     return
+                timeline.mark("lock")
                 config = slot.spec.engine_config(self.base)
-                need = slot.nbytes or await asyncio.to_thread(_estimate, config)
+                # the size estimate reads file headers (a thread, ~10 ms quiet; 0.95 s once beside busy steps,
+                # 2026-11-23); only a memory budget needs it
+                need = slot.nbytes or (await asyncio.to_thread(_estimate, config) if self.budget else 0)
+                timeline.mark("estimated")
                 await self._make_room(slot, need)
-                slot.state = "loading"
+                timeline.mark("room")
+                slot.state, slot.timeline = "loading", timeline
                 t0 = time.perf_counter()
-                loop = asyncio.get_running_loop()
                 try:
-                    engine, step_ms = await loop.run_in_executor(self._loader, _build_engine, config)
-                    await self.async_engine.call(lambda: _install(self.multi, name, engine, step_ms))
+                    engine, step_ms = await loop.run_in_executor(self._loader, _build_engine, config, timeline,
+                                                                 held)
                 except Exception as e:
+                    held.set()
                     slot.state = "unloaded"
                     log.exception("loading model %s failed", name)
                     raise ModelLoadError(f"model {name} could not be loaded: {e}") from e
-                slot.engine, slot.state, slot.nbytes = engine, "loaded", engine_bytes(engine)
+                timeline.mark("loaded")
+                # The join is queued now and not awaited: the requests waiting for this load are released when
+                # this task ends, after the join's command (asyncio runs callbacks in order), so each one's add
+                # reaches the engine thread at the same step boundary as the join instead of one step later.
+                joined = asyncio.ensure_future(self.async_engine.call(
+                    lambda: _install(self.multi, name, engine, step_ms, timeline)))
+                slot.engine, slot.state = engine, "loaded"
+                slot.nbytes = slot.nbytes or need  # measured once it has joined (_after_join)
                 slot.num_loads += 1
-                slot.load_s = time.perf_counter() - t0
                 slot.last_used = time.monotonic()
-                log.info("model %s loaded in %.2f s (%.0f MiB)", name, slot.load_s, slot.nbytes / 2**20)
-                linears = unpacked_linears(engine)
-                if linears:  # the requests waiting for this load go on now; the packing follows
-                    self._packing.add(asyncio.ensure_future(self._pack(name, linears)))
+                self._packing.add(asyncio.ensure_future(self._after_join(slot, engine, timeline, joined, t0,
+                                                                          first_token)))
         finally:
             slot.loading = None
+
+    async def _after_join(self, slot: ModelSlot, engine: Engine, timeline: LoadTimeline, joined: asyncio.Future,
+                          t0: float, first_token: asyncio.Event) -> None:
+        """Once the fresh model is in the loop: its size; once it has produced its first token (or after
+        FIRST_TOKEN_WAIT_S): the KV prefault goes on, and its linears are packed for oneDNN while it serves."""
+        name = slot.spec.name
+        try:
+            try:
+                await joined
+            except Exception:  # cannot happen while this load holds the name; if it does, the model is not in
+                log.exception("model %s could not join the loop", name)  # the loop: say so and leave it out
+                timeline.finish()
+                slot.engine, slot.state = None, "unloaded"
+                return
+            slot.nbytes = engine_bytes(engine)
+            slot.load_s = time.perf_counter() - t0
+            log.info("model %s loaded in %.2f s (%.0f MiB)", name, slot.load_s, slot.nbytes / 2**20)
+            try:
+                await asyncio.wait_for(first_token.wait(), FIRST_TOKEN_WAIT_S)
+            except asyncio.TimeoutError:  # its request went away, or the loop is that slow: do not hold forever
+                timeline.finish()
+            if self.slots[name].engine is not engine:  # unloaded before it served: nothing to pack
+                return
+            linears = unpacked_linears(engine)
+            if linears:
+                await self._pack(name, linears)
+        finally:
+            self._packing.discard(asyncio.current_task())
 
     async def _pack(self, name: str, linears: list[Linear]) -> None:
         """Pack a freshly loaded model's linears for oneDNN while it serves (see _build_engine)."""
@@ -192,8 +247,6 @@ class Residency:
                      time.perf_counter() - t0)
         except Exception:  # it serves on, unpacked
             log.exception("packing model %s failed", name)
-        finally:
-            self._packing.discard(asyncio.current_task())
 
     def _fits(self, need: int, exclude: ModelSlot) -> tuple[bool, str]:
         loaded = [s for s in self.slots.values() if s.state != "unloaded" and s is not exclude]
@@ -266,7 +319,8 @@ class Residency:
             out.append({"id": name, "state": slot.state, "pinned": slot.spec.pinned,
                         "max_model_len": engine.max_model_len if engine is not None else None,
                         "memory_bytes": slot.nbytes or None,
-                        "keep_alive_s": None if math.isinf(slot.keep_alive) else slot.keep_alive})
+                        "keep_alive_s": None if math.isinf(slot.keep_alive) else slot.keep_alive,
+                        "last_load": slot.timeline.split() if slot.timeline is not None else None})
         return out
 
 
@@ -278,9 +332,12 @@ def _estimate(config: EngineConfig) -> int:
         return 0
 
 
-def _build_engine(config: EngineConfig) -> tuple[Engine, float]:
+def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
+                  held: threading.Event | None = None) -> tuple[Engine, float]:
     """On the loader thread, one torch thread: the Engine without its step-time model, and the max_step_ms that
-    _install gives it once it has a profile."""
+    _install gives it once it has a profile. Its KV pool's prefault waits for `held` (set at the first token)."""
+    timeline = timeline or LoadTimeline(time.monotonic())
+    timeline.mark("build_start")
     step_ms, config.scheduler.max_step_ms = config.scheduler.max_step_ms, 0.0
     # From a runtime snapshot a load is mostly the kernel mapping pages and torch ops, with the interpreter free,
     # so it runs at the loaded models' own priority: at nice 19 it got a core only between their steps and a
@@ -294,12 +351,23 @@ def _build_engine(config: EngineConfig) -> tuple[Engine, float]:
     # dtypes pack now: unpacked bfloat16 runs several times slower on CPUs without native bf16 math.
     defer = config.quantization == "int4" or (config.dtype == "float32" and config.quantization == "none")
     try:
-        with deferred_packing() if defer and DEFER_PACKING else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if defer and DEFER_PACKING:
+                stack.enter_context(deferred_packing())
+            if held is not None:
+                stack.enter_context(held_until(held))
             engine = Engine(config)
+        timeline.mark("engine_built")
         model = getattr(engine.runner, "model", None)
         if model is not None and hasattr(model, "layers"):
             map_in(model)
-            warm_up(model)
+            timeline.mark("mapped")
+            # Left out by default (2026-11-24): the first step on the engine's two threads does whatever first-call
+            # set-up a kernel has, while these forwards ran on one thread beside the other models' steps, before
+            # the request could start; see docs/multi-model.md for the A/B.
+            if LOAD_WARM_UP:
+                warm_up(model)
+                timeline.mark("warmed")
         return engine, step_ms
     finally:
         torch.set_num_threads(threads)
@@ -395,9 +463,12 @@ def drop_plain_weights(linears: list[Linear]) -> None:
             lin.weight = None
 
 
-def _install(multi: MultiEngine, name: str, engine: Engine, step_ms: float) -> None:
+def _install(multi: MultiEngine, name: str, engine: Engine, step_ms: float,
+             timeline: LoadTimeline | None = None) -> None:
     """On the engine thread: the cached step-time profile of this setup (never a new one: that would stall every
-    other model's streams for seconds), then the model joins the loop."""
+    other model's streams for seconds), then the model joins the loop. Here, not on the loader thread: the
+    profile's key holds torch's thread count, which is 1 there (2026-11-24 the switch served without its
+    profile that way)."""
     if step_ms > 0:
         from paceline.core.step_time import ProfiledCostModel
 
@@ -408,7 +479,7 @@ def _install(multi: MultiEngine, name: str, engine: Engine, step_ms: float) -> N
         except (OSError, ValueError, KeyError):
             log.warning("model %s: no cached step-time profile at %s, so it serves without a step-time target; "
                         "load it once at start-up (load: eager) to profile it", name, path)
-    multi.add_model(name, engine)
+    multi.add_model(name, engine, timeline)
 
 
 def engine_bytes(engine: Engine) -> int:

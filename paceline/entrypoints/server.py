@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import hmac
 import json
 import logging
@@ -40,6 +41,11 @@ log = logging.getLogger("paceline.server")
 
 MAX_BODY_BYTES = 4 * 2**20
 GRACEFUL_SHUTDOWN_S = 5.0  # Ctrl-C: in-flight requests get this long to finish, then they are aborted
+# An idle keep-alive connection is closed after this long. It must outlast the clients' own pool expiry (httpx
+# and the openai client: 5 s, aiohttp: 15 s): with uvicorn's 5 s the server could close a connection just as a
+# client sent its next request on it, and that request died with a reset (httpx.ReadError, no status; one lost
+# stream in the 30-minute soak of 2026-11-23). vLLM made the same timeout configurable for the same race.
+KEEP_ALIVE_S = 65.0
 
 
 @dataclass
@@ -757,6 +763,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "time_slice_ms": (SchedulerConfig, "time_slice_ms"),
     "level_aging_s": (SchedulerConfig, "level_aging_s"),
     "step_profile": (EngineConfig, "step_profile"),
+    "tbt_goal_ms": (EngineConfig, "tbt_goal_ms"),
     "speculative_config": (EngineConfig, "speculative_config"),
     "tensor_parallel_size": (EngineConfig, "tensor_parallel_size"),
     "pipeline_parallel_size": (EngineConfig, "pipeline_parallel_size"),
@@ -764,7 +771,8 @@ _FLAGS: dict[str, tuple[type, str]] = {
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from paceline.config import PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, int_or_auto, scheduler_name
+    from paceline.config import (PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, STEP_TARGET_FRACTION, int_or_auto,
+                                 scheduler_name)
 
     def flag(name: str, help: str, old: str | None = None, **kw: Any) -> None:
         """--name; `old`: the flag's former spelling, still accepted but not shown."""
@@ -788,6 +796,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graceful-shutdown-s", type=float, default=GRACEFUL_SHUTDOWN_S,
                         help=f"on Ctrl-C / SIGTERM, how long in-flight requests may run before they are aborted "
                              f"(default: {GRACEFUL_SHUTDOWN_S})")
+    parser.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
+                        help="seconds an idle keep-alive connection stays open; keep it above the clients' pool "
+                             f"expiry (default: {KEEP_ALIVE_S})")
     parser.add_argument("--max-request-body-bytes", type=int, default=MAX_BODY_BYTES,
                         help=f"larger request bodies get 413 (default: {MAX_BODY_BYTES})")
     flag("dtype", "activations (and unquantized weights) dtype; auto = float32, or bfloat16 under int4",
@@ -816,8 +827,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("priority_aging_s", "a waiting request gains one priority level per this many seconds (0: off)", type=float)
     flag("max_batch_wait_ms", "static scheduler: how long to wait for a batch to fill", type=float)
     flag("max_waiting_requests", "waiting requests beyond which the server answers 503 (0: unlimited)", type=int)
-    flag("max_queue_delay_s", "a request whose predicted or actual wait in the queue exceeds this many seconds gets "
-         "503 with Retry-After instead of waiting (0: off)", type=float)
+    flag("max_queue_delay_s", "a request whose wait in the queue, predicted at arrival, exceeds this many seconds "
+         "gets 503 with Retry-After at once; an admitted request is served (0: off)", type=float)
     flag("max_step_ms", "stall-free: cut prompt chunks so each step's predicted time stays under this; set it "
          "below your TBT SLO (0: off)", type=float)
     flag("time_slice_tokens", "preempt a decoding request after this many output tokens (doubling per demotion) "
@@ -827,6 +838,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
          "after its demotion (0: strict levels)", type=float)
     flag("step_profile", "profile (paceline profile) that --max-step-ms predicts with; default: a quick "
          "profile at start-up")
+    flag("tbt_goal_ms", "the gap between two tokens a stream should not exceed; stall-free without --max-step-ms "
+         f"takes its step-time target from it (x{STEP_TARGET_FRACTION:g}; 0: no target)", type=float)
     flag("speculative_config", 'speculative decoding, JSON as vLLM: {"method": "ngram", "num_speculative_tokens": K, '
          '"prompt_lookup_max": N, "prompt_lookup_min": M}')
     flag("tensor_parallel_size", "worker processes that split every layer (heads and MLP) of the model", type=int)
@@ -902,14 +915,28 @@ def run_server(args: argparse.Namespace) -> None:
     app = build_app(async_engine, metrics, settings, router)
     sched = config.scheduler
     if router is None:
+        freeze_startup_heap()
         log.info("serving %s on http://%s:%d  KV cache %d tokens (%d blocks x %d); token budget %d per step, "
                  "at most %d requests per step; scheduler %s, %s order, preemption %s; max model len %d",
                  engine.model_name, args.host, args.port, engine.num_blocks * engine.block_size, engine.num_blocks,
                  engine.block_size, sched.max_num_batched_tokens, sched.max_num_seqs, sched.policy,
                  sched.scheduling_policy, sched.preemption_mode, engine.max_model_len)
     _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
-                                   timeout_graceful_shutdown=args.graceful_shutdown_s + 5, lifespan="on"),
+                                   timeout_graceful_shutdown=args.graceful_shutdown_s + 5, lifespan="on",
+                                   timeout_keep_alive=getattr(args, "timeout_keep_alive", KEEP_ALIVE_S)),
                     async_engine, args.graceful_shutdown_s).run()
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (the model, torch, the tokenizer, the app: ~200,000 tracked
+    objects) out of the cyclic collector's reach. Why: a full (generation 2) collection walks all of them while
+    holding the GIL, so both the engine thread and the HTTP loop stop; on the 2-core VM one took 285-314 ms in an
+    engine process (2026-11-24), a step or a token delivery that long, every time enough new objects have survived
+    to trigger one. Frozen, a full collection walks only what was made since. Objects frozen here are never
+    collected if they later become cyclic garbage, so only a single-model server does this: its start-up objects
+    live as long as the process (a multi-model server evicts engines and relies on the collector to free them)."""
+    gc.collect()  # what start-up already dropped is freed now, not kept forever
+    gc.freeze()
 
 
 class _GracefulServer(uvicorn.Server):

@@ -99,31 +99,53 @@ class Router:
 
     def order_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Replicas to try for a request with this prompt (text or token ids), best first: live ones by the policy,
-        then the ones marked down. Under the prefix policy the first choice records the prompt's chunks. The
-        caller counts the request in `outstanding` while the replica works on it."""
+        then the ones marked down. The first choice is taken as the request's replica (`record`). The caller counts
+        the request in `outstanding` while the replica works on it."""
         now = time.monotonic()
         for r, since in list(self.down.items()):
             if now - since > self.retry_after_s:
                 del self.down[r]
         live = [r for r in range(self.num_replicas) if r not in self.down]
+        keys = self.keys(prompt)
+        ranked = self.rank(keys, live) + sorted(self.down)
+        if ranked:
+            self.record(ranked[0], keys)
+        return ranked
+
+    def keys(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's chunk keys (none unless the policy is prefix: the others never read them)."""
+        if self.policy != "prefix":
+            return []
+        return chunk_keys(prompt, self.chunk_chars if isinstance(prompt, str) else self.chunk_tokens)
+
+    def rank(self, keys: list[int], live: Sequence[int]) -> list[int]:
+        """The `live` replicas best first for a prompt with these chunk keys; changes nothing, so a caller that
+        may ask again for the same request (Ray Serve's request router retries when its choice is full) records
+        only the replica the request went to."""
         # ties (say, requests sent one at a time) go to the replica given the fewest so far: by index alone every
         # request of a sequential client would land on replica 0
         by_load = sorted(live, key=lambda r: (self.outstanding[r], self.routed[r], r))
         if self.policy == "round_robin":
             start = self._next % self.num_replicas
-            self._next += 1
-            ranked = sorted(live, key=lambda r: (r - start) % self.num_replicas)
-        elif self.policy == "least_outstanding":
-            ranked = by_load
-        else:
-            keys = chunk_keys(prompt, self.chunk_chars if isinstance(prompt, str) else self.chunk_tokens)
-            ranked = self._by_prefix(keys, live, by_load)
-            if ranked:
-                self._remember(ranked[0], keys)
-        ranked = ranked + sorted(self.down)
-        if ranked:
-            self.routed[ranked[0]] += 1
-        return ranked
+            return sorted(live, key=lambda r: (r - start) % self.num_replicas)
+        if self.policy == "least_outstanding":
+            return by_load
+        return self._by_prefix(keys, list(live), by_load)
+
+    def record(self, replica: int, keys: list[int]) -> None:
+        """The request with these chunk keys went to `replica`: its index learns the prompt."""
+        self._next += 1
+        self.routed[replica] += 1
+        if self.policy == "prefix" and replica not in self.down:  # a down replica comes back with an empty cache
+            self._remember(replica, keys)
+
+    def add_replica(self) -> int:
+        """A replica that joined (autoscaling): its number, with an empty index and nothing in flight."""
+        self.num_replicas += 1
+        self.outstanding.append(0)
+        self.index.append(OrderedDict())
+        self.routed.append(0)
+        return self.num_replicas - 1
 
     def matched_chunks(self, replica: int, keys: list[int]) -> int:
         """How many leading chunks of the prompt the replica's index holds."""

@@ -140,3 +140,29 @@ def test_step_ratio_is_the_median_of_recent_decode_steps():
     assert ratio.value == pytest.approx(0.75)  # the last 4: 0.7, 40, 0.6, 0.8
     ratio.observe(SchedulerOutput(), 1.0)  # nothing predicted: ignored
     assert len(ratio.ratios) == 4
+
+
+def test_a_prompt_mid_prefill_is_not_a_decode_for_the_budget():
+    # a running request still in its prompt decodes nothing this step: it holds a seat, but takes no time from
+    # the budget; with nothing decoding there is no time limit at all (as chunk_within_step_time has none)
+    assert auto_limits(toy_step_time, 0.100, [], 100, 16, prefill_contexts=[3000])[1] == 8192
+    assert auto_limits(toy_step_time, 0.100, [100], 100, 16, prefill_contexts=[3000])[1] == 1 + 444
+    # the seats still count it as a decode to come: (90 - 3.2) ms less its 4 ms and the decode's 1.1 ms
+    assert auto_limits(toy_step_time, 0.100, [100], 100, 16, prefill_contexts=[3000])[0] == \
+        auto_limits(toy_step_time, 0.100, [100, 3000], 100, 16)[0]
+
+
+def test_a_lone_long_prompt_finishes_in_one_step_once_the_decode_beside_it_ends():
+    # long-prompt's shape: a 3,000-token prompt admitted beside another request's last decodes gets chunks the
+    # step time allows; once that request ends, nothing decodes, so the rest runs at once (under the rule before,
+    # the prompt counted as a decode and got ~430 tokens a step for 6 more steps)
+    sched = Scheduler(SchedulerConfig(max_num_seqs="auto", max_num_batched_tokens="auto", max_step_ms=100.0),
+                      CacheConfig(), 4000, step_time=toy_step_time)
+    sched.add_request(make_request("short", 16, max_tokens=3))
+    step(sched, 0.0)  # its prompt, alone: the cap
+    sched.add_request(make_request("long", 3000, max_tokens=4))
+    shapes = [step(sched, t).shape for t in (1.0, 2.0, 3.0, 4.0)]
+    # beside "short"'s two remaining decodes the long prompt gets what fits 100 ms, then all that is left
+    assert shapes[0][0] == 1 and 0 < shapes[0][1] < 500 and shapes[1][0] == 1 and 0 < shapes[1][1] < 500
+    assert shapes[2] == (0, 3000 - shapes[0][1] - shapes[1][1])
+    assert shapes[3] == (1, 0) and sched.get_request("long").num_output_tokens == 2

@@ -1,5 +1,6 @@
-"""Admission by queueing delay (engine/admission.py): the predicted wait from the recent start rate, and which
-waiting requests have expired. Pure bookkeeping with explicit times: no clock, no model."""
+"""Admission by queueing delay (engine/admission.py): the predicted wait from the recent start rate, which waiting
+requests expire (only without a load to read) or are overdue (admitted, waiting past the limit, still served).
+Pure bookkeeping with explicit times: no clock, no model."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -46,7 +47,7 @@ def test_old_starts_leave_the_window():
     a.check(num_ahead=500, now=30.0)
 
 
-def test_expired_are_waiting_requests_that_never_ran():
+def test_without_a_load_expired_are_waiting_requests_that_never_ran():
     def req(rid: str, arrival: float, status=RequestStatus.WAITING, first=None) -> Request:
         r = Request(rid, [1, 2], SamplingParams(), arrival)
         r.status, r.first_scheduled_time = status, first
@@ -58,9 +59,9 @@ def test_expired_are_waiting_requests_that_never_ran():
         req("running", 0.0, RequestStatus.RUNNING, first=0.1)]}
     engine = SimpleNamespace(scheduler=SimpleNamespace(requests=requests))
     a = AdmissionControl(3.0)
-    assert a.expired(engine, now=5.0) == ["old"]
-    assert a.expired(engine, now=5.01) == []  # swept a moment ago
-    assert a.expired(SimpleNamespace(), now=10.0) == []  # no paceline scheduler: only the arrival check
+    assert a.sweep(engine, now=5.0) == ["old"]
+    assert a.sweep(engine, now=5.01) == []  # swept a moment ago
+    assert a.sweep(SimpleNamespace(), now=10.0) == []  # no paceline scheduler: only the arrival check
     err = a.expired_error()
     assert err.reason == "queue_delay_expired" and err.retry_after_s == 3
 
@@ -73,7 +74,7 @@ def test_an_expiry_rejects_arrivals_behind_a_queue_until_it_has_drained():
     engine = SimpleNamespace(scheduler=SimpleNamespace(requests={"stale": stale}))
     a = AdmissionControl(5.0)
     a.check(num_ahead=50, now=5.5)  # no rate, nothing expired yet: admitted
-    assert a.expired(engine, now=6.0) == ["stale"]
+    assert a.sweep(engine, now=6.0) == ["stale"]
     with pytest.raises(QueueDelayError) as e:
         a.check(num_ahead=1, now=6.5)  # someone waits ahead, and the queue just proved slower than 5 s
     assert e.value.reason == "queue_delay_predicted"
@@ -84,3 +85,26 @@ def test_an_expiry_rejects_arrivals_behind_a_queue_until_it_has_drained():
 def test_limit_must_be_positive():
     with pytest.raises(ValueError, match="max_queue_delay_s"):
         AdmissionControl(0.0)
+
+
+def test_with_a_load_an_admitted_request_past_the_limit_is_served_and_counted_not_expired():
+    from paceline.config import CacheConfig, SchedulerConfig
+    from paceline.core.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4), CacheConfig(block_size=16), 100)
+    sched.add_request(Request("slow", list(range(1, 17)), SamplingParams(max_tokens=4), 0.0))
+    engine = SimpleNamespace(scheduler=sched)
+    a = AdmissionControl(3.0)
+    assert a.sweep(engine, now=1.0) == [] and a.num_overdue == 0
+    a.check(num_ahead=1, now=1.0)  # a free seat, nothing running: predicted 0 s, admitted
+    assert a.sweep(engine, now=4.0) == []  # waited past 3 s: it stays queued (it was admitted) ...
+    assert a.num_overdue == 1  # ... and is counted
+    assert a.sweep(engine, now=4.1) == [] and a.num_overdue == 1  # once, however many sweeps see it
+    with pytest.raises(QueueDelayError, match="has waited longer than the limit") as e:
+        a.check(num_ahead=1, now=4.1)  # the load predicts no wait, but the queue proved slower: refused
+    assert e.value.reason == "queue_delay_predicted"
+    sched.schedule(5.0)  # it runs at last: no longer overdue
+    assert a.sweep(engine, now=5.0) == [] and a.num_overdue == 1
+    with pytest.raises(QueueDelayError):
+        a.check(num_ahead=1, now=6.0)  # within 3 s of the last sighting: still not trusted
+    a.check(num_ahead=1, now=8.2)  # S after: the load decides again

@@ -49,7 +49,7 @@ def test_fixed_seats_beyond_what_keeps_the_step_target_are_refused_at_arrival():
     assert len(sched.running) == 84
     engine = SimpleNamespace(scheduler=sched)
     a = AdmissionControl(5.0)
-    a.expired(engine, now=3.0)  # the engine thread's look before a step
+    a.sweep(engine, now=3.0)  # the engine thread's look before a step
     assert a.start_rate(3.0) is None  # no start rate to go by: the load decides
     assert a.load.tbt_seats == 85 and a.load.seats == 128 and a.load.running_left == (97,) * 84  # 3 steps, 3 tokens out
     a.check(num_ahead=0, now=3.0)  # the 85th fits
@@ -66,9 +66,9 @@ def test_auto_seats_predict_the_wait_for_a_seat_from_the_running_budgets():
     a = AdmissionControl(5.0)
     engine = SimpleNamespace(scheduler=sched)
     for t in range(3):
-        a.expired(engine, now=0.5 * t)  # looks 0.5 s apart while requests run: a step is measured at 0.5 s
+        a.sweep(engine, now=0.5 * t)  # looks 0.5 s apart while requests run: a step is measured at 0.5 s
         run_step(sched, 0.5 * t)
-    a.expired(engine, now=1.5)
+    a.sweep(engine, now=1.5)
     load = a.load
     assert load.step_s == pytest.approx(0.5) and len(load.running_left) == load.seats == 85
     # all 85 seated in the first step (no decode waits on it), 3 tokens out since
@@ -116,6 +116,51 @@ def test_a_load_it_cannot_read_never_stops_the_engine_thread():
             raise RuntimeError("a scheduler this code does not know")
 
     a = AdmissionControl(5.0)
-    assert a.expired(SimpleNamespace(scheduler=Broken()), now=1.0) == []
+    assert a.sweep(SimpleNamespace(scheduler=Broken()), now=1.0) == []
     assert a.load is None  # back to the start rate, which is unknown here: admitted
     a.check(num_ahead=50, now=1.0)
+
+
+def test_the_prediction_learns_its_error_from_the_requests_that_started():
+    # the load predicts 2 s for a newcomer (the one seat frees after 20 steps of 0.1 s), but each admitted request
+    # then waits 6 s for its first step: the margin learns the ratio and the same load is refused afterwards
+    slow = Load(running_left=(20,), waiting_prompt=(), waiting_left=(), seats=1, tbt_seats=None, step_s=0.1,
+                prefill_tok_s=None)
+    requests: dict = {}
+    engine = SimpleNamespace(scheduler=SimpleNamespace(requests=requests, running=[],
+                                                       config=SimpleNamespace(max_num_seqs=1)))
+    a = AdmissionControl(30.0)  # a patient limit while it learns, so every one is admitted
+    for i in range(20):
+        now = 10.0 * i
+        a.load = slow
+        assert a.predicted_wait(0, now) == pytest.approx(2.0 * a.margin)
+        a.check(num_ahead=0, now=now, request_id=f"r{i}")  # admitted
+        r = Request(f"r{i}", [1, 2], SamplingParams(), now)
+        r.first_scheduled_time = now + 6.0
+        requests[r.request_id] = r
+        a.sweep(engine, now=now + 6.5)  # the engine thread sees it started
+    assert a.margin == pytest.approx((6.0 + 0.5) / (2.0 + 0.5), rel=0.25)
+    assert not a._promised  # every admitted request's prediction was used once and forgotten
+    a.load = slow
+    a.max_delay = 5.0  # 2 s by the load, about 5.2 s with the margin: refused at a 5 s limit, admitted before it
+    with pytest.raises(QueueDelayError, match="predicted wait"):
+        a.check(num_ahead=0, now=300.0, request_id="late")
+    assert "late" not in a._promised
+    # a prediction never lowered below the load's own: waits shorter than predicted leave the margin at 1
+    quick = AdmissionControl(5.0)
+    requests.clear()
+    for i in range(20):
+        quick.load = slow
+        quick.check(num_ahead=0, now=10.0 * i, request_id=f"q{i}")
+        r = Request(f"q{i}", [1, 2], SamplingParams(), 10.0 * i)
+        r.first_scheduled_time = 10.0 * i + 0.1
+        requests[r.request_id] = r
+        quick.sweep(engine, now=10.0 * i + 1)
+    assert quick.margin == 1.0
+    # an admitted request that never starts (aborted before its add was applied) is forgotten after a second
+    quick.load = slow
+    quick.check(num_ahead=0, now=500.0, request_id="gone")
+    quick.sweep(engine, now=500.5)
+    assert "gone" in quick._promised
+    quick.sweep(engine, now=502.0)
+    assert "gone" not in quick._promised

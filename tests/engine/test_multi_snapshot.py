@@ -1,5 +1,5 @@
 """Runtime snapshots (loader.build_model): a GGUF's model as built, mapped back with no conversion; the loader
-thread's preparation of a model loaded on demand (map_in, warm_up, deferred packing)."""
+thread's preparation of a model loaded on demand (map_in, deferred packing; warm_up only for an A/B)."""
 from __future__ import annotations
 
 import sys
@@ -13,7 +13,7 @@ from _tiny_checkpoints import tiny_checkpoint, write_gguf
 
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.engine import Engine
-from paceline.engine.residency import _build_engine, model_tensors, unpacked_linears
+from paceline.engine.residency import _build_engine, model_tensors, unpacked_linears, warm_up
 from paceline.model import llama, loader
 from paceline.sampling import SamplingParams
 
@@ -121,7 +121,7 @@ def test_a_broken_snapshot_is_rebuilt(gguf):
 def test_loader_thread_build_from_snapshot_serves_unpacked_then_packed(gguf, monkeypatch):
     expected = greedy(Engine(config(gguf, dtype="bfloat16", quantization="int4")))
     no_conversion(monkeypatch)
-    engine, _ = _build_engine(config(gguf, dtype="bfloat16", quantization="int4"))  # deferred, mapped, warmed up
+    engine, _ = _build_engine(config(gguf, dtype="bfloat16", quantization="int4"))  # deferred, mapped
     linears = unpacked_linears(engine)
     assert linears and all(lin.packed is None for lin in linears)
     assert not getattr(llama._defer, "on", False)  # the deferral ends with the build
@@ -131,6 +131,8 @@ def test_loader_thread_build_from_snapshot_serves_unpacked_then_packed(gguf, mon
              if line.rstrip().endswith(str(path))]
     ptrs = [t.untyped_storage().data_ptr() for t in model_tensors(engine.runner.model)]
     assert spans and all(any(a <= p < b for a, b in spans) for p in ptrs if p)
+    assert greedy(engine) == expected
+    warm_up(engine.runner.model)  # the A/B's old path (PACELINE_LOAD_WARM_UP=1) writes only its scratch cache
     assert greedy(engine) == expected
     for lin in linears:
         lin.packed = llama.Linear._pack(lin.weight, lin.bias)

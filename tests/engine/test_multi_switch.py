@@ -1,0 +1,180 @@
+"""Switching to a model loaded on demand: the load's timeline (request to first token), the step a debuting
+model's first prompt may take beside other models' streams, and what waits for its first token (the KV pool's
+prefault)."""
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
+from _tiny_checkpoints import tiny_checkpoint
+
+from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
+from paceline.engine.engine import Engine, StepStats
+from paceline.engine import multi as multi_module
+from paceline.engine.multi import LoadTimeline, MultiEngine
+from paceline.engine.prefault import held_until, populate_in_background
+from paceline.model.loader import write_hf_folder
+from paceline.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for kind, seed in (("llama", 1), ("qwen2", 2)):
+        write_hf_folder(tiny_checkpoint(kind, seed=seed), root / kind)
+        out[kind] = str(root / kind)
+    return out
+
+
+def engine(path: str, name: str, **kw) -> Engine:
+    return Engine(EngineConfig(model=path, dtype="float32", tbt_goal_ms=0, served_model_name=name,
+                               cache=CacheConfig(num_blocks=64, block_size=4, swap_space_gb=0),
+                               scheduler=SchedulerConfig(**{"max_num_batched_tokens": 64, **kw})))
+
+
+def tokens_alone(path: str, prompt: list[int]) -> list[int]:
+    e = engine(path, "alone")
+    e.add_request("r", prompt, GREEDY)
+    out: list[int] = []
+    while e.has_unfinished():
+        for o in e.step():
+            out += o.new_token_ids
+    return out
+
+
+def test_timeline_marks_a_debut_from_joining_to_first_token_once(tiny_dirs):
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": engine(tiny_dirs["llama"], "llama")})
+    calls = []
+    timeline = LoadTimeline(start=0.0, on_first_token=lambda: calls.append("first"))
+    multi.add_model("qwen2", engine(tiny_dirs["qwen2"], "qwen2"), timeline)
+    multi.add_request("s", "a b c", GREEDY, model="llama")
+    multi.add_request("q", "the cat sat on", GREEDY, model="qwen2")
+    while multi.has_unfinished():
+        multi.step()
+    split = timeline.split()
+    assert list(split) == ["joined", "request_added", "first_step_start", "first_step_end", "first_token"]
+    assert calls == ["first"]  # once, not per token
+    assert "qwen2" not in multi._debut
+    # a later request of the same model marks nothing more
+    multi.add_request("q2", "x y", GREEDY, model="qwen2")
+    while multi.has_unfinished():
+        multi.step()
+    assert timeline.split() == split and calls == ["first"]
+
+
+def test_a_model_unloaded_before_its_first_token_releases_what_waited_for_it(tiny_dirs):
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0))
+    calls = []
+    multi.add_model("llama", engine(tiny_dirs["llama"], "llama"), LoadTimeline(0.0, on_first_token=lambda: calls.append(1)))
+    multi.remove_model("llama")
+    assert calls == [1]
+
+
+def test_a_debut_takes_what_the_other_models_last_steps_left_of_the_target(tiny_dirs):
+    engines = {"llama": engine(tiny_dirs["llama"], "llama"), "qwen2": engine(tiny_dirs["qwen2"], "qwen2")}
+    for e in engines.values():  # a step-time model: 1 ms a token; a 20 ms target, 10 ms each for two busy models
+        e.scheduler.step_time = lambda shape: 1e-3 * shape.num_tokens
+        e.scheduler.config.max_step_ms = 20.0
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": engines["llama"]})
+    multi.add_request("stream", "a b", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), model="llama")
+    while not engines["llama"].scheduler.running or not engines["llama"].scheduler.running[0].num_output_tokens:
+        multi.step()
+    multi.add_model("qwen2", engines["qwen2"], LoadTimeline(0.0))
+    multi.add_request("long", list(range(5, 65)), GREEDY, model="qwen2")
+    busy = ["llama", "qwen2"]
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.004)  # the other model's last step: 4 ms
+    multi._share_step_target(busy)
+    multi._debut_step_target("qwen2", busy)
+    assert engines["qwen2"].scheduler.config.max_step_ms == pytest.approx(16.0)  # 20 - 4, not the 10 ms share
+    engines["llama"].last_step = StepStats(0, 30, 1, duration=0.015)  # a long step of theirs: the share stays
+    multi._share_step_target(busy)
+    multi._debut_step_target("qwen2", busy)
+    assert engines["qwen2"].scheduler.config.max_step_ms == pytest.approx(10.0)
+    multi._debut.clear()  # past its first token: the share, as for any model
+    multi._share_step_target(busy)
+    assert engines["qwen2"].scheduler.config.max_step_ms == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("debut_step", ["whole", "left"])
+def test_a_debut_prompt_beside_streams_gives_the_tokens_it_gives_alone(tiny_dirs, monkeypatch, debut_step):
+    monkeypatch.setattr(multi_module, "DEBUT_STEP", debut_step)
+    engines = {"llama": engine(tiny_dirs["llama"], "llama"), "qwen2": engine(tiny_dirs["qwen2"], "qwen2")}
+    for e in engines.values():
+        e.scheduler.step_time = lambda shape: 1e-3 * shape.num_tokens
+        e.scheduler.config.max_step_ms = 20.0
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": engines["llama"]})
+    multi.add_request("stream", "a b", SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), model="llama")
+    while not engines["llama"].scheduler.running or not engines["llama"].scheduler.running[0].num_output_tokens:
+        multi.step()
+    prompt = list(range(5, 65))
+    multi.add_model("qwen2", engines["qwen2"], LoadTimeline(0.0))
+    multi.add_request("long", prompt, GREEDY, model="qwen2")
+    got: list[int] = []
+    chunks = []
+    while multi.has_unfinished():
+        for o in multi.step():
+            if o.request_id == "long":
+                got += o.new_token_ids
+        if multi.last_model == "qwen2" and multi.last_step.num_prefill_tokens:
+            chunks.append(multi.last_step.num_prefill_tokens)
+    assert sum(chunks) == len(prompt)
+    if debut_step == "whole":  # one step, though another model streams and the 20 ms target fits ~10-20 tokens
+        assert chunks == [len(prompt)]
+    else:  # never past the whole target (plus a block)
+        assert max(chunks) <= 20 + 4
+    assert got == tokens_alone(tiny_dirs["qwen2"], prompt)
+
+
+def test_prefault_held_until_its_gate_opens():
+    pool = torch.frombuffer(bytearray(8 * 2**20), dtype=torch.float32)
+    gate = threading.Event()
+    with held_until(gate):
+        held = populate_in_background(pool)
+    free = populate_in_background(pool)  # outside the block: not held
+    free.join(30)
+    held.join(0.3)
+    assert held.is_alive() and not free.is_alive()  # it cannot finish before the gate opens, however fast
+    gate.set()
+    held.join(30)
+    assert not held.is_alive()
+
+
+def test_a_model_built_on_the_loader_thread_gets_the_profile_its_setup_cached(tiny_dirs, monkeypatch, tmp_path):
+    """The profile's key holds torch's thread count, which is 1 on the loader thread: the lookup happens when the
+    model joins, on the engine thread (here the test's), where a start-up load of the same setup cached it."""
+    import concurrent.futures
+
+    from paceline.core.step_time import FEATURES, ProfiledCostModel
+    from paceline.engine.residency import _build_engine, _install
+
+    monkeypatch.setattr("paceline.engine.engine.cache_root", lambda: tmp_path)
+    torch.set_num_threads(2)
+    config = EngineConfig(model=tiny_dirs["llama"], dtype="float32", tbt_goal_ms=0,
+                          cache=CacheConfig(num_blocks=64, block_size=4, swap_space_gb=0),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_step_ms=50.0))
+    with concurrent.futures.ThreadPoolExecutor(1) as loader:
+        built, step_ms = loader.submit(_build_engine, config).result()
+    assert step_ms == 50.0 and built.scheduler.step_time is None  # no profile taken on the loader thread
+    path = built._profile_cache_path()
+    path.parent.mkdir(parents=True)
+    ProfiledCostModel(dict.fromkeys(FEATURES, 0.0) | {"constant": 0.01}).save(path)
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0))
+    _install(multi, "m", built, step_ms)
+    assert built.scheduler.step_time is not None and built.config.scheduler.max_step_ms == 50.0
+    assert multi.engines["m"] is built
