@@ -254,12 +254,14 @@ INT4_KERNEL_ROWS = 256
 # (97.70 % of fp32); with each block's largest activation taken out of the int8 block, top-1 is 99.11 % and
 # perplexity +0.09 % (benchmarks/summaries/quality.md) and whole steps gain 1.10-1.11x on prompts, ~even at 32
 # decodes (benchmarks/summaries/profile_after.md, 2026-11-24 00:53 UTC). From 7 rows: one decode stays on the int4
-# op, which was faster in the model's steps. Not yet the default (a gain on prompt steps only, and the tests of the
-# dense wide path in tests/model/test_wide.py need the op off first). PACELINE_W4A8_LINEARS=qkv:o:gate_up:down /
-# "all" / "" picks the linears for a model built afterwards; PACELINE_W4A8_KERNEL=0 keeps the op from loading at all.
+# op, which was faster in the model's steps. The default since the side by side against vLLM CPU (2026-11-24
+# 01:01 UTC, benchmarks/summaries/vs_vllm.md): with it the lone 1,500-token TTFT was 2,650 against 2,985 ms without
+# and 3,496 for vLLM, 32 streams 177 against 169 tok/s, and it meets the quality bar; it also spares the 424 MB
+# float32 copy. PACELINE_W4A8_LINEARS=qkv:o:gate_up:down / "all" / "" picks the linears for a model built
+# afterwards ("" restores the float32 copy); PACELINE_W4A8_KERNEL=0 keeps the op from loading at all.
 W4A8_FROM_ROWS = 7
 ALL_LINEARS = ("qkv", "o", "gate_up", "down")
-W4A8_LINEARS: tuple[str, ...] = ()
+W4A8_LINEARS: tuple[str, ...] = ALL_LINEARS
 
 
 def w4a8_linears() -> tuple[str, ...]:

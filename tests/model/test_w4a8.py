@@ -153,7 +153,9 @@ def test_tiny_model_with_the_op_stays_close_and_chunks_equal_whole(tiny, monkeyp
         return ModelRunner(model, arch, 64, 4, dtype=dtype)
 
     monkeypatch.delenv("PACELINE_W4A8_LINEARS", raising=False)
-    assert runner().model.layers[0].qkv.w4a8 is None  # the default, W4A8_LINEARS: none yet
+    assert runner().model.layers[0].qkv.w4a8 is not None  # the default, W4A8_LINEARS: all four
+    monkeypatch.setenv("PACELINE_W4A8_LINEARS", "")
+    assert runner().model.layers[0].qkv.w4a8 is None  # "": the float32 copy
     monkeypatch.setenv("PACELINE_W4A8_LINEARS", "all")
     fast = runner()
     assert fast.model.layers[0].qkv.w4a8 is not None and fast.model.layers[0].qkv.dense is None

@@ -30,7 +30,8 @@ def test_auto_turns_wide_steps_on_only_for_bf16_on_a_cpu_without_bf16_math(tiny,
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_wide_prefill_matches_bf16_and_float32(tiny, quantization):
+def test_wide_prefill_matches_bf16_and_float32(tiny, quantization, monkeypatch):
+    monkeypatch.setenv("PACELINE_W4A8_LINEARS", "")  # the dense float32 wide path, not the int4 x int8 op
     # hidden 64 = 2 int4 groups; wide_above=4: chunks of 16 run wide, single tokens in bfloat16
     hf = tiny.make_hf_model("llama", hidden_size=64, intermediate_size=128)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
