@@ -56,8 +56,9 @@ MODES = {"fp32": ["--dtype", "float32", "--quantization", "none"],
          "bf16": ["--dtype", "bfloat16", "--quantization", "none"],
          "int4": ["--quantization", "int4"],
          "default": [],
-         "w4a8": []}  # the default with int8 activations on the int4 linears (off by default: top-1 below the bar)
-MODE_ENV = {"w4a8": {"PACELINE_W4A8_LINEARS": "all"}}
+         "w4a8": [],  # the int4 x int8 op on every layer linear (the default since 2026-11-24)
+         "int4-op": []}  # the default without it: the int4 op and the float32 copy (the default before)
+MODE_ENV = {"w4a8": {"PACELINE_W4A8_LINEARS": "all"}, "int4-op": {"PACELINE_W4A8_LINEARS": ""}}
 QUEUE_TIMES = ("paceline:request_queue_time_seconds", "vllm:request_queue_time_seconds")
 CHAT_ARGS = ["--workload", "chat", "--rate", "0.5", "--duration", "90", "--seed", "7", "--tbt-slo", "190"]
 SMALL_BUDGET = 64
