@@ -357,11 +357,16 @@ class OpenAIServing:
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
         plain = [m if isinstance(m, dict) else {"role": m.role, "content": m.text()} for m in messages]
+        bad = [k for k in template_vars if not k.isidentifier()]
+        if bad:  # they become the template's variables; a key like "" is no name (schemathesis sent one)
+            raise bad_request(f"chat_template_kwargs keys must be names, got {bad[0]!r}", param="chat_template_kwargs")
         try:
             return self.engine.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
                                                              **template_vars)
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
+        except TypeError as e:  # a kwarg the tokenizer's template call does not take (or takes twice)
+            raise bad_request(f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
 
     async def prepare(self, params: SamplingParams, param: str) -> SamplingParams:
         """Server-side parts of a request's parameters: its output grammar, compiled (and cached by constraint)."""
@@ -427,8 +432,12 @@ class OpenAIServing:
         params = await self.prepare(body.sampling_params(_vocab_size(self.engine), forced),
                                     "tool_choice" if forced else _structured_param(body))
         messages, template_vars = tools.messages_for_template(body, tools.template_kind(template))
-        text = self.chat_prompt(messages, body.add_generation_prompt, **template_vars,
-                                **(body.chat_template_kwargs or {}))
+        extra = body.chat_template_kwargs or {}
+        clash = sorted(set(extra) & ({"messages", "add_generation_prompt"} | set(template_vars)))
+        if clash:  # the request's own fields set these; twice would be a TypeError, i.e. a 500
+            raise bad_request(f"chat_template_kwargs may not set {clash[0]!r}; use the request field",
+                              param="chat_template_kwargs")
+        text = self.chat_prompt(messages, body.add_generation_prompt, **template_vars, **extra)
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(base_id, [prompt_ids], params, body.priority, "messages", client_of(request, body))
