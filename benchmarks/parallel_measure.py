@@ -31,7 +31,8 @@ from paceline.model.loader import load_checkpoint
 from paceline.parallel.executor import build_runner
 from paceline.parallel.pipeline import run_pipelined
 from paceline.core.kv_cache import KVCacheManager
-from paceline.parallel.routing import Router, common_preamble_chats, multi_turn_chats, shared_prefix_workload
+from paceline.parallel.routing import (Router, agent_rounds, common_preamble_chats, multi_turn_chats,
+                                       shared_prefix_workload)
 from paceline.request import Request
 from paceline.sampling import SamplingParams
 
@@ -409,12 +410,16 @@ def measure_ray(args) -> dict:
 
 def workload_bodies(name: str, groups: int, per_group: int, seed: int) -> list[dict]:
     """The requests of a shared-prefix workload as OpenAI request bodies, each tagged with its group (`_group`,
-    stripped before sending). system-prompts: completions under `groups` long system prompts; chat-preamble: chats
+    stripped before sending). system-prompts: completions under `groups` long system prompts, in a random order;
+    agent-rounds: the same prompts, each once per round (`per_group` rounds); chat-preamble: chats
     that all start with the stock system prompt, then share a document by group; multi-turn: `groups` chats of
     `per_group` turns, turn k+1's prompt starting with all of turn k's."""
     if name == "system-prompts":
         return [{"prompt": p, "_group": p.split("(desk ")[1].split(")")[0]}
                 for p in shared_prefix_workload(groups, per_group, seed)]
+    if name == "agent-rounds":  # `groups` system prompts, each once per round, `per_group` rounds
+        return [{"prompt": p, "_group": p.split("(desk ")[1].split(")")[0]}
+                for p in agent_rounds(groups, per_group, seed)]
     if name == "chat-preamble":
         return [{"messages": m, "_group": m[1]["content"].split("(file ")[1].split(")")[0]}
                 for m in common_preamble_chats(groups, per_group, seed)]
@@ -423,7 +428,7 @@ def workload_bodies(name: str, groups: int, per_group: int, seed: int) -> list[d
     raise ValueError(f"unknown workload {name!r}")
 
 
-WORKLOADS = ("system-prompts", "chat-preamble", "multi-turn")
+WORKLOADS = ("system-prompts", "agent-rounds", "chat-preamble", "multi-turn")
 
 
 ROUTERS = {"round_robin": {"policy": "round_robin"}, "least_outstanding": {"policy": "least_outstanding"},
