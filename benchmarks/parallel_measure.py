@@ -372,9 +372,9 @@ def measure_ray(args) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    out: dict = {"groups": args.groups, "per_group": args.per_group}
+    out: dict = {"groups": args.groups, "per_group": args.per_group, "seed": args.ray_seed}
     for workload in args.workload.split(","):
-        bodies = workload_bodies(workload, args.groups, args.per_group, 0)
+        bodies = workload_bodies(workload, args.groups, args.per_group, args.ray_seed)
         for blocks in [int(b) for b in str(args.replica_blocks).split(",")]:
             engine = {"block_size": BLOCK_SIZE, "num_blocks": blocks, "served_model_name": "m"}
             rates: dict = {}
@@ -594,7 +594,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--routers", default=None,
                    help=f"ray, replay: which of {', '.join(ROUTERS)} (comma-separated; default: ray the first "
                         "three, replay all)")
-    p.add_argument("--seeds", type=int, default=1, help="replay: shuffles of the workload, seeds 0..N-1 (ray: seed 0)")
+    p.add_argument("--seeds", type=int, default=1, help="replay: shuffles of the workload, seeds 0..N-1")
+    p.add_argument("--ray-seed", type=int, default=0, help="ray: the shuffle sent (replay's seed of the same number)")
     p.add_argument("--arrive-every-tokens", default="0",
                    help="pp: a new request each time this many more tokens have been run (0: all at once); "
                         "several, comma-separated, run one after another")
