@@ -116,7 +116,6 @@ def _rank_main(rank: int, layout: str, port: int, pairs: int, results) -> None:
             runner.forward_tokens(ids[s], list(range(CONTEXT)), [SeqSlice(0, CONTEXT, table[s])], [])
     else:
         first = rank == 0
-        sends: list = []
 
         def stage(step, hidden):
             s_ids, positions, seqs, rows = step
