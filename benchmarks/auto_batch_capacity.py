@@ -7,6 +7,12 @@ after another in one process, the same requests and prompts for every setting.
 
 Each setting is SEATS/BUDGET ("auto" for either); every server gets the same --max-step-ms. Only the ratios
 between settings of one run mean anything on a shared machine.
+
+A bracket at fixed rates instead of a search per setting (long-prompt probes take minutes; 2026-11-24):
+
+    flock -x /tmp/paceline-cpu.lock setsid .venv/bin/python benchmarks/auto_batch_capacity.py \
+        --workload long-prompt --settings auto/auto,128/512 --rates 0.05,0.07 --max-step-ms 150 \
+        --decode-step-ms 38.0 --slo strict --probe-requests 6 --probe-timeout 40 --server-nice -10
 """
 from __future__ import annotations
 
