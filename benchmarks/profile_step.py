@@ -20,6 +20,7 @@ place of real contexts (values do not change the cost).
     python benchmarks/profile_step.py --modes int4 --compare "wide_above=none,wide_above=auto" --only decode
     python benchmarks/profile_step.py --modes bf16 --repeats 3
     python benchmarks/profile_step.py --modes int4 --compare "int4_kernel=98a8064+fused=0,fused=0,fused=1" --only "b=32,probe32"
+    python benchmarks/profile_step.py --modes int4 --compare "kernels=6a4ec79,w4a8=all" --only "b=32,probe32"
 """
 from __future__ import annotations
 
@@ -155,6 +156,9 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
                 os.environ.pop("PACELINE_W4A8_LINEARS")
             else:
                 os.environ["PACELINE_W4A8_LINEARS"] = saved_env
+    rev = model_kw.pop("kernels", None)
+    if rev is not None:  # kernels=REV: the w4a8 and attention ops as they were at git revision REV, for this runner
+        return _with_kernels_at(str(rev), lambda: make_runner(ckpt, mode, blocks, bs, **model_kw))
     fused = model_kw.pop("fused", None)
     if fused is not None:  # fused=0: the layers' norms, RoPE and SiLU * up as torch's ops (fused_kernel.py off)
         import os
@@ -182,6 +186,49 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, "cpu", dtype, quantization=quantization, **model_kw)
     runner = ModelRunner(model, ckpt.arch, blocks, bs, dtype=dtype)
     runner.kv_cache.normal_()
+    return runner
+
+
+def _module_at(rev: str, module: str):
+    """paceline/model/<module>.py as it was at git revision `rev`, imported under another name: its C++ source
+    builds under its own key and namespace, beside this tree's."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = subprocess.run(["git", "show", f"{rev}:paceline/model/{module}.py"], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    name = f"{module}_{rev}"
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    sys.modules[name] = mod
+    exec(compile(text, f"{rev}:{module}.py", "exec"), mod.__dict__)
+    return mod
+
+
+def _with_kernels_at(rev: str, build):
+    """Build a runner whose w4a8 and attention ops are those of revision `rev`: the model looks them up at call
+    time (w4a8_kernel.op, attention_kernel.load), so they are swapped in for its build and for each of its steps."""
+    from paceline.model import attention_kernel, w4a8_kernel
+
+    old_w4a8, old_attn = _module_at(rev, "w4a8_kernel"), _module_at(rev, "attention_kernel")
+    swaps = [(w4a8_kernel, "op", old_w4a8.op), (w4a8_kernel, "load", old_w4a8.load),
+             (w4a8_kernel, "pack", old_w4a8.pack), (attention_kernel, "load", old_attn.load)]
+
+    def swapped(fn):
+        def call(*a, **kw):
+            saved = [(m, n, getattr(m, n)) for m, n, _ in swaps]
+            for m, n, f in swaps:
+                setattr(m, n, f)
+            try:
+                return fn(*a, **kw)
+            finally:
+                for m, n, f in saved:
+                    setattr(m, n, f)
+        return call
+
+    runner = swapped(build)()
+    runner.execute, runner.forward_tokens = swapped(runner.execute), swapped(runner.forward_tokens)
     return runner
 
 
