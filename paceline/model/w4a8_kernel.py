@@ -29,7 +29,7 @@ column j in the low and j + 8 in the high nibble, unpacked with an and and a shi
 is faster was measured (benchmarks/int4_linear.py --w4a8), see docs/performance.md.
 
 The micro-kernel holds R rows x 16 columns of int16 accumulators over a block, then per block and row one
-`vpmaddwd` with ones to int32, a conversion, and two FMAs (scale and minimum) into float32 accumulators, and the
+`vpmaddwd` with ones to int32, a conversion, and two FMAs (scale and minimum) into float32 sums (kept in a per-thread buffer, not registers: see tile_rows), and the
 taken-out element: its 16 codes picked from the block with a shift, dequantized, one more FMA. Rows are
 cut into chunks of 128 whose int8 activations stay in L2 while every tile of weights runs over them.
 
