@@ -768,6 +768,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_waiting_requests": (SchedulerConfig, "max_waiting_requests"),
     "max_queue_delay_s": (SchedulerConfig, "max_queue_delay_s"),
     "max_step_ms": (SchedulerConfig, "max_step_ms"),
+    "short_step_ms": (SchedulerConfig, "short_step_ms"),
     "time_slice_tokens": (SchedulerConfig, "time_slice_tokens"),
     "time_slice_ms": (SchedulerConfig, "time_slice_ms"),
     "level_aging_s": (SchedulerConfig, "level_aging_s"),
@@ -840,6 +841,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
          "gets 503 with Retry-After at once; an admitted request is served (0: off)", type=float)
     flag("max_step_ms", "stall-free: cut prompt chunks so each step's predicted time stays under this; set it "
          "below your TBT SLO (0: off)", type=float)
+    flag("short_step_ms", "stall-free: the step target for a chunk whose prompt costs more per token it can bring "
+         "than a decode costs now (0: off; default 0.45 x the target derived from --tbt-goal-ms)", type=float)
     flag("time_slice_tokens", "preempt a decoding request after this many output tokens (doubling per demotion) "
          "when queued work waits for its seat (0: off)", type=int)
     flag("time_slice_ms", "the same in ms of residency (0: off)", type=float)
