@@ -1,7 +1,7 @@
 """Measurements for docs/scaling.md: TP=2's per-step communication and PP=2's bubble, on the bundled model.
 
     python benchmarks/parallel_measure.py tp   # step time and time in collectives, TP=2 vs one process
-    python benchmarks/parallel_measure.py pp   # PP=2 Engine vs one process: per-step overhead, bubble; chunked vs whole
+    python benchmarks/parallel_measure.py pp   # PP=2 Engine (1, 2 slots) vs one process: overhead, bubble; chunked, whole
     python benchmarks/parallel_measure.py ray  # prefix-cache hit rate over 2 Ray Serve replicas, by routing policy
     python benchmarks/parallel_measure.py replay  # the same without Ray or a model: the real Router and KV cache
     python benchmarks/parallel_measure.py sim  # the same through the simulator: hit rates per routing policy
@@ -164,8 +164,9 @@ def step_overhead(one: list[tuple[int, int, float]], pp: list[tuple[int, int, fl
 
 
 def measure_pp(args) -> dict:
-    """PP=2 on the real Engine (one step in flight) against one process, chunked vs whole-prompt scheduling: the
-    per-step overhead and the bubble; then the same runner with two steps in flight (run_pipelined)."""
+    """PP=2 on the real Engine against one process, chunked vs whole-prompt scheduling: one slot (one step in
+    flight: the per-step overhead and the bubble), then two slots (two steps in flight, engine/pipelined.py), then
+    the second engine's runner with two steps in flight through run_pipelined."""
     torch.set_num_threads(1)
     vocab = load_checkpoint(None).arch.vocab_size
     lengths = prompt_lengths(args.requests, 16, args.max_prompt)
