@@ -1,7 +1,7 @@
 """Measurements for docs/scaling.md: TP=2's per-step communication and PP=2's bubble, on the bundled model.
 
     python benchmarks/parallel_measure.py tp   # step time and time in collectives, TP=2 vs one process
-    python benchmarks/parallel_measure.py pp   # PP=2 Engine vs one process: per-step overhead, bubble; chunked vs whole
+    python benchmarks/parallel_measure.py pp   # PP=2 Engine (1, 2 slots) vs one process: overhead, bubble; chunked, whole
     python benchmarks/parallel_measure.py ray  # prefix-cache hit rate over 2 Ray Serve replicas, by routing policy
     python benchmarks/parallel_measure.py replay  # the same without Ray or a model: the real Router and KV cache
     python benchmarks/parallel_measure.py sim  # the same through the simulator: hit rates per routing policy
@@ -27,6 +27,7 @@ import torch
 
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.engine import Engine
+from paceline.engine.pipelined import PipelinedEngine
 from paceline.model.loader import load_checkpoint
 from paceline.parallel.executor import build_runner
 from paceline.parallel.pipeline import run_pipelined
@@ -98,15 +99,16 @@ def measure_tp(args) -> dict:
 
 
 def engine_run(pp: int, sched: SchedulerConfig, prompts: dict[str, list[int]], params: SamplingParams,
-               arrive_every_tokens: int):
+               arrive_every_tokens: int, num_slots: int = 1):
     """The prompts through a real Engine (float32, token budget only: no step-time target, so the schedule does not
-    depend on timing) with one step in flight, every rank one thread. Request i is added once i * k tokens have run
-    (k = 0: all at once). Returns the engine (still open, for its runner) and the run's figures."""
+    depend on timing) with `num_slots` steps in flight under PP (engine/pipelined.py), every rank one thread.
+    Request i is added once i * k tokens have run (k = 0: all at once). Returns the engine (still open, for its
+    runner) and the run's figures."""
     torch.set_num_threads(1)
     config = EngineConfig(dtype="float32", quantization="none", tbt_goal_ms=0, pipeline_parallel_size=pp,
                           cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=512, swap_space_gb=0),
                           scheduler=dataclasses.replace(sched))
-    engine = Engine(config)
+    engine = PipelinedEngine(config, num_slots=num_slots) if pp > 1 else Engine(config)
     torch.set_num_threads(1)  # build_runner shares the host's cores among the ranks: 1 each on 2 cores
     if pp > 1:
         engine.runner.collect_stats()  # timers from here
@@ -162,8 +164,9 @@ def step_overhead(one: list[tuple[int, int, float]], pp: list[tuple[int, int, fl
 
 
 def measure_pp(args) -> dict:
-    """PP=2 on the real Engine (one step in flight) against one process, chunked vs whole-prompt scheduling: the
-    per-step overhead and the bubble; then the same runner with two steps in flight (run_pipelined)."""
+    """PP=2 on the real Engine against one process, chunked vs whole-prompt scheduling: one slot (one step in
+    flight: the per-step overhead and the bubble), then two slots (two steps in flight, engine/pipelined.py), then
+    the second engine's runner with two steps in flight through run_pipelined."""
     torch.set_num_threads(1)
     vocab = load_checkpoint(None).arch.vocab_size
     lengths = prompt_lengths(args.requests, 16, args.max_prompt)
@@ -179,7 +182,9 @@ def measure_pp(args) -> dict:
         for name, sched in schedulers.items():
             one_engine, one = engine_run(1, sched, prompts, params, every)
             del one_engine
-            engine, pp = engine_run(2, sched, prompts, params, every)
+            engine, pp = engine_run(2, sched, prompts, params, every, num_slots=1)
+            engine.runner.close()
+            engine, slots2 = engine_run(2, sched, prompts, params, every, num_slots=2)
             try:
                 two = run_pipelined(engine.runner, prompts, params, dataclasses.replace(sched), cache, num_slots=2,
                                     arrive_every_tokens=every)
@@ -193,15 +198,23 @@ def measure_pp(args) -> dict:
                     "bubble_fraction": round(pp["bubble_fraction"], 4), "compute_s_per_rank": pp["compute_s_per_rank"],
                     "waiting_s_per_rank": pp["waiting_s_per_rank"], "threads_rank0": pp["threads"],
                     "per_step_overhead": step_overhead(one["steps"], pp["steps"])},
+                "PP=2, Engine (2 slots: 2 steps in flight)": {
+                    "wall_s": round(slots2["wall_s"], 2), "steps": len(slots2["steps"]),
+                    "bubble_fraction": round(slots2["bubble_fraction"], 4),
+                    "compute_s_per_rank": slots2["compute_s_per_rank"],
+                    "waiting_s_per_rank": slots2["waiting_s_per_rank"]},
                 "PP=2, 2 steps in flight (run_pipelined)": {
                     "wall_s": round(two.wall_s, 2), "steps": two.num_steps,
                     "bubble_fraction": round(two.bubble_fraction, 4),
                     "compute_s_per_rank": [round(t.forward_s, 2) for t in two.timers]},
-                "same_tokens": one["outputs"] == reference and pp["outputs"] == reference and two.outputs == reference}
+                "same_tokens": (one["outputs"] == reference and pp["outputs"] == reference
+                                and slots2["outputs"] == reference and two.outputs == reference)}
         c, w = pattern["chunked"], pattern["whole"]
         key = "PP=2, Engine (1 step in flight)"
         pattern["ratios whole / chunked"] = {
             "bubble, 1 in flight": round(w[key]["bubble_fraction"] / c[key]["bubble_fraction"], 3),
+            "bubble, Engine 2 slots": round(w["PP=2, Engine (2 slots: 2 steps in flight)"]["bubble_fraction"]
+                                            / c["PP=2, Engine (2 slots: 2 steps in flight)"]["bubble_fraction"], 3),
             "bubble, 2 in flight": round(w["PP=2, 2 steps in flight (run_pipelined)"]["bubble_fraction"]
                                          / c["PP=2, 2 steps in flight (run_pipelined)"]["bubble_fraction"], 3),
             "overhead per step, ms": round(w[key]["per_step_overhead"]["all steps"]["extra_ms_mean"]
@@ -222,7 +235,10 @@ def timed_steps(tp: int, pp: int, prompts: list[list[int]], max_tokens: int, bud
                           pipeline_parallel_size=pp, cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=256,
                                                                        swap_space_gb=0),
                           scheduler=SchedulerConfig("stall-free", max_num_batched_tokens=budget))
-    engine = Engine(config)
+    # the plain Engine even at PP=2 (Engine() would give the pipelined one): one runner.execute per step is what
+    # the per-step split into compute and waiting is read from
+    engine = object.__new__(Engine)
+    engine.__init__(config)
     torch.set_num_threads(1)
     runner = engine.runner
     parallel = tp * pp > 1

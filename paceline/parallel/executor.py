@@ -197,10 +197,10 @@ class InFlight:
 class PipelineParallelRunner(_ParallelRunner):
     """Rank 0 is the first stage (and embeds, computes logits, samples); the others take layer ranges in order.
 
-    execute() runs one step through every stage and waits for it: under the Engine, one step is in flight, so at
-    PP=2 each stage idles while the other works. submit()/collect() keep several steps in flight, which needs a
-    caller that schedules the next step before the last one's tokens are known (pipeline.run_pipelined: one
-    scheduler per slot, each with its own blocks, as vLLM's virtual engines)."""
+    execute() runs one step through every stage and waits for it, so at PP=2 each stage idles while the other
+    works. submit()/collect() keep several steps in flight, which needs a caller that schedules the next step
+    before the last one's tokens are known: one scheduler per slot, each with its own blocks, as vLLM's virtual
+    engines (engine/pipelined.py, the serving engine under PP; pipeline.run_pipelined, token ids only)."""
 
     def __init__(self, spec: ParallelSpec, arch: ModelArch, weights: dict[str, torch.Tensor]):
         super().__init__(spec, arch, weights)

@@ -1,13 +1,14 @@
 """Several steps in flight through a pipeline, and how much of the time its stages sat idle (the bubble).
 
-A step's next tokens are known only after its last stage, so one scheduler cannot feed a pipeline: under the
-Engine (one step at a time) stage 1 idles while stage 0 works and the other way round. Here each of `num_slots`
+A step's next tokens are known only after its last stage, so one scheduler cannot feed a pipeline: one step at a
+time, stage 1 idles while stage 0 works and the other way round. Here each of `num_slots`
 schedulers owns a disjoint range of KV blocks and its own requests (vLLM's "virtual engines"), and the slots take
 turns: stage 1 runs slot A's step while stage 0 runs slot B's next one. When consecutive steps differ in cost (a
 whole 2,000-token prompt after a decode step) the cheaper stage waits anyway: that is the bubble Sarathi-Serve's
 equal-sized chunks shrink.
 
-Token ids in, token ids out (no detokenizing, no stop strings): what the measurement and the exactness tests need.
+Token ids in, token ids out (no detokenizing, no stop strings): what the measurement and the exactness tests need;
+the serving engine does the same with text, aborts and stats (engine/pipelined.py).
 """
 from __future__ import annotations
 
