@@ -39,6 +39,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "load of this many seconds, not a burst the server absorbs and then drains (0: off)")
     p.add_argument("--max-probes", type=int, default=5, help="probes per system and SLO (shared probes are free)")
     p.add_argument("--start-rate", type=float, default=0.5, help="first rate the capacity search tries")
+    p.add_argument("--probe-rates", default="",
+                   help="comma list of rates to probe instead of searching (e.g. one rate a peer should fail and 1.3x "
+                        "it, which ours should pass): each is judged under every SLO, the capacity over all of them")
     p.add_argument("--probe-timeout", type=float, default=90.0, help="s after the last arrival before a probe fails")
     p.add_argument("--delay-rule", choices=("ttft-excess", "ttft"), default="ttft-excess",
                    help="for servers that do not expose their scheduling delay, judge the 2 s rule on TTFT minus the "
@@ -56,6 +59,12 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sarathi-budgets", dest="stall_free_budgets", help=argparse.SUPPRESS)  # the old name
     p.add_argument("--budget", type=int, default=1024,
                    help="token budget of the other paceline schedulers, llama-server -b/-ub, transformers cb")
+    p.add_argument("--vllm-budgets", default="",
+                   help="token budgets of the vllm-cpu(-fp32) runs, one server each, as --stall-free-budgets does for "
+                        "paceline (vLLM's own default on CPU is 2048); default: --budget")
+    p.add_argument("--server-nice", type=int, default=None,
+                   help="scheduler autogroup nice of every server's session (-20..19; negative needs root): under a "
+                        "benchmark lock, -10 keeps work that runs outside it (at autogroup nice 0) off the cores")
     p.add_argument("--rates", default="", help="comma list of fixed rates every system runs (besides capacity)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per fixed-rate run")
     p.add_argument("--no-capacity", action="store_true", help="only the fixed-rate runs")
@@ -135,12 +144,19 @@ class Bench:
         return r
 
     def capacity(self, system: str, ep: Endpoint) -> list[CapacityResult]:
-        if self.args.delay_rule == "ttft-excess":
+        fixed = _csv(getattr(self.args, "probe_rates", ""), float)
+        if any(rate <= 0 for rate in fixed):
+            raise ValueError(f"a probe rate must be > 0, got {self.args.probe_rates!r}")
+        if self.args.delay_rule == "ttft-excess" and system not in self.prefill_rates:  # once per server
             self.prefill_rates[system] = measure_prefill_rate(ep, self.source, seed=self.args.seed)
             print(f"  {system}: one prompt alone prefills at {self.prefill_rates[system]:.0f} tok/s")
         cache: dict[float, dict] = {}
-        searched = []
-        for name, slo_s in self.slos:
+        searched: list[CapacityResult | None] = []
+        if fixed:  # the rates were chosen by hand: probe each once, judge them all below
+            for rate in fixed:
+                cache.setdefault(round(rate, 6), self.run_at(system, ep, rate, self.probe_size(rate), True)["summary"])
+            searched = [None] * len(self.slos)
+        for name, slo_s in self.slos if not fixed else []:
             res = search_capacity(lambda rate: self.run_at(system, ep, rate, self.probe_size(rate), True)["summary"],
                                   slo_s, start_rate=self.args.start_rate, max_probes=self.args.max_probes,
                                   slo_name=name, cache=cache)
@@ -148,11 +164,16 @@ class Bench:
             print(f"  {system}: capacity under the {name} SLO ({slo_s * 1e3:.0f} ms), this search: "
                   f"{'>=' if res.is_lower_bound else '='} {res.capacity:.3f} req/s")
         out = []
-        for res in searched:  # the answer: every probe of this system, whichever search ran it
-            final = capacity_from_probes(cache, res.tbt_slo_s, slo_name=res.slo_name)
+        for (name, slo_s), res in zip(self.slos, searched):  # the answer: every probe, whichever search ran it
+            final = capacity_from_probes(cache, slo_s, slo_name=name)
             out.append(final)
+            for v in final.verdicts:
+                print(f"  {system} @ {v.rate:.3f} req/s, {name} SLO {slo_s * 1e3:.0f} ms: "
+                      f"{'passed' if v.passed else 'failed'} (p99 TBT {(v.p99_tbt_s or 0) * 1e3:.0f} ms, median "
+                      f"{v.delay_source} delay {v.delay_s if v.delay_s is None else round(v.delay_s, 2)} s, "
+                      f"{v.failed_requests} failed requests)")
             self.capacities.append({"system": system, "slo": final.slo_name, "tbt_slo_s": final.tbt_slo_s,
-                                    "capacity": final.capacity, "searched_capacity": res.capacity,
+                                    "capacity": final.capacity, "searched_capacity": res.capacity if res else None,
                                     "prefill_rate": self.prefill_rates.get(system), "lower_bound": final.is_lower_bound,
                                     "verdicts": [dataclasses.asdict(v) for v in final.verdicts]})
             print(f"  {system}: capacity under the {final.slo_name} SLO over every probe "
@@ -224,7 +245,11 @@ def capacity_table(caps: list[dict]) -> str:
                 probes = len({v['rate'] for v in c["verdicts"]})
                 searched = c.get("searched_capacity")
                 also = f"its own search {searched:.3f}; " if searched is not None and abs(searched - c["capacity"]) > 1e-9 else ""
-                row.append(f"{'≥ ' if c.get('lower_bound') else ''}{c['capacity']:.3f} ({also}{probes} rates tried)")
+                # a capacity is a bracket: name the lowest failing rate above it, which bounds it from above
+                fails = [v["rate"] for v in c["verdicts"] if not v.get("passed", True) and v["rate"] > c["capacity"]]
+                below = f"fails at {min(fails):.3f}; " if fails else ""
+                value = f"< {min(fails):.3f}" if not c["capacity"] and fails else f"{c['capacity']:.3f}"
+                row.append(f"{'≥ ' if c.get('lower_bound') else ''}{value} ({also}{below}{probes} rates tried)")
         sources = sorted({v["delay_source"] for v in verdicts})
         row += [", ".join(sources) or "–", f"{rate:.0f}" if rate else "–"]
         rows.append(row)
@@ -257,8 +282,9 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
         elif name == "transformers-cb":
             out.append(transformers_system(model, args.budget, args.threads))
         elif name in ("vllm-cpu", "vllm-cpu-fp32"):  # fp32: the fair dtype on a CPU without native bf16 math
-            out.append(vllm_cpu_system(model, args.budget, threads=args.threads,
-                                       dtype="float32" if name.endswith("fp32") else "bfloat16"))
+            for budget in _csv(getattr(args, "vllm_budgets", ""), int) or [args.budget]:
+                out.append(vllm_cpu_system(model, budget, threads=args.threads,
+                                           dtype="float32" if name.endswith("fp32") else "bfloat16"))
         else:
             raise ValueError(f"unknown system {name!r}; choose from {', '.join(ALL_SYSTEMS)}")
     return out
@@ -285,7 +311,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             bench.skip(system.name, system.skip)
             continue
         try:
-            with Server(system, out / "logs" / f"{system.name}.log") as srv:
+            with Server(system, out / "logs" / f"{system.name}.log", args.server_nice) as srv:
                 ep = system.endpoint(srv.url)
                 warmup(ep, bench.prompts(bench.base[:1], ep.prompt_format, epoch=0)[0])
                 if not bench.slos:

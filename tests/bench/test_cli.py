@@ -1,6 +1,7 @@
 import argparse
 import json
 
+import pytest
 from fake_server import FakeServer
 
 from paceline.bench.cli import add_parser
@@ -141,4 +142,55 @@ def test_capacity_judges_every_probe_and_keeps_each_search(monkeypatch):
     assert probed == [0.25, 0.5, 1.0, 0.75, 0.875, 0.9375]
     assert (strict.capacity, relaxed.capacity) == (0.9375, 0.9375)
     assert [c["searched_capacity"] for c in bench.capacities] == [0.5, 0.9375]
-    assert "| a | 0.938 (its own search 0.500; 6 rates tried) | 0.938 (6 rates tried) |" in capacity_table(bench.capacities)
+    assert ("| a | 0.938 (its own search 0.500; fails at 1.000; 6 rates tried) | 0.938 (fails at 1.000; 6 rates tried) |"
+            in capacity_table(bench.capacities))
+
+
+def test_probe_rates_replace_the_search_and_a_capacity_below_every_probe_is_shown_as_a_bound(monkeypatch):
+    """--probe-rates: exactly the rates given, once each, judged under every SLO; a system that failed them all
+    has capacity 0, shown as "< the lowest failing rate" (the upper end of its bracket, what a ratio needs)."""
+    from paceline.bench.compare import Bench
+    from paceline.bench.prompts import PromptSource
+    from paceline.bench.workload import load_workload
+
+    class Words:
+        def encode(self, text, add_special_tokens=False):
+            return [len(w) for w in text.split()]
+
+    args = parse(["compare", "--workload", "chat", "--probe-rates", "0.75,1.0", "--delay-rule", "ttft"])
+    bench = Bench(args, load_workload("chat"), PromptSource(Words(), "a bb ccc dddd"))
+    bench.slos = [("strict", 0.19), ("relaxed", 0.95)]
+    probed = []
+
+    def run_at(system, ep, rate, num_requests, probe):
+        probed.append((system, rate))
+        p99 = 0.15 if system == "ours" else 0.5  # the peer fails strict at every rate, passes relaxed
+        return {"summary": {"failed": 0, "tbt": {"p99": p99}, "ttft": {"p50": 0.5}}}
+    monkeypatch.setattr(bench, "run_at", run_at)
+    ours = bench.capacity("ours", None)
+    peer = bench.capacity("peer", None)
+    assert probed == [("ours", 0.75), ("ours", 1.0), ("peer", 0.75), ("peer", 1.0)]
+    assert [c.capacity for c in ours] == [1.0, 1.0] and [c.capacity for c in peer] == [0.0, 1.0]
+    assert [c["searched_capacity"] for c in bench.capacities] == [None] * 4
+    table = capacity_table(bench.capacities)
+    assert "| ours | ≥ 1.000 (2 rates tried) | ≥ 1.000 (2 rates tried) |" in table
+    assert "| peer | < 0.750 (fails at 0.750; 2 rates tried) | ≥ 1.000 (2 rates tried) |" in table
+    with pytest.raises(ValueError, match="must be > 0"):
+        Bench(parse(["compare", "--probe-rates", "0"]), load_workload("chat"),
+              PromptSource(Words(), "a b")).capacity("x", None)
+
+
+def test_vllm_budgets_make_one_system_each(monkeypatch, tmp_path):
+    from paceline.bench.compare import systems_for
+    from paceline.bench.workload import load_workload
+    exe = tmp_path / "python"
+    exe.write_text("")
+    monkeypatch.setenv("PACELINE_VLLM_PYTHON", str(exe))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    args = parse(["compare", "--systems", "vllm-cpu-fp32", "--vllm-budgets", "256,512,2048", "--threads", "2"])
+    systems = systems_for(args, load_workload("chat"), str(folder))
+    assert [s.name for s in systems] == ["vllm-cpu-fp32-256", "vllm-cpu-fp32-512", "vllm-cpu-fp32-2048"]
+    assert [s.argv[s.argv.index("--max-num-batched-tokens") + 1] for s in systems] == ["256", "512", "2048"]
+    one = systems_for(parse(["compare", "--systems", "vllm-cpu", "--budget", "64"]), load_workload("chat"), str(folder))
+    assert [s.name for s in one] == ["vllm-cpu-64"]  # without --vllm-budgets: --budget, as before

@@ -127,6 +127,8 @@ def test_prometheus_parsing_and_histogram_quantiles():
     assert delay["p50"] == pytest.approx(0.3) and delay["mean"] == pytest.approx(0.3) and delay["count"] == 8
     assert scheduling_delay(snap, snap) is None  # nothing new during the run
     assert scheduling_delay({}, {"other_total": 1.0}) is None
+    vllm = parse_prometheus(PROM.replace("paceline:request_queue", "vllm:request_queue"))  # vLLM's own histogram
+    assert scheduling_delay({}, vllm)["p50"] == pytest.approx(0.3)
 
 
 def test_step_composition_differences_counters():

