@@ -188,6 +188,14 @@ def set_autogroup_nice(pid: int, nice: int) -> None:
         raise RuntimeError(f"cannot set the autogroup nice of process {pid} to {nice}: {e}") from None
 
 
+def own_autogroup_nice() -> int | None:
+    """This process's autogroup nice (Linux), None where /proc has no autogroup."""
+    try:
+        return int(Path("/proc/self/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Server:
     """One system running on 127.0.0.1; use as a context manager. Its output goes to log_path."""
 
@@ -195,8 +203,10 @@ class Server:
         self.system = system
         self.log_path = log_path
         # the server runs in a session of its own, hence in a scheduler autogroup of its own at nice 0, level with
-        # any other session's work on the machine; a negative value lets it keep the cores under a benchmark lock
-        self.autogroup_nice = autogroup_nice
+        # any other session's work on the machine; a negative value lets it keep the cores under a benchmark lock.
+        # None: the caller's own autogroup nice, so a harness started at the lowest priority (a soak, a fuzz run)
+        # does not put its server back at nice 0 beside a timed benchmark
+        self.autogroup_nice = autogroup_nice if autogroup_nice is not None else own_autogroup_nice()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None

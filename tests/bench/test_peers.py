@@ -87,3 +87,13 @@ def test_server_autogroup_nice(tmp_path):
         assert Path(f"/proc/{srv.proc.pid}/autogroup").read_text().split()[-1] == "5"
     with pytest.raises(ValueError, match="-20..19"):
         set_autogroup_nice(1, 40)
+
+
+def test_a_server_inherits_its_callers_autogroup_nice(tmp_path):
+    """A harness run at the lowest priority (setsid + autogroup 19) must not put its server, in a session of its own,
+    back at nice 0 beside a timed benchmark: unless told otherwise the server gets the caller's autogroup nice."""
+    from paceline.bench.peers import own_autogroup_nice
+    if own_autogroup_nice() is None:
+        pytest.skip("no scheduler autogroups on this kernel")
+    srv = Server(System("fake", [sys.executable, FAKE, "{port}"]), tmp_path / "fake.log")
+    assert srv.autogroup_nice == own_autogroup_nice()
