@@ -380,15 +380,13 @@ def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
             if held is not None:
                 stack.enter_context(held_until(held))
             with turn():
-                timeline.mark("build_turn")
                 engine = Engine(config)
-        timeline.mark("engine_built")
+                timeline.mark("engine_built")
         model = getattr(engine.runner, "model", None)
         if model is not None and hasattr(model, "layers"):
             with turn():
-                timeline.mark("map_turn")
                 map_in(model)
-            timeline.mark("mapped")
+                timeline.mark("mapped")
             # Left out by default (2026-11-24): the first step on the engine's two threads does whatever first-call
             # set-up a kernel has, while these forwards ran on one thread beside the other models' steps, before
             # the request could start; see docs/multi-model.md for the A/B.

@@ -219,8 +219,8 @@ def test_a_load_on_demand_builds_in_turns_between_the_other_models_steps(tiny_di
     assert len(loads) == 2  # the build and the page mapping, each a turn of its own
     marks = timeline.marks
     (_, a0, b0, *_), (_, a1, b1, *_) = loads
-    assert a0 <= marks["build_turn"] <= marks["engine_built"] <= b0  # the build ran while the loop waited
-    assert a1 <= marks["map_turn"] <= marks["mapped"] <= b1
+    assert marks["build_start"] <= a0 <= marks["engine_built"] <= b0  # the build ran while the loop waited
+    assert b0 <= a1 <= marks["mapped"] <= b1
     assert any(s[0] == "llama" and b0 <= s[1] <= a1 for s in multi.recent_steps)  # a step of the others between
     _install(multi, "qwen2", new, step_ms, timeline)
     assert not multi.turns.pending and "qwen2" in multi.engines
