@@ -11,7 +11,9 @@ is one, else the model serves without a step-time target until a start-up load (
 
 A GGUF model loads from its runtime snapshot (loader.build_model: the model as built, mapped from one file), so
 the load is mostly the kernel's work with the interpreter free, and it runs at the loaded models' priority. The
-loader then maps the pages in, so that the first step on the engine thread takes no page faults. Float32 and int4
+loader then maps the pages in, so that the first step on the engine thread takes no page faults. Both pieces run
+as turns of the step loop (multi.LoadTurns): the engine thread waits between two steps while each runs, instead
+of its steps running beside them, short of the interpreter and a core. Float32 and int4
 models join the loop on plain linears. What the first token does not need waits until the model has produced it
 (or FIRST_TOKEN_WAIT_S): a packer thread at nice 19 then packs the linears for oneDNN one at a time while the
 model serves, and the new KV pool's prefault starts (nice 19 too). Each load keeps its LoadTimeline (multi.py):
