@@ -103,6 +103,9 @@ SWITCH_VARIANTS = {
     "before": ("smol-fp32", {"PACELINE_LOAD_TURNS": "0", "PACELINE_DEBUT_STEP": "whole"}),
     "int4-before": ("smol-int4", {"PACELINE_LOAD_TURNS": "0", "PACELINE_DEBUT_STEP": "whole"}),
     "left": ("smol-fp32", {"PACELINE_DEBUT_STEP": "left"}),
+    # the load in turns, the first prompt whole in one step
+    "turns-whole": ("smol-fp32", {"PACELINE_DEBUT_STEP": "whole"}),
+    "int4-turns-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
     "pack-first": ("smol-fp32", {"PACELINE_DEFER_PACKING": "0"}),
     "nice19": ("smol-fp32", {"PACELINE_LOADER_NICE": "19"}),
     "warm-up": ("smol-fp32", {"PACELINE_LOAD_WARM_UP": "1"}),

@@ -103,6 +103,8 @@ class LoadTurns:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._state = "idle"  # idle | asked | granted | running
+        self._ended = False  # the granted piece has ended (a flag of its own: the loader may ask for its next
+        # turn before the engine thread wakes, and that must not read as "still running")
         self.pending = False  # a load is under way: it counts as one more busy model in the step-time shares
 
     def take(self, nudge: Callable[[], None] | None = None, timeout_s: float = 5.0) -> "_Turn":
@@ -118,9 +120,9 @@ class LoadTurns:
             if self._state != "asked":
                 return 0.0
             start = time.monotonic()
-            self._state = "granted"
+            self._state, self._ended = "granted", False
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._state == "idle", timeout=limit_s)
+            self._cond.wait_for(lambda: self._ended, timeout=limit_s)
             return time.monotonic() - start
 
     def is_asked(self) -> bool:
@@ -137,7 +139,7 @@ class LoadTurns:
 
     def _end(self) -> None:
         with self._cond:
-            self._state = "idle"
+            self._state, self._ended = "idle", True
             self._cond.notify_all()
 
 
@@ -168,6 +170,7 @@ class MultiEngine:
         # the whole cost; a switch copies the stretch around it into its LoadTimeline (what stalls the others)
         self.recent_steps: deque[tuple] = deque(maxlen=STEP_RING)
         self.turns = LoadTurns()
+        self._turn_since_step = False  # a load's turn was served since the last step
         for name, engine in (engines or {}).items():
             self.add_model(name, engine)
 
@@ -249,6 +252,9 @@ class MultiEngine:
         if not self.turns.is_asked():
             return
         busy = [name for name, e in self.engines.items() if e.has_unfinished()]
+        if busy and self._turn_since_step:  # one turn per rotation: the busy models step between two turns
+            return
+        self._turn_since_step = True
         limit_s = self._foreign_step_s(None, busy) if busy else LOAD_TURN_MAX_S
         start, cpu = time.monotonic(), time.thread_time()
         if self.turns.serve(limit_s if limit_s > 0 else LOAD_TURN_MAX_S) > 0:
@@ -279,6 +285,7 @@ class MultiEngine:
             debut.mark("first_step_start")
         start, cpu = time.monotonic(), time.thread_time()
         outputs = engine.step()
+        self._turn_since_step = False
         self._since[name] = end = time.monotonic()
         self.last_model, self.last_step = name, engine.last_step
         last = engine.last_step
