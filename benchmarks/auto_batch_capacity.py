@@ -7,14 +7,24 @@ after another in one process, the same requests and prompts for every setting.
 
 Each setting is SEATS/BUDGET ("auto" for either); every server gets the same --max-step-ms. Only the ratios
 between settings of one run mean anything on a shared machine.
+
+A bracket at fixed rates instead of a search per setting (long-prompt probes take minutes; 2026-11-24):
+
+    flock -x /tmp/paceline-cpu.lock setsid .venv/bin/python benchmarks/auto_batch_capacity.py \
+        --workload long-prompt --settings auto/auto,128/512 --rates 0.05,0.07 --max-step-ms 150 \
+        --decode-step-ms 38.0 --slo strict --probe-requests 6 --probe-timeout 40 --server-nice -10
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
+import os
 import signal
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -22,6 +32,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from fairness import _session_cpu, host_cpu, other_cpu, set_autogroup_nice  # noqa: E402  (this folder's)
+from paceline.bench.capacity import capacity_from_probes  # noqa: E402
 from paceline.bench.client import warmup  # noqa: E402
 from paceline.bench.compare import Bench, add_common_args  # noqa: E402
 from paceline.bench.peers import Server, paceline_system  # noqa: E402
@@ -51,11 +63,71 @@ def save_steps(url: str, path: Path) -> None:
               f"step p50 {statistics.median(s['dur'] for s in steps) * 1e3:.0f} ms", flush=True)
 
 
+def server_system(item: str, model: str, max_step_ms: float):
+    seats, budget = setting(item)
+    system = paceline_system("stall-free", budget, model, extra=["--max-num-seqs", seats],  # type: ignore[arg-type]
+                             max_step_ms=max_step_ms)
+    system.name = f"paceline seats {seats}, budget {budget}, {max_step_ms:g} ms"
+    system.env["PYTHONPATH"] = str(ROOT)  # this checkout's paceline
+    return system
+
+
+def bench_rates(args: argparse.Namespace, bench: Bench, model: str, out: Path) -> str:
+    """Every setting probed at every rate of --rates, turn about, one server per setting kept up throughout; then
+    each setting's capacity over its probes (the highest passing rate below its lowest failing one)."""
+    rates = [float(x) for x in args.rates.split(",")]
+    if args.server_nice is not None and os.getsid(0) == os.getpid():
+        set_autogroup_nice(os.getpid(), args.server_nice)
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for item in args.settings.split(","):
+            system = server_system(item, model, args.max_step_ms)
+            seats, budget = setting(item)
+            srv = stack.enter_context(Server(system, out / "logs" / f"{seats}-{budget}.log"))
+            if args.server_nice is not None:
+                set_autogroup_nice(srv.proc.pid, args.server_nice)
+            ep = system.endpoint(srv.url)
+            warmup(ep, bench.prompts(bench.base[:1], ep.prompt_format, epoch=0)[0])
+            servers.append((system.name, ep, srv, f"{seats}-{budget}"))
+        if not bench.slos:
+            bench.set_slos(servers[0][1])
+        probes: dict[str, dict[float, dict]] = {name: {} for name, *_ in servers}
+        for i, rate in enumerate(rates):
+            for name, ep, srv, _tag in (servers if i % 2 == 0 else servers[::-1]):
+                print(f"== {name} @ {rate:g} req/s, {time.strftime('%H:%M:%S', time.gmtime())} UTC", flush=True)
+                before, server_before = host_cpu(), _session_cpu({srv.proc.pid})
+                probes[name][round(rate, 6)] = bench.run_at(name, ep, rate, bench.probe_size(rate), True)["summary"]
+                host = other_cpu(before, host_cpu(), _session_cpu({srv.proc.pid}) - server_before)
+                bench.runs[-1]["host"] = host
+                print("  host: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()), flush=True)
+                bench.write(out, " ".join(sys.argv))  # after every probe, so a cut-short run leaves results behind
+        for _name, _ep, srv, tag in servers:
+            save_steps(srv.url, out / "logs" / f"steps-{tag}.json")
+    for name in probes:
+        for slo_name, slo_s in bench.slos:
+            res = capacity_from_probes(probes[name], slo_s, slo_name=slo_name)
+            bench.capacities.append({"system": name, "slo": res.slo_name, "tbt_slo_s": res.tbt_slo_s,
+                                     "capacity": res.capacity, "lower_bound": res.is_lower_bound,
+                                     "verdicts": [dataclasses.asdict(v) for v in res.verdicts]})
+            print(f"{name}, {slo_name}: " + ", ".join(
+                f"{v.rate:g} {'pass' if v.passed else 'FAIL'} (p99 TBT {(v.p99_tbt_s or 0) * 1e3:.0f} ms, "
+                f"delay p50 {v.delay_s if v.delay_s is not None else float('nan'):.2f} s, failed {v.failed_requests})"
+                for v in res.verdicts) + f" -> {'>=' if res.is_lower_bound else '='} {res.capacity:g} req/s")
+    return bench.write(out, " ".join(sys.argv))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--settings", default="auto/auto,128/512", help="comma list of SEATS/BUDGET")
     p.add_argument("--max-step-ms", type=float, default=112.0, help="the step-time target every server gets")
+    p.add_argument("--rates", default="",
+                   help="comma list of rates: instead of a search per setting, probe every setting at each rate, the "
+                        "settings' servers all up and taking turns (A B at the first rate, B A at the next), so a "
+                        "drifting host loads them alike; each setting's capacity is then judged over these probes")
+    p.add_argument("--server-nice", type=int, default=None,
+                   help="--rates: autogroup nice for each server's session and this benchmark's (when it runs in a "
+                        "session of its own, e.g. under setsid), as in fairness.py")
     args = p.parse_args()
     # a `timeout` around the run sends SIGTERM: exit through the `with Server` blocks so no server is left behind
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -63,12 +135,12 @@ def main() -> None:
     bench = Bench(args, spec, PromptSource(load_tokenizer(args.tokenizer)))
     model = bundled_gguf()
     out = output_dir(args.output_dir, f"auto-batch-{spec.name}")
+    if args.rates:
+        print(bench_rates(args, bench, model, out))
+        return
     for item in args.settings.split(","):
         seats, budget = setting(item)
-        system = paceline_system("stall-free", budget, model, extra=["--max-num-seqs", seats],  # type: ignore[arg-type]
-                                 max_step_ms=args.max_step_ms)
-        system.name = f"paceline seats {seats}, budget {budget}, {args.max_step_ms:g} ms"
-        system.env["PYTHONPATH"] = str(ROOT)  # this checkout's paceline
+        system = server_system(item, model, args.max_step_ms)
         print(f"== {system.name}", flush=True)
         with Server(system, out / "logs" / f"{seats}-{budget}.log") as srv:
             ep = system.endpoint(srv.url)

@@ -8,6 +8,17 @@ Each system: started on 127.0.0.1 with --max-num-seqs 8, warmed up with one requ
 with the same prompts (each carrying its client as the OpenAI `user` field), stopped. Only the ratios between
 systems of one run mean anything on a shared machine.
 
+Throughput against fcfs, measured so that one host stall cannot decide it (issue 15's tok/s target):
+
+    flock -x /tmp/paceline-cpu.lock setsid .venv/bin/python benchmarks/fairness.py --duration 40 --drain-s 2 \
+        --rounds 3 --systems fcfs,fair,fair-slice --persistent-servers --server-nice -10
+
+--rounds N runs the systems N times in a rotating order (round_order), each round on fresh requests (seed +
+round - 1) that every system of the round gets alike; --first-round continues such a run in a later lock hold.
+The rounds table prints every run's total output tok/s against fcfs of its round, over the arrival window and
+from --steady-skip-s on, with the CPU other processes and the hypervisor took meanwhile (from /proc), then each
+system's median ratio over the rounds.
+
 `--simulate PROFILE` runs the same requests through the simulator instead (the servers' settings: 8 seats,
 budget 512, a 150 ms step target; `--sim-slowdown F` multiplies the profile's costs, e.g. a float32 profile to
 this machine's int4 speed), with the same table; vLLM is skipped there.
@@ -15,7 +26,9 @@ this machine's int4 speed), with the same table; vLLM is skipped there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import statistics
 import sys
@@ -64,6 +77,51 @@ def window_steps(records: list[dict], duration: float) -> list[dict]:
         return []
     t0 = records[0]["t"]
     return [s for s in records if s["t"] - t0 < duration]
+
+
+def _proc_cpu(pid: int) -> tuple[int, int]:
+    """(session id, utime + stime in clock ticks) of one process, all its threads included; (0, 0) if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0, 0
+    return int(fields[3]), int(fields[11]) + int(fields[12])  # fields 6, 14 and 15 of proc(5), after the name
+
+
+def _session_cpu(sids: set[int]) -> int:
+    """CPU ticks used so far by every process of these sessions (a server and, for vLLM, its engine process)."""
+    total = 0
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            sid, ticks = _proc_cpu(int(d.name))
+            if sid in sids:
+                total += ticks
+    return total
+
+
+def host_cpu() -> dict:
+    """The machine's busy and stolen CPU ticks so far (/proc/stat), this process's, and the wall clock."""
+    cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = cpu[:8]
+    return {"t": time.monotonic(), "busy": user + nice + system + irq + softirq, "steal": steal,
+            "self": _proc_cpu(os.getpid())[1]}
+
+
+def other_cpu(before: dict, after: dict, server_ticks: int) -> dict:
+    """Cores' worth of CPU that something other than this benchmark and the server under test used during a run,
+    and the time the hypervisor stole: what a "host stall" is made of, measured rather than guessed."""
+    hz = os.sysconf("SC_CLK_TCK")
+    span = max(after["t"] - before["t"], 1e-9)
+    busy = after["busy"] - before["busy"]
+    mine = after["self"] - before["self"] + server_ticks
+    return {"other_cores": max(busy - mine, 0) / hz / span, "steal_cores": (after["steal"] - before["steal"]) / hz / span,
+            "server_cores": server_ticks / hz / span}
+
+
+def set_autogroup_nice(pid: int, nice: int) -> None:
+    """Give a server's session (Server starts each in its own, hence its own scheduler autogroup, nice 0) this
+    autogroup nice: processes outside the lock that run at nice 0 then take less of the cores from it."""
+    Path(f"/proc/{pid}/autogroup").write_text(str(nice))
 
 
 def _shape_features(s: dict) -> list[float]:
@@ -186,6 +244,125 @@ def simulate(args: argparse.Namespace, spec, requests) -> list[dict]:
     return runs
 
 
+def round_order(items: list, round_: int) -> list:
+    """The systems' order in round `round_` (0-based): rotated by the round, and reversed every other pass of
+    len(items) rounds (A B C, B C A, C A B, C B A, A C B, B A C; with two: A B, B A, B A, A B), so each system runs
+    first, middle and last equally often and a host that drifts steadily loads none of them more than the others."""
+    k = round_ % len(items)
+    order = items[k:] + items[:k]
+    return order[::-1] if (round_ // len(items)) % 2 else order
+
+
+def serve(args: argparse.Namespace, out: Path) -> list[dict]:
+    """Every round: the same requests (seed + round - 1, fresh prompts per round) to each system in round_order.
+    --persistent-servers starts each server once for all rounds (no start-up between runs, a warm step-time
+    scale); otherwise each run gets a fresh server."""
+    model = bundled_gguf()
+    spec = load_workload("two-tenants")
+    source = PromptSource(load_tokenizer(None))
+    deadline = args.duration + args.drain_s if args.drain_s is not None else None
+    runs: list[dict] = []
+    if args.server_nice is not None and os.getsid(0) == os.getpid():  # a session of its own: set its autogroup
+        set_autogroup_nice(os.getpid(), args.server_nice)
+    with contextlib.ExitStack() as stack:
+        kept: dict[str, Server] = {}
+
+        def start(system, round_: int) -> Server:
+            srv = Server(system, out / "logs" / f"{system.name.split()[0]}-{round_ + 1}.log")
+            srv.__enter__()
+            stack.callback(srv.__exit__, None, None, None)
+            if args.server_nice is not None:
+                set_autogroup_nice(srv.proc.pid, args.server_nice)
+            return srv
+
+        all_systems = [s for s in systems(args, model) if not s.skip]
+        for s in systems(args, model):
+            if s.skip:
+                print(f"== {s.name}: skipped: {s.skip}")
+        if args.persistent_servers:
+            for system in all_systems:
+                kept[system.name] = start(system, args.first_round - 1)
+        for round_ in range(args.first_round - 1, args.first_round - 1 + args.rounds):
+            requests = generate(spec, rate=args.rate, duration_s=args.duration, seed=args.seed + round_)
+            for system in round_order(all_systems, round_):
+                print(f"== {system.name} (round {round_ + 1}) {time.strftime('%H:%M:%S', time.gmtime())} UTC",
+                      flush=True)
+                srv = kept.get(system.name) or start(system, round_)
+                ep = system.endpoint(srv.url)
+                text = ep.prompt_format == "text"
+                warmup(ep, build_prompts(source, requests[:1], args.seed, text, 99)[0])
+                steps_before = _num_steps(srv.url) if system.is_paceline else 0
+                prompts = build_prompts(source, requests, args.seed, text, round_)
+                before, server_before = host_cpu(), _session_cpu({srv.proc.pid})
+                result = run(ep, requests, prompts, progress=False, label=system.name,
+                             in_flight_caps=spec.in_flight_caps(), deadline_s=deadline)
+                host = other_cpu(before, host_cpu(), _session_cpu({srv.proc.pid}) - server_before)
+                steps = step_summary(srv.url, steps_before) if system.is_paceline else None
+                if system.name not in kept:
+                    srv.__exit__(None, None, None)  # its stack callback then finds it stopped
+                r = run_dict(system.name, spec.name, args.rate, result,
+                             extra={"round": round_ + 1, "steps": steps, "host": host,
+                                    "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(result.started_at))})
+                runs.append(r)
+                print(client_table(r), flush=True)
+                print("host: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()), flush=True)
+                if steps and steps["steps"]:
+                    print("steps: " + ", ".join(f"{k} {v:.3g}" for k, v in steps.items() if k != "records"), flush=True)
+                out.mkdir(parents=True, exist_ok=True)  # after every run, so a cut-short run leaves its results
+                (out / "results.json").write_text(json.dumps({"environment": environment(), "args": vars(args),
+                                                              "runs": runs}, default=float))
+    return runs
+
+
+def steady_tokens_per_s(r: dict, skip_s: float) -> float:
+    """Output tokens per second from skip_s after the first send to the last send. fcfs serves the light client's
+    requests ~20 s after they arrive, fair at once, so over the whole window fcfs leaves its last 20 s of light
+    prompts (4 prompt tokens per output token) past the window's end and fair does not; from skip_s on both do
+    the same kind of work, each one window's worth."""
+    reqs = r["requests"]
+    start = min(q["sent_s"] for q in reqs) + skip_s
+    end = max(q["sent_s"] for q in reqs)
+    n = sum(1 for q in reqs for t in q["token_times"] if start <= t <= end)
+    return n / max(end - start, 1e-9)
+
+
+def rounds_table(runs: list[dict], skip_s: float) -> str:
+    """Each run's total output tok/s against fcfs in its round (over the window, and from skip_s on), with the
+    CPU that other processes and the hypervisor took during it, then each system's median ratio over the rounds."""
+    rows, ratios = [], {}
+    for r in runs:
+        base = next((b for b in runs if b["system"].startswith("paceline-fcfs") and b["round"] == r["round"]), None)
+        total = sum(r["summary"]["fairness"]["tokens_per_s"].values())
+        steady = steady_tokens_per_s(r, skip_s)
+        h = r.get("host") or {}
+        cells = [r["system"], str(r["round"]), r.get("utc", "–"), f"{total:.1f}", "–", f"{steady:.1f}", "–"]
+        if base is not None:
+            b_total = sum(base["summary"]["fairness"]["tokens_per_s"].values())
+            b_steady = steady_tokens_per_s(base, skip_s)
+            x, y = total / max(b_total, 1e-9), steady / max(b_steady, 1e-9)
+            cells[4], cells[6] = f"{x:.3f}x", f"{y:.3f}x"
+            ratios.setdefault(r["system"], []).append((x, y))
+        cells += [f"{h['other_cores']:.2f}" if h else "–", f"{h['steal_cores']:.2f}" if h else "–",
+                  f"{h['server_cores']:.2f}" if h else "–"]
+        rows.append(cells)
+    text = markdown_table(["system", "round", "started (UTC)", "out tok/s (window)", "vs fcfs",
+                           f"out tok/s (from {skip_s:g} s)", "vs fcfs", "other processes (cores)",
+                           "stolen (cores)", "server (cores)"], rows)
+    med = []
+    for name, xs in ratios.items():
+        if name.startswith("paceline-fcfs"):
+            continue
+        w, st = [x for x, _ in xs], [y for _, y in xs]
+        med.append([name, str(len(xs)), f"{statistics.median(w):.3f}x", f"{min(w):.3f}-{max(w):.3f}",
+                    f"{statistics.median(st):.3f}x", f"{min(st):.3f}-{max(st):.3f}",
+                    f"{sum(1 for v in w if v >= 0.95)}/{len(w)}"])
+    if med:
+        text += "\n\n" + markdown_table(["system", "rounds", "median vs fcfs (window)", "range",
+                                          f"median vs fcfs (from {skip_s:g} s)", "range", "rounds >= 0.95x (window)"],
+                                         med)
+    return text
+
+
 def systems(args: argparse.Namespace, model: str) -> list:
     seats = ["--max-num-seqs", str(SEATS)]
     out = []
@@ -220,6 +397,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the systems this many times, interleaved (fcfs, fair, then fair, fcfs, ...): the host's "
                         "drift then spreads over every system instead of landing on one")
+    p.add_argument("--first-round", type=int, default=1,
+                   help="number the rounds from this one (its seed and place in the order): to continue a run")
+    p.add_argument("--persistent-servers", action="store_true",
+                   help="start each server once and keep it for every round (default: a fresh server per run)")
+    p.add_argument("--server-nice", type=int, default=None,
+                   help="autogroup nice for each server's session (and this benchmark's, when it runs in a session of "
+                        "its own, e.g. under setsid): below 0, processes outside the lock at nice 0 take less from it")
+    p.add_argument("--steady-skip-s", type=float, default=15.0,
+                   help="the rounds table's second tok/s column counts from this long after the first send")
     p.add_argument("--drain-s", type=float, default=None,
                    help="after the arrival window, wait at most this long for the requests still running, then cancel "
                         "them (counted as not done); default: wait for all")
@@ -237,7 +423,7 @@ def main() -> None:
         saved = json.loads(Path(args.table_only).read_text())
         runs = saved["runs"]
         for k, v in saved["args"].items():  # the header names the run's own settings
-            if k != "table_only":
+            if k not in ("table_only", "steady_skip_s"):
                 setattr(args, k, v)
         out = Path(args.table_only).parent
     elif args.simulate:
@@ -246,34 +432,8 @@ def main() -> None:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
     else:
-        model = bundled_gguf()
-        spec = load_workload("two-tenants")
-        requests = generate(spec, rate=args.rate, duration_s=args.duration, seed=args.seed)
-        source = PromptSource(load_tokenizer(None))
         out = Path(args.output)
-        runs = []
-        deadline = args.duration + args.drain_s if args.drain_s is not None else None
-        for round_ in range(args.rounds):
-            # odd rounds run the systems in reverse (A B, B A, ...): a host that drifts steadily over the run then
-            # slows each system as much as the others instead of the last one most
-            for system in systems(args, model)[::-1 if round_ % 2 else 1]:
-                print(f"== {system.name} (round {round_ + 1})", flush=True)
-                if system.skip:
-                    print(f"   skipped: {system.skip}")
-                    continue
-                with Server(system, out / "logs" / f"{system.name.split()[0]}-{round_ + 1}.log") as srv:
-                    ep = system.endpoint(srv.url)
-                    warmup(ep, build_prompts(source, requests[:1], args.seed, ep.prompt_format == "text", 99)[0])
-                    steps_before = _num_steps(srv.url) if system.is_paceline else 0
-                    prompts = build_prompts(source, requests, args.seed, ep.prompt_format == "text")
-                    result = run(ep, requests, prompts, progress=False, label=system.name,
-                                 in_flight_caps=spec.in_flight_caps(), deadline_s=deadline)
-                    steps = step_summary(srv.url, steps_before) if system.is_paceline else None
-                r = run_dict(system.name, spec.name, args.rate, result, extra={"round": round_ + 1, "steps": steps})
-                runs.append(r)
-                print(client_table(r), flush=True)
-                if steps and steps["steps"]:
-                    print("steps: " + ", ".join(f"{k} {v:.3g}" for k, v in steps.items() if k != "records"), flush=True)
+        runs = serve(args, out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"environment": environment(), "args": vars(args), "runs": runs},
                                                      default=float))
@@ -306,6 +466,8 @@ def main() -> None:
     env = environment()
     text = (f"two-tenants, rate {args.rate}, {args.duration:.0f} s window, seed {args.seed}, {time.strftime('%Y-%m-%d')}, "
             f"{env['cpu']} ({env['cpus']} CPUs), commit {env['commit']}{' (dirty)' if env['dirty'] else ''}\n\n{table}\n")
+    text += ("\nEvery round's total output tok/s against fcfs of its round, and what else used the CPU meanwhile:"
+             f"\n\n{rounds_table(runs, args.steady_skip_s)}\n")
     split = split_table(runs, args.duration)
     if split:
         text += ("\nWhere the decode throughput went (steps of the arrival window, each against fcfs of its round):"

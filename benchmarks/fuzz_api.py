@@ -25,7 +25,7 @@ from typing import Callable
 import httpx
 import requests
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from schemathesis.generation import GenerationMode
 
 from paceline.bench.peers import Server, System, vllm_cpu_system
@@ -84,8 +84,11 @@ class BudgetSpent(Exception):
 
 
 def run(url: str, doc: dict, model: str, examples: int, timeout_s: float, headers: dict | None = None,
-        budget_s: float | None = None, progress: Callable[[dict], None] | None = None) -> dict:
-    """budget_s: the time every operation and mode share (evenly, what one leaves going to the next); a run that
+        budget_s: float | None = None, progress: Callable[[dict], None] | None = None,
+        case_seed: int | None = None) -> dict:
+    """case_seed: None draws hypothesis's derandomized cases (the same every run, so two systems get the same
+    requests); a number draws another fixed set, so a rerun tries cases the earlier runs never sent.
+    budget_s: the time every operation and mode share (evenly, what one leaves going to the next); a run that
     spends its share stops generating and is listed as cut short. progress(tally so far) after each operation and
     mode, so a run cut short from outside still leaves its figures."""
     stop_at = time.monotonic() + budget_s if budget_s else float("inf")
@@ -124,7 +127,7 @@ def run(url: str, doc: dict, model: str, examples: int, timeout_s: float, header
 
             def sender(strategy, label: str, mode: GenerationMode, run_stop: float):  # binds this run's source and end
                 @given(case=strategy)
-                @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+                @settings(max_examples=examples, derandomize=case_seed is None, database=None, deadline=None,
                           phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
                 def send(case) -> None:
                     if time.monotonic() > run_stop:
@@ -147,7 +150,7 @@ def run(url: str, doc: dict, model: str, examples: int, timeout_s: float, header
                     elif problem:
                         server_errors.append(f"{label} [{mode.value}] {problem} | body: {str(case.body)[:300]}")
 
-                return send
+                return send if case_seed is None else seed(case_seed)(send)
 
             fuzz = sender(strategy, label, mode, run_stop)
             try:
@@ -176,6 +179,8 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=120.0, help="a request with no answer by then is a hang")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop generating and sending after this many seconds (the rest is listed as not reached)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="draw a different fixed set of cases (default: hypothesis's derandomized set)")
     p.add_argument("--output", default=None, help="write the tally here (and the schema beside it)")
     args = p.parse_args()
     system = system_for(args.system)
@@ -203,7 +208,7 @@ def main() -> None:
                 Path(args.output).write_text(json.dumps({**head, "partial": True, **tally}, indent=1))
 
         report = {**head, **run(url, doc, model, args.examples, args.timeout_s, budget_s=args.budget_s,
-                                progress=progress)}
+                                progress=progress, case_seed=args.seed)}
     finally:
         if server is not None:
             server.stop()

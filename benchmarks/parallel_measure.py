@@ -31,7 +31,8 @@ from paceline.model.loader import load_checkpoint
 from paceline.parallel.executor import build_runner
 from paceline.parallel.pipeline import run_pipelined
 from paceline.core.kv_cache import KVCacheManager
-from paceline.parallel.routing import Router, common_preamble_chats, multi_turn_chats, shared_prefix_workload
+from paceline.parallel.routing import (Router, agent_rounds, common_preamble_chats, multi_turn_chats,
+                                       shared_prefix_workload)
 from paceline.request import Request
 from paceline.sampling import SamplingParams
 
@@ -371,9 +372,9 @@ def measure_ray(args) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    out: dict = {"groups": args.groups, "per_group": args.per_group}
+    out: dict = {"groups": args.groups, "per_group": args.per_group, "seed": args.ray_seed}
     for workload in args.workload.split(","):
-        bodies = workload_bodies(workload, args.groups, args.per_group, 0)
+        bodies = workload_bodies(workload, args.groups, args.per_group, args.ray_seed)
         for blocks in [int(b) for b in str(args.replica_blocks).split(",")]:
             engine = {"block_size": BLOCK_SIZE, "num_blocks": blocks, "served_model_name": "m"}
             rates: dict = {}
@@ -409,12 +410,16 @@ def measure_ray(args) -> dict:
 
 def workload_bodies(name: str, groups: int, per_group: int, seed: int) -> list[dict]:
     """The requests of a shared-prefix workload as OpenAI request bodies, each tagged with its group (`_group`,
-    stripped before sending). system-prompts: completions under `groups` long system prompts; chat-preamble: chats
+    stripped before sending). system-prompts: completions under `groups` long system prompts, in a random order;
+    agent-rounds: the same prompts, each once per round (`per_group` rounds); chat-preamble: chats
     that all start with the stock system prompt, then share a document by group; multi-turn: `groups` chats of
     `per_group` turns, turn k+1's prompt starting with all of turn k's."""
     if name == "system-prompts":
         return [{"prompt": p, "_group": p.split("(desk ")[1].split(")")[0]}
                 for p in shared_prefix_workload(groups, per_group, seed)]
+    if name == "agent-rounds":  # `groups` system prompts, each once per round, `per_group` rounds
+        return [{"prompt": p, "_group": p.split("(desk ")[1].split(")")[0]}
+                for p in agent_rounds(groups, per_group, seed)]
     if name == "chat-preamble":
         return [{"messages": m, "_group": m[1]["content"].split("(file ")[1].split(")")[0]}
                 for m in common_preamble_chats(groups, per_group, seed)]
@@ -423,7 +428,7 @@ def workload_bodies(name: str, groups: int, per_group: int, seed: int) -> list[d
     raise ValueError(f"unknown workload {name!r}")
 
 
-WORKLOADS = ("system-prompts", "chat-preamble", "multi-turn")
+WORKLOADS = ("system-prompts", "agent-rounds", "chat-preamble", "multi-turn")
 
 
 ROUTERS = {"round_robin": {"policy": "round_robin"}, "least_outstanding": {"policy": "least_outstanding"},
@@ -589,7 +594,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--routers", default=None,
                    help=f"ray, replay: which of {', '.join(ROUTERS)} (comma-separated; default: ray the first "
                         "three, replay all)")
-    p.add_argument("--seeds", type=int, default=1, help="replay: shuffles of the workload, seeds 0..N-1 (ray: seed 0)")
+    p.add_argument("--seeds", type=int, default=1, help="replay: shuffles of the workload, seeds 0..N-1")
+    p.add_argument("--ray-seed", type=int, default=0, help="ray: the shuffle sent (replay's seed of the same number)")
     p.add_argument("--arrive-every-tokens", default="0",
                    help="pp: a new request each time this many more tokens have been run (0: all at once); "
                         "several, comma-separated, run one after another")

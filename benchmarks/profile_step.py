@@ -20,6 +20,8 @@ place of real contexts (values do not change the cost).
     python benchmarks/profile_step.py --modes int4 --compare "wide_above=none,wide_above=auto" --only decode
     python benchmarks/profile_step.py --modes bf16 --repeats 3
     python benchmarks/profile_step.py --modes int4 --compare "int4_kernel=98a8064+fused=0,fused=0,fused=1" --only "b=32,probe32"
+    python benchmarks/profile_step.py --modes int4 --compare "kernels=6a4ec79,w4a8=all" --only "b=32,probe32"
+    python benchmarks/profile_step.py --modes int4 --compare "kernels=6a4ec79,w4a8=all" --check-same   # logits equal?
 """
 from __future__ import annotations
 
@@ -155,6 +157,9 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
                 os.environ.pop("PACELINE_W4A8_LINEARS")
             else:
                 os.environ["PACELINE_W4A8_LINEARS"] = saved_env
+    rev = model_kw.pop("kernels", None)
+    if rev is not None:  # kernels=REV: the w4a8 and attention ops as they were at git revision REV, for this runner
+        return _with_kernels_at(str(rev), lambda: make_runner(ckpt, mode, blocks, bs, **model_kw))
     fused = model_kw.pop("fused", None)
     if fused is not None:  # fused=0: the layers' norms, RoPE and SiLU * up as torch's ops (fused_kernel.py off)
         import os
@@ -182,6 +187,49 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, "cpu", dtype, quantization=quantization, **model_kw)
     runner = ModelRunner(model, ckpt.arch, blocks, bs, dtype=dtype)
     runner.kv_cache.normal_()
+    return runner
+
+
+def _module_at(rev: str, module: str):
+    """paceline/model/<module>.py as it was at git revision `rev`, imported under another name: its C++ source
+    builds under its own key and namespace, beside this tree's."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = subprocess.run(["git", "show", f"{rev}:paceline/model/{module}.py"], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    name = f"{module}_{rev}"
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    sys.modules[name] = mod
+    exec(compile(text, f"{rev}:{module}.py", "exec"), mod.__dict__)
+    return mod
+
+
+def _with_kernels_at(rev: str, build):
+    """Build a runner whose w4a8 and attention ops are those of revision `rev`: the model looks them up at call
+    time (w4a8_kernel.op, attention_kernel.load), so they are swapped in for its build and for each of its steps."""
+    from paceline.model import attention_kernel, w4a8_kernel
+
+    old_w4a8, old_attn = _module_at(rev, "w4a8_kernel"), _module_at(rev, "attention_kernel")
+    swaps = [(w4a8_kernel, "op", old_w4a8.op), (w4a8_kernel, "load", old_w4a8.load),
+             (w4a8_kernel, "pack", old_w4a8.pack), (attention_kernel, "load", old_attn.load)]
+
+    def swapped(fn):
+        def call(*a, **kw):
+            saved = [(m, n, getattr(m, n)) for m, n, _ in swaps]
+            for m, n, f in swaps:
+                setattr(m, n, f)
+            try:
+                return fn(*a, **kw)
+            finally:
+                for m, n, f in saved:
+                    setattr(m, n, f)
+        return call
+
+    runner = swapped(build)()
+    runner.execute, runner.forward_tokens = swapped(runner.execute), swapped(runner.forward_tokens)
     return runner
 
 
@@ -220,6 +268,37 @@ def compare(ckpt, mode: str, variants: list[str], repeats: int) -> None:
                 times[i].append(time.perf_counter() - t)
         med = [sorted(ts)[len(ts) // 2] * 1e3 for ts in times]
         print(f"| {name} | " + " | ".join(f"{m:.1f}" for m in med) + f" | {med[0] / med[-1]:.2f}x |", flush=True)
+
+
+def check_same(ckpt, mode: str, variants: list[str]) -> None:
+    """Whether the variants give the same logits bit for bit: every scenario's steps on one runner per variant,
+    each from the same random KV cache, through forward_tokens (the runner's model call, no sampling)."""
+    from paceline.model.attention import SeqSlice
+
+    built, blocks = built_scenarios(ckpt)
+    runners = [make_runner(ckpt, mode, blocks, 16, **parse_variant(v)) for v in variants]
+    kv = torch.randn(runners[0].kv_cache.shape, generator=torch.Generator().manual_seed(0)).to(runners[0].kv_cache.dtype)
+    print(f"\n### {mode}: logits of each variant against the first ({variants[0]})\n")
+    print("| scenario | " + " | ".join(variants[1:]) + " |")
+    print("|---|" + "---|" * (len(variants) - 1))
+    for name, (outs, _) in built.items():
+        logits = []
+        for runner in runners:
+            runner.kv_cache.copy_(kv)
+            got = []
+            for o in outs:
+                order = sorted(o.scheduled, key=lambda s: (s.num_tokens == 1, s.start if s.num_tokens == 1 else 0))
+                ids, pos, seqs, rows = [], [], [], []
+                for s in order:
+                    ids += s.request.token_ids[s.start:s.start + s.num_tokens]
+                    pos += range(s.start, s.start + s.num_tokens)
+                    seqs.append(SeqSlice(s.start, s.num_tokens, s.block_table))
+                    rows.append(len(ids) - 1)
+                got.append(runner.forward_tokens(ids, pos, seqs, rows))
+            logits.append(torch.cat(got))
+        cells = ["bit for bit" if torch.equal(logits[0], x) else f"max diff {(logits[0] - x).abs().max().item():.3g}"
+                 for x in logits[1:]]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def profile_mode(ckpt, mode: str, repeats: int, **model_kw) -> dict[str, dict[str, float]]:
@@ -266,6 +345,8 @@ def main() -> None:
                    help="A/B instead of the breakdown: variants separated by ',' (keywords joined by '+'), "
                         "e.g. 'wide_above=none,wide_above=auto'")
     p.add_argument("--only", default="", help="scenario names containing this text (comma-separated)")
+    p.add_argument("--check-same", action="store_true",
+                   help="with --compare: whether the variants' logits are bit for bit the same (no timing)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from paceline.model.loader import load_checkpoint
@@ -277,7 +358,9 @@ def main() -> None:
     ckpt = load_checkpoint(None, "float32")
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} cpu={torch.backends.cpu.get_cpu_capability()}")
     for mode in args.modes.split(","):
-        if args.compare:
+        if args.compare and args.check_same:
+            check_same(ckpt, mode, args.compare.split(","))
+        elif args.compare:
             compare(ckpt, mode, args.compare.split(","), args.repeats)
         else:
             print_table(mode, profile_mode(ckpt, mode, args.repeats, **parse_variant(args.model_kw)))

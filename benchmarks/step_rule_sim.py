@@ -1,77 +1,116 @@
-"""What the stall-free step-time rule costs vs_vllm.py's 32-stream probe, and what other rules would give, in the
-simulator (virtual time; the real Scheduler; no CPU lock needed).
+"""The stall-free step-time rules on issue 13's probes, in the simulator (virtual time; the real Scheduler; no CPU
+lock needed): what a rule gives the stall probe's largest gap, the 32-stream probe's tok/s and chat's TTFT / TBT
+before a real run is spent on it.
 
-The probe: 32 requests of 100 prompt tokens and 64 output tokens arriving over ~0.4 s (as the HTTP client's do).
-The cost model is a hand-set line fitted to this machine's wide steps (the server's step log of 2026-11-23 12:53
-and benchmarks/profile_step.py's rows sweep): a fixed cost per step (--step-ms) plus a cost per row (--row-ms).
-Rules compared:
-  base     today's: a step that carries a decode is cut to max_step_ms (150 ms)
-  queue    no cut while more prompts wait (or are mid-prefill) than decodes run
-  scaleK   the cut scaled by waiting / decodes, at most K times max_step_ms
-  nocap    no step-time target at all (token budget only), budgets 512 and 2048: vLLM's way
+Probes, as benchmarks/vs_vllm.py sends them (the client's max_tokens = the output length):
+  stall   6 streams of 100 prompt / 160 output tokens at 0 s, a 1,500-token prompt (1 token out) at 1.5 s,
+          token budget 64: the largest gap of the 6 after it arrives
+  tput    32 requests of 100 prompt / 64 output tokens arriving over ~0.4 s, budget 512: generated tok/s
+  chat    the `chat` workload at 0.5 req/s for 90 s (seed 7), budget 512: TTFT p50 / p99, TBT p99 / max
+Rules (--rules, comma-separated):
+  full      every chunk may fill max_step_ms (short_step_ms 0; the rule before 2026-11-24)
+  value     the default: a chunk whose prompt costs more per token it can bring than a decode costs now is held to
+            short_step_ms (Scheduler.step_target_ms)
+  shortN    every chunk held to N ms (max_step_ms N): a smaller TBT goal
+The cost model is a step-time profile (default: the newest one the engine cached at start-up) times --speed (this
+host's steps run slower than a profile taken on an idle machine: the served steps' p98 over the prediction).
 
-    python benchmarks/step_rule_sim.py --step-ms 48 --row-ms 1.9
+    python benchmarks/step_rule_sim.py --rules full,value,short75
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paceline.config import CacheConfig, SchedulerConfig  # noqa: E402
-from paceline.core.scheduler import Scheduler  # noqa: E402
+from paceline.config import SHORT_STEP_FRACTION, CacheConfig, SchedulerConfig  # noqa: E402
+from paceline.core.batch_shape import BatchShape  # noqa: E402
 from paceline.core.step_time import ProfiledCostModel  # noqa: E402
+from paceline.model.cache_dir import cache_root  # noqa: E402
 from paceline.sim.simulator import Simulator  # noqa: E402
-from paceline.sim.workloads import SimRequest  # noqa: E402
+from paceline.sim.workloads import SimRequest, requests_for  # noqa: E402
 
 
-def scheduler_with(rule: str) -> type[Scheduler]:
-    class RuleScheduler(Scheduler):
-        def chunk_within_step_time(self, step, request, start, n):
-            shape = step.shape
-            if rule == "base" or shape is None or shape.num_decodes == 0:
-                return super().chunk_within_step_time(step, request, start, n)
-            prompts = len(self.waiting) + sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens)
-            if rule == "queue":
-                return n if prompts > shape.num_decodes else super().chunk_within_step_time(step, request, start, n)
-            factor = min(max(1.0, prompts / shape.num_decodes), float(rule[len("scale"):]))
-            before = self.config.max_step_ms
-            self.config.max_step_ms = before * factor
-            try:
-                return super().chunk_within_step_time(step, request, start, n)
-            finally:
-                self.config.max_step_ms = before
-    return RuleScheduler
+class Scaled:
+    """A profile whose every step takes `speed` times longer."""
+
+    def __init__(self, base: ProfiledCostModel, speed: float) -> None:
+        self.base, self.speed = base, speed
+
+    def step_time(self, s: BatchShape) -> float:
+        return self.base.step_time(s) * self.speed
 
 
-def run(cost: ProfiledCostModel, rule: str, budget: int, max_step_ms: float) -> str:
+def config_for(rule: str, budget: int, max_step_ms: float) -> SchedulerConfig:
+    if rule == "full":
+        return SchedulerConfig(max_num_batched_tokens=budget, max_step_ms=max_step_ms, short_step_ms=0.0)
+    if rule == "value":
+        return SchedulerConfig(max_num_batched_tokens=budget, max_step_ms=max_step_ms,
+                               short_step_ms=max_step_ms * SHORT_STEP_FRACTION)
+    if rule.startswith("short"):
+        return SchedulerConfig(max_num_batched_tokens=budget, max_step_ms=float(rule[5:]), short_step_ms=0.0)
+    raise SystemExit(f"unknown rule {rule!r}")
+
+
+def simulate(cost, rule: str, budget: int, max_step_ms: float, work: list[SimRequest]):
+    return Simulator(cost, config_for(rule, budget, max_step_ms), CacheConfig(), 20000).run(work)
+
+
+def gaps(rec) -> list[tuple[float, float]]:
+    return [(a, b) for a, b in zip(rec.token_times, rec.token_times[1:])]
+
+
+def stall(cost, rule: str, max_step_ms: float) -> str:
+    work = [SimRequest(i, 0.0, 100, 160) for i in range(6)] + [SimRequest(6, 1.5, 1500, 1)]
+    res = simulate(cost, rule, 64, max_step_ms, work)
+    recs = sorted(res.requests, key=lambda r: r.index)
+    after = [b - a for r in recs[:6] for a, b in gaps(r) if b >= 1.5]
+    return f"gap {1e3 * max(after):.0f} ms, long TTFT {recs[6].ttft:.2f} s"
+
+
+def tput(cost, rule: str, max_step_ms: float) -> str:
     work = [SimRequest(i, 0.012 * i, 100, 64) for i in range(32)]
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_step_ms=max_step_ms, max_num_seqs=256)
-    res = Simulator(cost, config, CacheConfig(), 5000, scheduler_factory=scheduler_with(rule)).run(work)
+    res = simulate(cost, rule, 512, max_step_ms, work)
     end = max(r.token_times[-1] for r in res.requests)
     tokens = sum(len(r.token_times) for r in res.requests)
-    gaps = sorted(b - a for r in res.requests for a, b in zip(r.token_times, r.token_times[1:]))
-    return (f"| {rule} | {budget} | {len(res.steps)} | {end:.2f} | {tokens / end:.0f} | "
-            f"{gaps[int(0.99 * len(gaps))] * 1e3:.0f} | {gaps[-1] * 1e3:.0f} |")
+    g = sorted(b - a for r in res.requests for a, b in gaps(r))
+    return f"{tokens / end:.1f} tok/s, {len(res.steps)} steps, TBT p99 {1e3 * g[int(0.99 * len(g))]:.0f} ms"
+
+
+def chat(cost, rule: str, max_step_ms: float) -> str:
+    work = requests_for("chat", 0.5, 45, seed=7)
+    res = simulate(cost, rule, 512, max_step_ms, work)
+    ttft = sorted(r.ttft for r in res.requests if r.ttft is not None)
+    g = sorted(b - a for r in res.requests for a, b in gaps(r))
+    return (f"TTFT p50 {1e3 * statistics.median(ttft):.0f} / p99 {1e3 * ttft[int(0.99 * len(ttft))]:.0f} ms, "
+            f"TBT p99 {1e3 * g[int(0.99 * len(g))]:.0f} / max {1e3 * g[-1]:.0f} ms")
+
+
+def newest_profile() -> Path:
+    found = sorted((cache_root() / "step-profiles").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit("no cached step-time profile: pass --profile")
+    return found[-1]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--step-ms", type=float, default=48.0, help="fixed cost of a step")
-    p.add_argument("--row-ms", type=float, default=1.9, help="cost per row (prompt token or decode)")
+    p.add_argument("--profile", type=Path, default=None, help="a step-time profile (default: the newest cached)")
+    p.add_argument("--speed", type=float, default=1.2, help="measured / profiled step time of the host")
     p.add_argument("--max-step-ms", type=float, default=150.0)
+    p.add_argument("--rules", default="full,value,short75")
+    p.add_argument("--probes", default="stall,tput,chat")
     args = p.parse_args()
-    r = args.row_ms / 1e3
-    cost = ProfiledCostModel(dict(constant=args.step_ms / 1e3, requests=0.0, prefill_tokens=r, decodes=r,
-                                  prefill_attn_pairs=2e-8, decode_context=2e-7, sampled=0.0004))
-    print(f"step {args.step_ms} ms + {args.row_ms} ms a row, max_step_ms {args.max_step_ms}\n")
-    print("| rule | budget | steps | span s | tok/s | TBT p99 ms | TBT max ms |\n|---|---:|---:|---:|---:|---:|---:|")
-    for rule in ("base", "queue", "scale2", "scale4"):
-        print(run(cost, rule, 512, args.max_step_ms))
-    for budget in (512, 2048):
-        print(run(cost, "base", budget, 0.0).replace("| base |", "| nocap |", 1))
+    path = args.profile or newest_profile()
+    cost = Scaled(ProfiledCostModel.load(path), args.speed)
+    print(f"profile {path} x {args.speed}, max_step_ms {args.max_step_ms}")
+    probes = {"stall": stall, "tput": tput, "chat": chat}
+    for rule in args.rules.split(","):
+        for name in args.probes.split(","):
+            print(f"{rule:8s} {name:5s} {probes[name](cost, rule, args.max_step_ms)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@ with each server's step log read back: a before/after of a scheduler change in o
 
     flock -x /tmp/paceline-cpu.lock python benchmarks/step_target_ab.py tput,stall --config "" --config "--max-num-batched-tokens 2048"
     flock -x /tmp/paceline-cpu.lock python benchmarks/step_target_ab.py tput,stall --rounds 2 --config "" --config "--tbt-goal-ms 100"
+    flock -x /tmp/paceline-cpu.lock python benchmarks/step_target_ab.py tput,stall,chat --config "--max-step-ms 150" --config ""
+
+(The last: the short target against none. A target given by --max-step-ms bounds every chunk alike, which is what
+the default did before the short target; `@DIR` before the flags freezes the code a run serves, e.g. a copy of
+the checkout, so editing it while a long run waits for the lock changes nothing.)
 
 Probes (comma-separated): `tput` = (a) 32 streams and (d) a lone 1,500-token prompt (median of 2); `stall` = (e) 6
 streams, then a 1,500-token prompt, on a server with `--max-num-batched-tokens 64` added (as vs_vllm.py runs it);

@@ -18,6 +18,12 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 # less: a 100 ms goal cut the 32-stream probe to 0.44x and raised chat's TTFT (docs/scheduling.md, 2026-11-23)
 DEFAULT_TBT_GOAL_MS = 200.0
 STEP_TARGET_FRACTION = 0.75
+# The shorter target a step holds to when its prompt chunk is worth less than the decode time it costs (a long
+# prompt with little output beside running streams; Scheduler.step_target_ms), as a fraction of max_step_ms: 67.5 ms
+# under the 150 ms default. A step's measured / predicted time spreads to ~1.15-1.35 at the 98th percentile on this
+# host and the server adds a few ms per token, so steps held to it keep a stream's gap near 0.10 s (issue 13's stall
+# probe), while prompts that pay for the time keep the full target (docs/scheduling.md)
+SHORT_STEP_FRACTION = 0.45
 
 
 # `--max-num-seqs auto` / `--max-num-batched-tokens auto` (core/auto_batch.py): chosen before every step from the
@@ -91,6 +97,11 @@ class SchedulerConfig:
     # None: not given; a scheduler alone takes 0, an EngineConfig derives it from its tbt_goal_ms (stall-free only)
     max_step_ms: float | None = None
     max_step_ms_given: bool = field(init=False, default=False, repr=False)
+    # the step target for a chunk whose prompt is worth less than the decode time it costs (Scheduler.step_target_ms);
+    # 0: off (every chunk may fill max_step_ms). None: not given; a scheduler alone takes 0, an EngineConfig that
+    # derives max_step_ms from its tbt_goal_ms derives this too (SHORT_STEP_FRACTION x max_step_ms)
+    short_step_ms: float | None = None
+    short_step_ms_given: bool = field(init=False, default=False, repr=False)
     # time slices: a request demoted to level L queues as if it had arrived L * level_aging_s after its demotion,
     # so fresh work passes it only for a while (0: strict levels, which can starve it under sustained load)
     level_aging_s: float = 5.0
@@ -108,6 +119,9 @@ class SchedulerConfig:
             self.auto_max_num_batched_tokens, self.max_num_batched_tokens = True, AUTO_MAX_NUM_BATCHED_TOKENS
         if self.max_step_ms is None:
             self.max_step_ms = 0.0
+        self.short_step_ms_given = self.short_step_ms is not None
+        if self.short_step_ms is None:
+            self.short_step_ms = 0.0
         if self.policy not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {self.policy!r}; choose one of {', '.join(SCHEDULERS)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -122,6 +136,8 @@ class SchedulerConfig:
             raise ValueError(f"max_queue_delay_s must be >= 0, got {self.max_queue_delay_s}")
         if self.max_step_ms < 0:
             raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
+        if self.short_step_ms < 0:
+            raise ValueError(f"short_step_ms must be >= 0, got {self.short_step_ms}")
         if self.time_slice_tokens < 0:
             raise ValueError(f"time_slice_tokens must be >= 0, got {self.time_slice_tokens}")
         if self.time_slice_ms < 0:
@@ -192,4 +208,8 @@ class EngineConfig:
             raise ValueError(f"tbt_goal_ms must be >= 0, got {self.tbt_goal_ms}")
         s = self.scheduler
         if not s.max_step_ms_given and s.policy == "stall-free" and self.tbt_goal_ms > 0:
+            # a target derived from the goal is the scheduler's to apply: the full one, or the short one for chunks
+            # not worth it; one named by --max-step-ms bounds every chunk alike, as it always did
             s.max_step_ms = step_target_ms(self.tbt_goal_ms)
+            if not s.short_step_ms_given:
+                s.short_step_ms = s.max_step_ms * SHORT_STEP_FRACTION

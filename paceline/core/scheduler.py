@@ -370,7 +370,7 @@ class Scheduler:
         # step decodes in the next, which the limit bounds again)
         if shape is None or n <= 0 or shape.num_decodes == 0:
             return n
-        limit = self.config.max_step_ms / 1000.0 / self.step_time_scale
+        limit = self.step_target_ms(shape, request, start) / 1000.0 / self.step_time_scale
 
         out = step.out
         # the block copies planned so far, and this request's own if it is coming back from host memory
@@ -394,6 +394,33 @@ class Scheduler:
         if shape.num_prefill_tokens == 0:
             lo = max(lo, min(n, self.block_size))
         return lo
+
+    def step_target_ms(self, shape: BatchShape, request: Request, start: int) -> float:
+        """The step-time target a chunk of `request` from `start` may fill, beside the decodes already in `shape`:
+        max_step_ms when the rest of its prompt is worth that long a step, else short_step_ms.
+
+        Why: a step's length is every running stream's token gap, while its prompt chunk only moves one prompt on.
+        Throughput decides which matters more: the running decodes cost D / N a token now (D the predicted time of
+        their N decodes alone), and the rest of this prompt costs P (its predicted prefill time) for at most O
+        tokens to come (what max_tokens leaves). A step spent on a prompt that costs more per token it can bring
+        than a decode costs now (P / O > D / N) buys less output than the same time spent on decodes, so such a
+        step is held short: a lone long prompt beside a few streams (issue 13's stall probe: 1,500 tokens, one
+        token out, beside 6 streams) no longer makes every stream wait for a full-target step, while a queue of
+        short prompts that will each decode for a while (the 32-stream probe, chat's median request) still gets
+        the full target and enters the batch as fast as before."""
+        cfg = self.config
+        full, short = cfg.max_step_ms, cfg.short_step_ms
+        if short <= 0 or short >= full:
+            return full
+        decodes = BatchShape(num_decodes=shape.num_decodes, num_requests=shape.num_decodes,
+                             num_sampled=shape.num_decodes, decode_context=shape.decode_context)
+        rest = replace(shape)
+        rest.add_slice(request, start, request.num_tokens - start)
+        prefill_s = self.step_time(rest) - self.step_time(shape)
+        max_tokens = request.sampling_params.max_tokens
+        to_come = (max_tokens - request.num_output_tokens if max_tokens is not None
+                   else cfg.max_model_len - request.num_tokens)
+        return full if prefill_s * shape.num_decodes <= self.step_time(decodes) * max(1, to_come) else short
 
     def _unschedule(self, step: Step, request: Request) -> None:
         s = step.scheduled.pop(request.request_id, None)

@@ -77,6 +77,8 @@ namespace {
 
 constexpr int KC = 64;   // context positions per chunk: their K/V rows stay in L1 while every query row reads them
 constexpr int TQ = 16;   // query tokens of one chunk per work item (x the GQA group = rows sharing those K/V reads)
+constexpr int PREFETCH = 4;  // positions ahead whose K/V rows are prefetched
+constexpr int FEW_TOKENS = 4;  // slices of up to this many tokens may take all KV heads in one item (see the op)
 
 inline void to_float(const float* src, float* dst, int d) { std::memcpy(dst, src, sizeof(float) * d); }
 inline void to_float(const c10::BFloat16* src, float* dst, int d) {
@@ -219,34 +221,43 @@ inline void pv_ref(const float* p, const float* const* v, int n, int d, float al
   for (int j = 0; j < n; ++j) for (int i = 0; i < d; ++i) acc[i] += p[j] * v[j][i];
 }
 
-struct Item { int seq, head, tok0, ntok; int64_t cost; };
+struct Item { int seq, head0, heads, tok0, ntok; int64_t cost; };
 
-// One work item: tokens tok0..tok0+ntok-1 of sequence `seq` (flat rows row0 + ...), the query heads of KV head `h`,
-// over context positions 0..start+t of each token t (causal; this step's K/V are already in the cache).
+// One work item: tokens tok0..tok0+ntok-1 of sequence `seq` (flat rows row0 + ...), the query heads of KV heads
+// h0..h0+nh-1, over context positions 0..start+t of each token t (causal; this step's K/V are already in the cache).
+// Each chunk of positions is read once for all nh heads: a position's K (and V) row of all KV heads is contiguous
+// in the cache ([blocks, block_size, kv_heads, d]), so a whole block is one sequential read; one head at a time read
+// every third 128-byte piece and waited on memory (perf, 2026-11-24: 75 % of the op's time in its loads at 32
+// decodes). Per head the arithmetic and its order are as before.
 template <typename T>
-void attend(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h, int d, const T* kc, const T* vc,
-            int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table, int row0, int start, int ntok,
-            float scale) {
-  const int R = ntok * G;
+void attend(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int nh, int d, const T* kc,
+            const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table, int row0, int start,
+            int ntok, float scale) {
+  const int R = ntok * G;  // query rows of one KV head
+  const int W = nh * d;     // floats of one position's K (or V) row over the item's heads
   const bool vec = d % 8 == 0;  // the AVX2 loops take whole vectors of 8
   thread_local std::vector<float> buf;
-  const size_t need = size_t(R) * d * 2 + size_t(R) * KC + 2 * R + (std::is_same<T, float>::value ? 0 : 2 * KC * d);
+  const size_t per_head = size_t(R) * d * 2 + size_t(R) * KC + 2 * R;
+  const size_t need = per_head * nh + (std::is_same<T, float>::value ? 0 : 2 * size_t(KC) * W);
   if (buf.size() < need) buf.resize(need);
-  float* qs = buf.data();
-  float* acc = qs + size_t(R) * d;
-  float* s = acc + size_t(R) * d;
-  float* m = s + size_t(R) * KC;
-  float* l = m + R;
-  float* conv = l + R;
-  for (int t = 0; t < ntok; ++t)
-    for (int g = 0; g < G; ++g) {
-      const float* src = q + (int64_t(row0) + t) * q_stride + (int64_t(h) * G + g) * d;
-      float* dst = qs + size_t(t * G + g) * d;
-      for (int i = 0; i < d; ++i) dst[i] = src[i] * scale;
-    }
-  std::fill(acc, acc + size_t(R) * d, 0.0f);
-  std::fill(m, m + R, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + R, 0.0f);
+  float* conv = buf.data() + per_head * nh;
+  for (int hh = 0; hh < nh; ++hh) {
+    float* qs = buf.data() + per_head * hh;
+    float* acc = qs + size_t(R) * d;
+    float* m = acc + size_t(R) * d + size_t(R) * KC;
+    float* l = m + R;
+    for (int t = 0; t < ntok; ++t)
+      for (int g = 0; g < G; ++g) {
+        const float* src = q + (int64_t(row0) + t) * q_stride + (int64_t(h0 + hh) * G + g) * d;
+        float* dst = qs + size_t(t * G + g) * d;
+        for (int i = 0; i < d; ++i) dst[i] = src[i] * scale;
+      }
+    std::fill(acc, acc + size_t(R) * d, 0.0f);
+    std::fill(m, m + R, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + R, 0.0f);
+  }
+  const float* kbase[KC];
+  const float* vbase[KC];
   const float* krow[KC];
   const float* vrow[KC];
   const int end = start + ntok;  // positions the last token sees
@@ -254,76 +265,103 @@ void attend(const float* q, int64_t q_stride, float* out, int64_t H, int G, int 
     const int n = std::min(KC, end - c0);
     for (int j = 0; j < n; ++j) {
       const int p = c0 + j;
-      const int64_t off = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h) * d;
+      const int64_t off = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h0) * d;
+#ifdef __AVX2__
+      if (p + PREFETCH < end) {  // the row PREFETCH positions on: across a block boundary it lies anywhere
+        const int pf = p + PREFETCH;
+        const int64_t poff = int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d;
+        const char* kp = reinterpret_cast<const char*>(kc + poff);
+        const char* vp = reinterpret_cast<const char*>(vc + poff);
+        for (int64_t b = 0; b < int64_t(sizeof(T)) * W; b += 64) {
+          _mm_prefetch(kp + b, _MM_HINT_T0);
+          _mm_prefetch(vp + b, _MM_HINT_T0);
+        }
+      }
+#endif
       if constexpr (std::is_same<T, float>::value) {
-        krow[j] = kc + off;
-        vrow[j] = vc + off;
+        kbase[j] = kc + off;
+        vbase[j] = vc + off;
       } else {
-        to_float(kc + off, conv + size_t(j) * d, d);
-        to_float(vc + off, conv + size_t(KC + j) * d, d);
-        krow[j] = conv + size_t(j) * d;
-        vrow[j] = conv + size_t(KC + j) * d;
+        to_float(kc + off, conv + size_t(j) * W, W);
+        to_float(vc + off, conv + size_t(KC + j) * W, W);
+        kbase[j] = conv + size_t(j) * W;
+        vbase[j] = conv + size_t(KC + j) * W;
       }
     }
-    for (int t = 0; t < ntok; ++t) {
-      const int nv = std::min(n, start + t + 1 - c0);  // causal: token t sees positions <= start + t
-      if (nv <= 0) continue;
-      for (int g0 = 0; g0 < G;) {  // the token's query heads in groups of at most 3 (balanced), sharing K/V loads
-        const int nr = std::min(3, (G - g0 + (G - g0 + 2) / 3 - 1) / ((G - g0 + 2) / 3));
-        const float* qr[3];
-        float* sr[3];
-        float* ar[3];
-        float alpha[3];
-        for (int u = 0; u < nr; ++u) {
-          const int r = t * G + g0 + u;
-          qr[u] = qs + size_t(r) * d;
-          sr[u] = s + size_t(r) * KC;
-          ar[u] = acc + size_t(r) * d;
-        }
+    for (int hh = 0; hh < nh; ++hh) {
+      float* qs = buf.data() + per_head * hh;
+      float* acc = qs + size_t(R) * d;
+      float* s = acc + size_t(R) * d;
+      float* m = s + size_t(R) * KC;
+      float* l = m + R;
+      for (int j = 0; j < n; ++j) {
+        krow[j] = kbase[j] + int64_t(hh) * d;
+        vrow[j] = vbase[j] + int64_t(hh) * d;
+      }
+      for (int t = 0; t < ntok; ++t) {
+        const int nv = std::min(n, start + t + 1 - c0);  // causal: token t sees positions <= start + t
+        if (nv <= 0) continue;
+        for (int g0 = 0; g0 < G;) {  // the token's query heads in groups of at most 3 (balanced), sharing K/V loads
+          const int nr = std::min(3, (G - g0 + (G - g0 + 2) / 3 - 1) / ((G - g0 + 2) / 3));
+          const float* qr[3];
+          float* sr[3];
+          float* ar[3];
+          float alpha[3];
+          for (int u = 0; u < nr; ++u) {
+            const int r = t * G + g0 + u;
+            qr[u] = qs + size_t(r) * d;
+            sr[u] = s + size_t(r) * KC;
+            ar[u] = acc + size_t(r) * d;
+          }
 #ifdef __AVX2__
-        if (vec) {
-          if (nr == 3) scores<3>(qr, krow, nv, d, sr);
-          else if (nr == 2) scores<2>(qr, krow, nv, d, sr);
-          else scores<1>(qr, krow, nv, d, sr);
-        } else
+          if (vec) {
+            if (nr == 3) scores<3>(qr, krow, nv, d, sr);
+            else if (nr == 2) scores<2>(qr, krow, nv, d, sr);
+            else scores<1>(qr, krow, nv, d, sr);
+          } else
 #endif
-          for (int u = 0; u < nr; ++u) scores_ref(qr[u], krow, nv, d, sr[u]);
-        for (int u = 0; u < nr; ++u) {
-          const int r = t * G + g0 + u;
+            for (int u = 0; u < nr; ++u) scores_ref(qr[u], krow, nv, d, sr[u]);
+          for (int u = 0; u < nr; ++u) {
+            const int r = t * G + g0 + u;
 #ifdef __AVX2__
-          const float mx = max_of(sr[u], nv, m[r]);
+            const float mx = max_of(sr[u], nv, m[r]);
 #else
-          float mx = m[r];
-          for (int j = 0; j < nv; ++j) mx = std::max(mx, sr[u][j]);
+            float mx = m[r];
+            for (int j = 0; j < nv; ++j) mx = std::max(mx, sr[u][j]);
 #endif
-          alpha[u] = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[r] - mx);
+            alpha[u] = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[r] - mx);
 #ifdef __AVX2__
-          const float sum = vec ? exp_sub(sr[u], nv, mx) : exp_sub_ref(sr[u], nv, mx);
+            const float sum = vec ? exp_sub(sr[u], nv, mx) : exp_sub_ref(sr[u], nv, mx);
 #else
-          const float sum = exp_sub_ref(sr[u], nv, mx);
+            const float sum = exp_sub_ref(sr[u], nv, mx);
 #endif
-          l[r] = l[r] * alpha[u] + sum;
-          m[r] = mx;
-        }
+            l[r] = l[r] * alpha[u] + sum;
+            m[r] = mx;
+          }
 #ifdef __AVX2__
-        if (vec) {
-          if (nr == 3) pv<3>(sr, vrow, nv, d, alpha, ar);
-          else if (nr == 2) pv<2>(sr, vrow, nv, d, alpha, ar);
-          else pv<1>(sr, vrow, nv, d, alpha, ar);
-        } else
+          if (vec) {
+            if (nr == 3) pv<3>(sr, vrow, nv, d, alpha, ar);
+            else if (nr == 2) pv<2>(sr, vrow, nv, d, alpha, ar);
+            else pv<1>(sr, vrow, nv, d, alpha, ar);
+          } else
 #endif
-          for (int u = 0; u < nr; ++u) pv_ref(sr[u], vrow, nv, d, alpha[u], ar[u]);
-        g0 += nr;
+            for (int u = 0; u < nr; ++u) pv_ref(sr[u], vrow, nv, d, alpha[u], ar[u]);
+          g0 += nr;
+        }
       }
     }
   }
-  for (int t = 0; t < ntok; ++t)
-    for (int g = 0; g < G; ++g) {
-      const int r = t * G + g;
-      const float inv = 1.0f / l[r];
-      float* dst = out + ((int64_t(row0) + t) * H + int64_t(h) * G + g) * d;
-      for (int i = 0; i < d; ++i) dst[i] = acc[size_t(r) * d + i] * inv;
-    }
+  for (int hh = 0; hh < nh; ++hh) {
+    const float* acc = buf.data() + per_head * hh + size_t(R) * d;
+    const float* l = acc + size_t(R) * d + size_t(R) * KC + R;
+    for (int t = 0; t < ntok; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = t * G + g;
+        const float inv = 1.0f / l[r];
+        float* dst = out + ((int64_t(row0) + t) * H + int64_t(h0 + hh) * G + g) * d;
+        for (int i = 0; i < d; ++i) dst[i] = acc[size_t(r) * d + i] * inv;
+      }
+  }
 }
 
 // this step's K/V rows [T, KVH, D] (any row stride) into their cache slots, widened or rounded to the cache's dtype
@@ -373,6 +411,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int S = int(seqs.size(0)), max_blocks = int(block_tables.size(1));
   const int32_t* sq = seqs.data_ptr<int32_t>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
+  // the slices of a few tokens (decodes, verifications) as items of all KV heads at once (each chunk of context
+  // read once, sequentially) when there are enough of them to balance over the threads; else one per KV head, as
+  // a lone decode needs both cores. Longer slices reuse each chunk for up to TQ tokens, where one head's chunk
+  // staying in L1 (32 KB of float32 K/V) matters more: all heads' was 0.87x on a 512-token chunk
+  int slices = 0;
+  for (int i = 0; i < S; ++i) slices += (std::max(1, sq[3 * i + 1]) + TQ - 1) / TQ;
+  const int few_heads = slices >= 4 * std::max(1, at::get_num_threads()) ? int(kvh) : 1;
   std::vector<Item> items;
   for (int i = 0; i < S; ++i) {
     const int row0 = sq[3 * i], ntok = sq[3 * i + 1], start = sq[3 * i + 2];
@@ -380,7 +425,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                 (start + ntok + bs - 1) / bs <= max_blocks, "sequence ", i, " does not fit q or its block table");
     for (int t0 = 0; t0 < ntok; t0 += TQ) {
       const int nt = std::min(TQ, ntok - t0);
-      for (int h = 0; h < kvh; ++h) items.push_back({i, h, t0, nt, int64_t(nt) * (start + t0 + nt)});
+      const int per_item = nt <= FEW_TOKENS ? few_heads : 1;
+      for (int h = 0; h < kvh; h += per_item)
+        items.push_back({i, h, per_item, t0, nt, int64_t(nt) * (start + t0 + nt) * per_item});
     }
   }
   // heaviest first, handed out one at a time: prompt chunks and decodes of any lengths balance over the threads
@@ -395,8 +442,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     for (int w = 0; w < nitems; ++w) {
       const Item& it = items[w];
       const int32_t* s = sq + 3 * it.seq;
-      attend(qp, q.stride(0), op, H, G, it.head, int(d), kc, vc, blk_stride, tok_stride, int(bs), bt + int64_t(it.seq) * max_blocks,
-             s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
+      attend(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride, int(bs),
+             bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
     }
   };
   auto write_and_run = [&](auto* kc, auto* vc) {

@@ -29,7 +29,7 @@ column j in the low and j + 8 in the high nibble, unpacked with an and and a shi
 is faster was measured (benchmarks/int4_linear.py --w4a8), see docs/performance.md.
 
 The micro-kernel holds R rows x 16 columns of int16 accumulators over a block, then per block and row one
-`vpmaddwd` with ones to int32, a conversion, and two FMAs (scale and minimum) into float32 accumulators, and the
+`vpmaddwd` with ones to int32, a conversion, and two FMAs (scale and minimum) into float32 sums (kept in a per-thread buffer, not registers: see tile_rows), and the
 taken-out element: its 16 codes picked from the block with a shift, dequantized, one more FMA. Rows are
 cut into chunks of 128 whose int8 activations stay in L2 while every tile of weights runs over them.
 
@@ -137,18 +137,22 @@ inline __m256i bcast4(const int8_t* p) {
 
 // y[r][0..nn) = sum over the G blocks of one tile, for R rows of int8 activations (row stride K); bias b[16].
 // Not inlined: alone it gets the 16 vector registers for the 2R int16 accumulators, the codes and a broadcast.
+// The float32 sums live in `acc` (R x 16, the caller's scratch), loaded and stored once per block: held in
+// registers across the blocks (2R more) they pushed the int16 accumulators of the inner loop onto the stack
+// (perf annotate, 2026-11-24: a spill and reload per multiply-add step); in memory the compiler cannot keep them
+// in registers (acc may alias the other float inputs), and the bits are the same.
 template <int R, bool NIB>
 __attribute__((noinline)) void tile_rows(const int8_t* xq, int64_t K, const float* a, const float* s,
                                          const int32_t* top, const float* xo, int G, const uint8_t* tile,
-                                         const float* b, float* y, int64_t ldy, int nn) {
+                                         const float* b, float* y, int64_t ldy, int nn, float* acc) {
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), lowd = _mm256_set1_epi32(0x0F);
-  __m256 f0[R], f1[R];
-  for (int r = 0; r < R; ++r) f0[r] = f1[r] = _mm256_setzero_ps();
+  for (int r = 0; r < 2 * R; ++r) _mm256_storeu_ps(acc + 8 * r, _mm256_setzero_ps());
   for (int g = 0; g < G; ++g) {
     const uint8_t* blk = tile + size_t(g) * block_bytes<NIB>();
     const int8_t* xg = xq + g * GROUP;
     __m256i c0[R], c1[R];
-#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
     for (int st = 0; st < STEPS; ++st) {
       __m256i w0, w1;
       if (NIB) {
@@ -163,8 +167,8 @@ __attribute__((noinline)) void tile_rows(const int8_t* xq, int64_t K, const floa
       for (int r = 0; r < R; ++r) {
         const __m256i xb = bcast4(xg + r * K + 4 * st);
         const __m256i p0 = _mm256_maddubs_epi16(w0, xb), p1 = _mm256_maddubs_epi16(w1, xb);
-        c0[r] = st == 0 ? p0 : _mm256_add_epi16(c0[r], p0);
-        c1[r] = st == 0 ? p1 : _mm256_add_epi16(c1[r], p1);
+        c0[r] = _mm256_add_epi16(c0[r], p0);
+        c1[r] = _mm256_add_epi16(c1[r], p1);
       }
     }
     const float* sc = reinterpret_cast<const float*>(blk + code_bytes<NIB>());
@@ -175,8 +179,9 @@ __attribute__((noinline)) void tile_rows(const int8_t* xq, int64_t K, const floa
       const __m256 ar = _mm256_broadcast_ss(a + r * G + g), sr = _mm256_broadcast_ss(s + r * G + g);
       const __m256 i0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(c0[r], ones));
       const __m256 i1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(c1[r], ones));
-      f0[r] = _mm256_fmadd_ps(m0, sr, _mm256_fmadd_ps(_mm256_mul_ps(i0, d0), ar, f0[r]));
-      f1[r] = _mm256_fmadd_ps(m1, sr, _mm256_fmadd_ps(_mm256_mul_ps(i1, d1), ar, f1[r]));
+      __m256 f0 = _mm256_loadu_ps(acc + 16 * r), f1 = _mm256_loadu_ps(acc + 16 * r + 8);
+      f0 = _mm256_fmadd_ps(m0, sr, _mm256_fmadd_ps(_mm256_mul_ps(i0, d0), ar, f0));
+      f1 = _mm256_fmadd_ps(m1, sr, _mm256_fmadd_ps(_mm256_mul_ps(i1, d1), ar, f1));
       // the block's largest element, taken out of the int8 block: its 16 codes, w = d * q + m, times it in float32
       const int ti = top[r * G + g];
       const __m128i sh = _mm_cvtsi32_si128(8 * (ti & 3));
@@ -190,19 +195,20 @@ __attribute__((noinline)) void tile_rows(const int8_t* xq, int64_t K, const floa
         q1 = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * (ti >> 2) + 32)), sh), lowd);
       }
       const __m256 xr = _mm256_broadcast_ss(xo + r * G + g);
-      f0[r] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), d0, m0), xr, f0[r]);
-      f1[r] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), d1, m1), xr, f1[r]);
+      _mm256_storeu_ps(acc + 16 * r, _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), d0, m0), xr, f0));
+      _mm256_storeu_ps(acc + 16 * r + 8, _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), d1, m1), xr, f1));
     }
   }
   const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
   for (int r = 0; r < R; ++r) {
+    const __m256 f0 = _mm256_loadu_ps(acc + 16 * r), f1 = _mm256_loadu_ps(acc + 16 * r + 8);
     if (nn == TILE) {
-      _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(f0[r], b0));
-      _mm256_storeu_ps(y + r * ldy + 8, _mm256_add_ps(f1[r], b1));
+      _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(f0, b0));
+      _mm256_storeu_ps(y + r * ldy + 8, _mm256_add_ps(f1, b1));
     } else {  // the last, partial tile of an output size that is not a multiple of 16
       alignas(32) float tmp[TILE];
-      _mm256_store_ps(tmp, _mm256_add_ps(f0[r], b0));
-      _mm256_store_ps(tmp + 8, _mm256_add_ps(f1[r], b1));
+      _mm256_store_ps(tmp, _mm256_add_ps(f0, b0));
+      _mm256_store_ps(tmp + 8, _mm256_add_ps(f1, b1));
       std::memcpy(y + r * ldy, tmp, sizeof(float) * nn);
     }
   }
@@ -213,6 +219,8 @@ void run(const int8_t* xq, const float* a, const float* s, const int32_t* top, c
          const uint8_t* w, int64_t N, const float* b, float* y, int nthreads, int max_r) {
   const int G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
 #pragma omp parallel num_threads(nthreads)
+  {
+  alignas(32) float acc[6 * TILE];  // this thread's float32 sums of one pass (tile_rows)
   for (int mc = 0; mc < M; mc += ROW_CHUNK) {  // a chunk's int8 rows stay in L2 while every tile runs over them
     const int mn = std::min(ROW_CHUNK, M - mc), passes = (mn + max_r - 1) / max_r;
 #pragma omp for schedule(static) nowait
@@ -226,16 +234,17 @@ void run(const int8_t* xq, const float* a, const float* s, const int32_t* top, c
         const int32_t* tr = top + int64_t(m0) * G;
         float* yr = y + int64_t(m0) * N + n0;
         switch (R) {
-          case 1: tile_rows<1, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn); break;
-          case 2: tile_rows<2, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn); break;
-          case 3: tile_rows<3, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn); break;
-          case 4: tile_rows<4, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn); break;
-          case 5: tile_rows<5, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn); break;
-          default: tile_rows<6, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn); break;
+          case 1: tile_rows<1, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
+          case 2: tile_rows<2, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
+          case 3: tile_rows<3, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
+          case 4: tile_rows<4, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
+          case 5: tile_rows<5, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
+          default: tile_rows<6, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
         }
         m0 += R;
       }
     }
+  }
   }
 }
 
@@ -349,13 +358,23 @@ def load() -> Callable | None:
     return op()
 
 
+_op: list = []  # op()'s answer, found once per process
+
+
 def op() -> Callable | None:
     """The op whatever the switch says: a model decides at build time (load) whether to pack for it, and the
-    Int4Linears it built keep using it, so that two models of one process can be compared."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
-    path, namespace, flags = _library()
-    return int4_kernel.load_op(path, namespace, flags, SOURCE, "w4a8_mm", "CPU w4a8 matmul kernel unavailable")
+    Int4Linears it built keep using it, so that two models of one process can be compared.
+
+    Remembered after the first call: every Int4Linear call of a many-row step asks for it (120 calls a step for
+    the bundled model), and finding it hashes this module's source (~80 us a call measured here, 2026-11-24:
+    ~10 ms of a 32-decode step)."""
+    if not _op:
+        found = None
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+            path, namespace, flags = _library()
+            found = int4_kernel.load_op(path, namespace, flags, SOURCE, "w4a8_mm", "CPU w4a8 matmul kernel unavailable")
+        _op.append(found)
+    return _op[0]
 
 
 def load_quantize() -> Callable | None:

@@ -200,6 +200,24 @@ def shared_prefix_workload(groups: int, per_group: int, seed: int = 0) -> list[s
     return prompts
 
 
+def agent_rounds(agents: int, rounds: int, seed: int = 0) -> list[str]:
+    """`agents` long system prompts (the same text as shared_prefix_workload's) taking turns: every round each
+    agent sends one request, in an order shuffled afresh each round. Multi-agent loops, an evaluation pass that runs
+    every example under each of several prompt templates, or periodic jobs have this shape: each prefix comes back
+    only after most of the others have. That is the order a least-recently-used cache handles worst (a fixed order
+    of more prefixes than fit is never hit at all), while in a uniformly random order LRU keeps its share of them."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for r in range(rounds):
+        order = list(range(agents))
+        rng.shuffle(order)
+        out += [f"You are an assistant who knows {TOPICS[g % len(TOPICS)]} (desk {g}) well and answers briefly. " * 8
+                + f"Question {r}: name one fact." for g in order]
+    return out
+
+
 def common_preamble_chats(groups: int, per_group: int, seed: int = 0) -> list[list[dict]]:
     """Chat requests that all begin alike (the stock system prompt) and then share a document by group:
     `groups` documents, `per_group` questions on each, in a shuffled order."""

@@ -74,3 +74,44 @@ def test_the_window_keeps_only_steps_that_started_in_it(fairness):
     records = [{"t": t, "dur": 0.1} for t in (100.0, 100.5, 159.9, 160.0, 170.0)]
     assert [s["t"] for s in fairness.window_steps(records, 60.0)] == [100.0, 100.5, 159.9]
     assert fairness.window_steps([], 60.0) == []
+
+
+def test_round_order_puts_each_system_first_middle_and_last_alike(fairness):
+    names = ["fcfs", "fair", "fair-slice"]
+    orders = [fairness.round_order(names, r) for r in range(6)]
+    assert orders[0] == names and orders[3] == ["fair-slice", "fair", "fcfs"]
+    for name in names:  # six rounds: every system twice in every place
+        assert sorted(o.index(name) for o in orders) == [0, 0, 1, 1, 2, 2]
+    assert [fairness.round_order(["a", "b"], r) for r in range(4)] == [["a", "b"], ["b", "a"], ["b", "a"], ["a", "b"]]
+
+
+def _served(system: str, round_: int, token_times_by_client: dict[str, list[float]], last_send: float) -> dict:
+    reqs = [{"sent_s": 0.0, "token_times": [], "client": "heavy"}, {"sent_s": last_send, "token_times": [], "client": "heavy"}]
+    reqs += [{"sent_s": 0.0, "token_times": ts, "client": c} for c, ts in token_times_by_client.items()]
+    total = sum(1 for ts in token_times_by_client.values() for t in ts if t <= last_send)
+    return {"system": system, "round": round_, "requests": reqs,
+            "summary": {"fairness": {"tokens_per_s": {"all": total / last_send}}}}
+
+
+def test_steady_window_counts_only_tokens_after_the_skip(fairness):
+    r = _served("paceline-fcfs", 1, {"heavy": [1.0, 5.0, 12.0, 19.0], "light": [15.0, 21.0]}, 20.0)
+    assert fairness.steady_tokens_per_s(r, 10.0) == pytest.approx(3 / 10.0)  # 12, 15, 19; 21 is past the window
+
+
+def test_rounds_table_reports_every_round_and_the_median_ratio(fairness):
+    runs = []
+    for round_, fair_tokens in ((1, 90), (2, 100), (3, 30)):  # round 3: a host stall in the fair run
+        runs.append(_served("paceline-fcfs", round_, {"heavy": [float(i) / 10 for i in range(100)]}, 20.0))
+        runs.append(_served("paceline-fair", round_, {"heavy": [float(i) / 10 for i in range(fair_tokens)]}, 20.0))
+    text = fairness.rounds_table(runs, 0.0)
+    assert "0.300x" in text and "0.900x" in text  # every round is in the table, the stalled one too
+    median_row = text.strip().splitlines()[-1]
+    assert median_row.startswith("| paceline-fair | 3 | 0.900x | 0.300-1.000 |") and median_row.endswith("| 1/3 |")
+
+
+def test_other_cpu_is_the_busy_time_that_was_not_ours(fairness):
+    hz = fairness.os.sysconf("SC_CLK_TCK")
+    before = {"t": 0.0, "busy": 0, "steal": 0, "self": 0}
+    after = {"t": 10.0, "busy": 15 * hz, "steal": 2 * hz, "self": 1 * hz}
+    host = fairness.other_cpu(before, after, server_ticks=10 * hz)
+    assert host == pytest.approx({"other_cores": 0.4, "steal_cores": 0.2, "server_cores": 1.0})

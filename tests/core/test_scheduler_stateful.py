@@ -46,9 +46,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                                       (3, 1, True, "draft_model")]),
                 slice_tokens=st.sampled_from([0, 0, 1, 3]),
                 slice_ms=st.sampled_from([0.0, 0.0, 2000.0]),
-                level_aging=st.sampled_from([0.0, 3.0]))
+                level_aging=st.sampled_from([0.0, 3.0]),
+                short_step=st.booleans())
     def setup(self, policy, scheduling, mode, block_size, num_blocks, budget, max_seqs, host_blocks, threshold,
-              partial, aging, wait_ms, step_ms, spec=None, slice_tokens=0, slice_ms=0.0, level_aging=0.0) -> None:
+              partial, aging, wait_ms, step_ms, spec=None, slice_tokens=0, slice_ms=0.0, level_aging=0.0,
+              short_step=False) -> None:
         if policy == "static":
             slice_tokens, slice_ms = 0, 0.0
         self.sched = make_scheduler(policy, budget=budget, max_seqs=max_seqs, num_blocks=num_blocks,
@@ -60,7 +62,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                     speculative=SpeculativeConfig(spec[3], num_speculative_tokens=spec[0], prompt_lookup_max=spec[1],
                                                                   adaptive=spec[2])
                                     if spec else None, time_slice_tokens=slice_tokens, time_slice_ms=slice_ms,
-                                    level_aging_s=level_aging)
+                                    level_aging_s=level_aging,
+                                    short_step_ms=step_ms / 2 if short_step and policy == "stall-free" else 0.0)
         self.capacity = num_blocks * block_size
         self.now = 0.0
         self.count = 0

@@ -228,3 +228,28 @@ def test_kernel_rejects_a_bad_sequence_table():
         op(q, kv, kv, cache, cache, slots, table, torch.tensor([[0, 2, 20]], dtype=torch.int32), 1.0)
     with pytest.raises(RuntimeError, match="outside the cache"):
         op(q, kv, kv, cache, cache, torch.tensor([0, 4 * BS]), table, torch.tensor([[0, 2, 0]], dtype=torch.int32), 1.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_many_decodes_read_all_kv_heads_at_once_and_match_dense(cache_dtype):
+    """Enough few-token slices (here 20 decodes and 3-token verifications, more than 4 per thread) run as items of
+    all KV heads at once, the long chunk one KV head at a time: each row equals the dense reference and, bit for bit,
+    the same slice run alone (a lone slice takes the one-head items)."""
+    g = torch.Generator().manual_seed(7)
+    shape = [(40, 9), (30, 3), (55, 3)] + [(int(torch.randint(0, 70, (1,), generator=g)), 1) for _ in range(20)]
+    free = torch.randperm(400, generator=g).tolist()
+    seqs, ks, vs, qs = [], [], [], []
+    for start, n in shape:
+        seqs.append(SeqSlice(start, n, [free.pop() for _ in range(-(-(start + n) // BS))]))
+        ks.append(torch.randn(start + n, KVH, D, generator=g).to(cache_dtype).float())
+        vs.append(torch.randn(start + n, KVH, D, generator=g).to(cache_dtype).float())
+        qs.append(torch.randn(n, H, D, generator=g))
+    out, _, _ = _run(seqs, ks, vs, qs, kernel=True, cache_dtype=cache_dtype)
+    row = 0
+    for s, k, v, q in zip(seqs, ks, vs, qs):
+        want = dense_attention_reference(q, k, v, s.start, SCALE)
+        torch.testing.assert_close(out[row:row + s.num_tokens], want, atol=1e-5, rtol=1e-5)
+        alone, _, _ = _run([s], [k], [v], [q], kernel=True, cache_dtype=cache_dtype)
+        assert torch.equal(out[row:row + s.num_tokens], alone)
+        row += s.num_tokens

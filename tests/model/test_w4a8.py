@@ -202,3 +202,10 @@ def test_bundled_model_with_the_op_stays_close_to_float32(monkeypatch):
         agree = (got.argmax(-1) == f32.argmax(-1)).float().mean()
         cos = torch.nn.functional.cosine_similarity(got, f32, dim=-1)
         assert agree >= 0.9 and cos.min() > 0.99, (chunk, agree, cos.min())
+
+
+def test_op_is_found_once_per_process(monkeypatch):
+    """Int4Linear asks for the op on every call of a many-row step: after the first, no source is hashed again."""
+    first = w4a8_kernel.op()
+    monkeypatch.setattr(w4a8_kernel, "_library", lambda: pytest.fail("op() looked for the library again"))
+    assert w4a8_kernel.op() is first and w4a8_kernel.load() is first

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from paceline.parallel.routing import Router, chunk_keys, common_preamble_chats, multi_turn_chats, prompt_of
+from paceline.parallel.routing import (Router, agent_rounds, chunk_keys, common_preamble_chats, multi_turn_chats,
+                                       prompt_of)
 
 
 def system(topic: str) -> str:
@@ -147,3 +148,12 @@ def test_a_conversation_stays_on_one_replica_turn_after_turn() -> None:
     # from the third turn on the chat so far is most of the prompt: always followed. The second turn holds a short
     # first question and a long reply (the router indexes prompts, not replies): at 0.5 it often moves
     assert moves[0.3] == [1] and moves[0.5] == [1, 1, 1, 1]
+
+
+def test_agent_rounds_send_every_prompt_once_a_round_in_a_fresh_order() -> None:
+    prompts = agent_rounds(5, 3, seed=1)
+    rounds = [prompts[i:i + 5] for i in range(0, 15, 5)]
+    desks = [[p.split("(desk ")[1].split(")")[0] for p in r] for r in rounds]
+    assert all(sorted(d) == ["0", "1", "2", "3", "4"] for d in desks)  # each agent once per round
+    assert len({tuple(d) for d in desks}) > 1  # the order is drawn again each round
+    assert all(p.endswith(f"Question {k}: name one fact.") for k, r in enumerate(rounds) for p in r)
