@@ -236,6 +236,7 @@ class Residency:
                 await joined
             except Exception:  # cannot happen while this load holds the name; if it does, the model is not in
                 log.exception("model %s could not join the loop", name)  # the loop: say so and leave it out
+                self.multi.turns.pending = False
                 timeline.finish()
                 slot.engine, slot.state = None, "unloaded"
                 return
