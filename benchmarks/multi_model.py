@@ -31,6 +31,7 @@ from paceline.bench.peers import free_port
 from paceline.bench.prompts import PromptSource, build_prompts, load_tokenizer
 from paceline.bench.workload import LengthDist, ModelShare, RequestSpec, generate, load_workload
 
+SWITCH_SPACING_S = 6.0  # between two switches: the switched model's request ends and it unloads (keep_alive 0)
 MODELS = {"smol-fp32": ["--dtype", "float32"], "smol-int4": ["--quantization", "int4"]}
 
 
@@ -85,29 +86,44 @@ def drive(ep: Endpoint, requests: list[RequestSpec], prompts: list, duration: fl
 
 
 def models_yaml(path: Path, lazy: set[str] = frozenset()) -> Path:
+    """Both models; those in `lazy` load on their first request and unload as soon as they are idle."""
     lines = ["models:"]
     for name in MODELS:
         mode = "dtype: float32" if name == "smol-fp32" else "quantization: int4"
-        lines.append(f"  - {{name: {name}, {mode}{', load: lazy' if name in lazy else ''}}}")
+        lines.append(f"  - {{name: {name}, {mode}{', load: lazy, keep_alive: 0' if name in lazy else ''}}}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
+# Switch variants: the model loaded on demand, and the server's environment (the A/B knobs in residency.py and
+# multi.py). "" loads smol-fp32 beside smol-int4 streams, "int4" the other way round.
+SWITCH_VARIANTS = {
+    "": ("smol-fp32", {}), "int4": ("smol-int4", {}),
+    # as before 2026-11-24 03:00 UTC: the load beside the other model's steps, the first prompt whole in one step
+    "before": ("smol-fp32", {"PACELINE_LOAD_TURNS": "0", "PACELINE_DEBUT_STEP": "whole"}),
+    "int4-before": ("smol-int4", {"PACELINE_LOAD_TURNS": "0", "PACELINE_DEBUT_STEP": "whole"}),
+    "left": ("smol-fp32", {"PACELINE_DEBUT_STEP": "left"}),
+    # the load in turns, the first prompt whole in one step
+    "turns-whole": ("smol-fp32", {"PACELINE_DEBUT_STEP": "whole"}),
+    "int4-turns-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
+    "pack-first": ("smol-fp32", {"PACELINE_DEFER_PACKING": "0"}),
+    "nice19": ("smol-fp32", {"PACELINE_LOADER_NICE": "19"}),
+    "warm-up": ("smol-fp32", {"PACELINE_LOAD_WARM_UP": "1"}),
+    "whole": ("smol-fp32", {"PACELINE_DEBUT_STEP": "whole"}), "int4-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
+}
+
+
 def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, variant: str = "") -> dict:
-    """Streams of one model run; a request for the other, unloaded, model arrives mid-run. Its TTFT (the load
-    included) and the streams' largest gap while it loads, against their p99 over the rest of the run.
-    variant "" : smol-fp32 is loaded while smol-int4 streams run; "int4": the other way round; "nice19": as "",
-    with the loader at nice 19 (PACELINE_LOADER_NICE=19, as before 2026-11-23 21:30 UTC); "pack-first": as "",
-    packing the weights before the model serves (PACELINE_DEFER_PACKING=0); "warm-up": as "", with the loader's
-    two warm-up forwards before the model joins (PACELINE_LOAD_WARM_UP=1, as before 2026-11-24); "whole" and
-    "int4-whole": as "" and "int4", the first prompt in one uncapped step (PACELINE_DEBUT_STEP=whole).
-    The server's own split of the switch (seconds from the request to each mark; residency.LoadTimeline) comes
-    back from /v1/models; the streams' gaps are split at its `joined` mark into the load and the first prompt
-    (the client's send time stands for the server's request mark: both on this machine, a few ms apart)."""
-    env = {"pack-first": {"PACELINE_DEFER_PACKING": "0"}, "nice19": {"PACELINE_LOADER_NICE": "19"},
-           "warm-up": {"PACELINE_LOAD_WARM_UP": "1"}, "whole": {"PACELINE_DEBUT_STEP": "whole"},
-           "int4-whole": {"PACELINE_DEBUT_STEP": "whole"}}.get(variant, {})
-    target = "smol-int4" if variant.startswith("int4") else "smol-fp32"
+    """Streams of one model run; requests for the other model, unloaded (keep_alive 0: it leaves once idle), arrive
+    mid-run, up to --switches of them, each 1 s after one of the streaming model's arrivals (so that its streams
+    run while the target loads) and at least SWITCH_SPACING_S after the one before. Per switch: its TTFT (the load
+    included), the server's split of it (seconds from the request to each mark, residency.LoadTimeline) and every
+    step around it (PACELINE_LOG_SWITCH_STEPS), and the streaming model's largest gap while it ran, at the client
+    and between two of its steps at the server, against their p99 outside every switch.
+    The client's send time stands for the server's request mark (both on this machine, a few ms apart); the gaps
+    are split at the `joined` mark into the load and the first prompt."""
+    target, env = SWITCH_VARIANTS[variant]
+    env = {**env, "PACELINE_LOG_SWITCH_STEPS": "1"}
     other = next(name for name in MODELS if name != target)
     label = f"switch{'-' + variant if variant else ''}"
     server = Served(["--models-config", str(models_yaml(log_dir / f"{label}.yaml", {target}))], args.threads,
@@ -117,45 +133,70 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, va
                                   prompt_tokens=LengthDist("lognormal", median=300, sigma=0.8, min=16, max=1000)),
                           rate=args.rate / 2, duration_s=args.switch_seconds, seed=args.seed + 7)
         steady = [replace(r, model=other) for r in steady]
-        # 1 s after the first of the other model's arrivals past mid-run, so that its streams run while the
-        # target loads (at a fixed mid-run time the loop was idle on 2026-11-24: nothing to measure a gap of)
-        at = 1.0 + min((r.arrival_s for r in steady if r.arrival_s >= args.switch_seconds / 2),
-                       default=args.switch_seconds / 2)
+        times: list[float] = []
+        for r in steady:
+            if r.arrival_s >= 2.0 and len(times) < args.switches and (not times or
+                                                                      r.arrival_s + 1.0 >= times[-1] + SWITCH_SPACING_S):
+                times.append(r.arrival_s + 1.0)
         # model= by name: before 2026-11-24 this was the sixth positional field (client), so the request went to
-        # the first model served, and "switch-int4" loaded nothing
-        one = RequestSpec(len(steady), at, 64, 16, 0, model=target)
-        requests = steady + [one]
+        # the first model served
+        switches = [RequestSpec(len(steady) + i, at, 64, 16, 0, model=target) for i, at in enumerate(times)]
+        requests = sorted(steady + switches, key=lambda r: r.arrival_s)
         prompts = build_prompts(source, requests, args.seed, as_text=False, epoch=9)
         res = run(Endpoint(server.url), requests, prompts, progress=False, scrape_interval=None,
                   deadline_s=args.switch_seconds + 240)
-        models = httpx.get(server.url + "/v1/models").json()["data"]
     finally:
         server.stop()
-    rec = res.records[-1]
-    first = rec.token_times[0] if rec.token_times else None
-    window = (rec.sent_s, first if first is not None else rec.sent_s)
-    split = next((m.get("last_load") for m in models if m["id"] == target), None) or {}
-    joined = rec.sent_s + split["joined"] if "joined" in split else window[1]
-    inside, outside, loading, prompting = [], [], [], []
-    for r in res.records[:-1]:
-        for a, b in zip(r.token_times, r.token_times[1:]):
-            if b > window[0] and a < window[1]:
-                inside.append(b - a)
-                (loading if a < joined else prompting).append(b - a)
-            else:
-                outside.append(b - a)
-    log_lines = [line.strip() for line in (log_dir / f"{label}.log").read_text().splitlines()
-                 if target in line and ("loaded in" in line or "packed" in line)]
-    return {"target": target, "switch_ttft_s": (first - rec.sent_s) if first is not None else None,
-            "error": rec.error,
-            "log": log_lines,
-            "others_max_gap_during_load_ms": 1e3 * max(inside, default=0.0),
-            "others_p99_gap_elsewhere_ms": 1e3 * float(np.percentile(outside, 99)) if outside else None,
-            "gaps_during_load": len(inside),
-            "split_s": split,
+    log_text = (log_dir / f"{label}.log").read_text()
+    loads = [json.loads(line.split("switch steps ", 1)[1]) for line in log_text.splitlines()
+             if f"model {target}: switch steps " in line]
+    mine = [rec for rec in res.records if rec.model == target]
+    theirs = [rec for rec in res.records if rec.model != target]
+    windows = [(rec.sent_s, rec.token_times[0] if rec.token_times else rec.sent_s) for rec in mine]
+    inside = lambda a, b, w: b > w[0] and a < w[1]  # noqa: E731
+    outside = [b - a for r in theirs for a, b in zip(r.token_times, r.token_times[1:])
+               if not any(inside(a, b, w) for w in windows)]
+    out = {"target": target, "other": other, "env": env,
+           "others_p99_gap_elsewhere_ms": 1e3 * float(np.percentile(outside, 99)) if outside else None,
+           "others_p50_gap_elsewhere_ms": 1e3 * float(np.percentile(outside, 50)) if outside else None,
+           "switches": []}
+    for i, (rec, window) in enumerate(zip(mine, windows)):
+        load = loads[i] if i < len(loads) else {"split": {}, "steps": []}
+        split = load["split"]
+        joined = rec.sent_s + split["joined"] if "joined" in split else window[1]
+        loading, prompting = [], []
+        for r in theirs:
+            for a, b in zip(r.token_times, r.token_times[1:]):
+                if inside(a, b, window):
+                    (loading if a < joined else prompting).append(b - a)
+        # at the server: the streaming model's decode steps around the switch, end to end
+        ends = [s[2] for s in load["steps"] if s[0] == other and s[4] > 0]
+        server_gaps = [(b - a) for a, b in zip(ends, ends[1:]) if b > 0 and a < split.get("first_token", 0)]
+        out["switches"].append({
+            "sent_s": round(rec.sent_s, 3), "error": rec.error,
+            "ttft_s": (window[1] - rec.sent_s) if rec.token_times else None, "split_s": split,
+            "others_max_gap_ms": 1e3 * max(loading + prompting, default=0.0),
             "others_max_gap_loading_ms": 1e3 * max(loading, default=0.0),
             "others_max_gap_first_prompt_ms": 1e3 * max(prompting, default=0.0),
-            "models": models}
+            "others_gaps": len(loading) + len(prompting),
+            "server_max_decode_gap_ms": 1e3 * max(server_gaps, default=0.0),
+            "steps": load["steps"]})
+    return out
+
+
+def print_switches(key: str, result: dict) -> None:
+    print(f"{key}: {result['target']} loaded beside {result['other']} streams; their gaps elsewhere p99 "
+          f"{result['others_p99_gap_elsewhere_ms']} ms, p50 {result['others_p50_gap_elsewhere_ms']} ms", flush=True)
+    for i, sw in enumerate(result["switches"]):
+        split = sw["split_s"]
+        print(f"  #{i} at {sw['sent_s']:.1f} s: first token {sw['ttft_s']} s ({sw['error']}); others' max gap "
+              f"{sw['others_max_gap_ms']:.1f} ms (loading {sw['others_max_gap_loading_ms']:.1f} / first prompt "
+              f"{sw['others_max_gap_first_prompt_ms']:.1f}, {sw['others_gaps']} gaps; server decode gap "
+              f"{sw['server_max_decode_gap_ms']:.1f}); split {split}", flush=True)
+        for m, a, b, cpu, d, p in sw["steps"]:
+            if b > -0.2:
+                print(f"      {m:10s} {a:7.3f}-{b:7.3f} {1e3 * (b - a):6.1f} ms cpu {1e3 * cpu:6.1f} "
+                      f"decode {d:3d} prompt {p:4d}", flush=True)
 
 
 def main() -> None:
@@ -163,14 +204,16 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.5, help="total requests per second, split 50/50")
     p.add_argument("--seconds", type=float, default=60.0, help="arrivals span this long")
     p.add_argument("--switch-seconds", type=float, default=30.0)
+    p.add_argument("--switches", type=int, default=4, help="switches per switch run (the model unloads in between)")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for logs and results.json (default: a temp folder)")
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
                    help="comma-separated parts (prepare: load both once, so that a switch finds their runtime "
-                        "snapshots and step-time profiles cached); switch variants (see switch_run): switch, switch-int4, "
-                        "switch-nice19, switch-pack-first, switch-warm-up, switch-whole, switch-int4-whole")
+                        "snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the order "
+                        "given: switch, switch-int4, switch-before, switch-int4-before, switch-left, switch-nice19, "
+                        "switch-pack-first, switch-warm-up, switch-whole, switch-int4-whole")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="multi-model-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -222,11 +265,11 @@ def main() -> None:
             for s in servers.values():
                 s.stop()
         print("two processes", results["two_processes"], flush=True)
-    for variant in ("pack-first", "nice19", "warm-up", "", "whole", "int4", "int4-whole"):
-        key = f"switch{'-' + variant if variant else ''}"
-        if key in only:
+    for key in args.only.split(","):  # in the order given: an A/B alternates its arms
+        variant = key.removeprefix("switch").removeprefix("-")
+        if key.startswith("switch") and variant in SWITCH_VARIANTS:
             results[key] = switch_run(args, out, source, variant)
-            print(key, {k: v for k, v in results[key].items() if k != "models"}, flush=True)
+            print_switches(key, results[key])
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"results: {out / 'results.json'}")
 

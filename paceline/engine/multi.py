@@ -19,13 +19,23 @@ another model has streams, a model's token budget is also lowered to the prompt 
 predicts: without that, a model with only prompts runs a whole 512-token chunk inside a stream gap of the other
 model (a 64-token prompt alone takes 180-270 ms for the bundled model in float32 on this 2-core VM, 2026-11-23).
 
+A model loading on demand takes turns in the same rotation (LoadTurns): the parts of its load that hold the
+interpreter or a core (building the Engine from its runtime snapshot, mapping its pages in) run on the loader
+thread while the engine thread waits between two steps, each turn bounded like a step, instead of beside the
+other models' steps. Beside them a load stretched the step it overlapped by 25-85 ms (the engine thread waiting
+for the interpreter and a core) and the first prompt ran whole in one 95-167 ms step (2026-11-24, step log in
+docs/multi-model.md). Until its first token the new model's prompt is cut to what fits the step-time target
+beside the other models' next steps (DEBUT_STEP "fit").
+
 With one model busy the pick is skipped: the single-model path costs one dict walk per step.
 MultiEngine is not thread-safe; AsyncEngine calls it from its engine thread only, as it does an Engine.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,12 +45,14 @@ from paceline.core.batch_shape import BatchShape
 from paceline.engine.engine import Engine, RequestOutput
 from paceline.sampling import SamplingParams
 
-# How a model loaded on demand runs its first prompt beside other models' streams: "whole" (its own token budget,
-# uncapped: one step for a short prompt) or "left" (cut to what the others' last steps left of the step-time target,
-# _debut_step_target). Whole by default: in four switches each (2026-11-24, docs/multi-model.md) cutting the prompt
-# cost first-token time (0.557-0.994 s against 0.342-0.533 s) and did not keep the other streams' gaps down
-# (largest gap during the first prompt 134.7-550.9 ms against 210.6-356.5 ms; their p99 122.9-176.3 ms).
-DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "whole")
+# How a model loaded on demand runs its first prompt beside other models' streams: "fit" (cut to what the step-time
+# target leaves beside the other models' next steps, _debut_step_target), "whole" (its own token budget, uncapped:
+# one step for a short prompt; the default until 2026-11-24 02:50 UTC) or "left" (cut to what the others' last
+# steps left of the target, an others' prompt chunk to come not counted; measured 2026-11-24 00:21-00:31 UTC).
+DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "fit")
+LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
+STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
+SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
 
 
 @dataclass
@@ -61,6 +73,9 @@ class LoadTimeline:
     start: float
     marks: dict[str, float] = field(default_factory=dict)
     on_first_token: Callable[[], None] | None = None
+    # every model's steps from SWITCH_STEPS_BEFORE_S before the request to the first token: (model, start, end,
+    # engine thread's CPU seconds, decode tokens, prompt tokens), times in seconds after the request
+    steps: list[tuple] = field(default_factory=list)
 
     def mark(self, what: str, when: float | None = None) -> None:
         self.marks.setdefault(what, time.monotonic() if when is None else when)  # the first time counts
@@ -75,6 +90,70 @@ class LoadTimeline:
             callback()
 
 
+class LoadTurns:
+    """Turns between two steps that a load's pieces take on the loader thread while the engine thread waits.
+
+    Why: a piece of a load (unpickling a runtime snapshot into an Engine, faulting its pages in) beside the other
+    models' steps holds the interpreter, which the engine thread needs between every two torch ops, and takes a
+    core from their two-thread steps: on 2026-11-24 the step it overlapped grew by 25-85 ms and more. Taken as a
+    turn, the piece costs the other streams one bounded wait, like one step of another model, and runs at full
+    speed. The loader asks (take), the engine thread grants it between two steps (serve) and waits until the piece
+    ends or its limit passes; after the limit the piece goes on beside the steps, as without turns."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._state = "idle"  # idle | asked | granted | running
+        self._ended = False  # the granted piece has ended (a flag of its own: the loader may ask for its next
+        # turn before the engine thread wakes, and that must not read as "still running")
+        self.pending = False  # a load is under way: it counts as one more busy model in the step-time shares
+
+    def take(self, nudge: Callable[[], None] | None = None, timeout_s: float = 5.0) -> "_Turn":
+        """On the loader thread: `with turns.take(nudge): piece()`. nudge() has the engine thread call serve even
+        while it is idle (AsyncEngine.call); a busy one serves at the top of its next step anyway. The wait for a
+        grant is bounded: an engine thread that never comes round must not block a load."""
+        return _Turn(self, nudge, timeout_s)
+
+    def serve(self, limit_s: float) -> float:
+        """On the engine thread between two steps: if a piece asks for a turn, let it run and wait until it ends
+        or limit_s passes. Seconds waited (0: no piece asked)."""
+        with self._cond:
+            if self._state != "asked":
+                return 0.0
+            start = time.monotonic()
+            self._state, self._ended = "granted", False
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._ended, timeout=limit_s)
+            return time.monotonic() - start
+
+    def is_asked(self) -> bool:
+        return self._state == "asked"
+
+    def _begin(self, nudge: Callable[[], None] | None, timeout_s: float) -> None:
+        with self._cond:
+            self._state = "asked"
+        if nudge is not None:
+            nudge()
+        with self._cond:
+            self._cond.wait_for(lambda: self._state == "granted", timeout=timeout_s)
+            self._state = "running"
+
+    def _end(self) -> None:
+        with self._cond:
+            self._state, self._ended = "idle", True
+            self._cond.notify_all()
+
+
+class _Turn:
+    def __init__(self, turns: LoadTurns, nudge: Callable[[], None] | None, timeout_s: float) -> None:
+        self.turns, self.nudge, self.timeout_s = turns, nudge, timeout_s
+
+    def __enter__(self) -> None:
+        self.turns._begin(self.nudge, self.timeout_s)
+
+    def __exit__(self, *exc: object) -> None:
+        self.turns._end()
+
+
 class MultiEngine:
     def __init__(self, config: EngineConfig, engines: dict[str, Engine] | None = None) -> None:
         self.config = config  # the server's settings; AsyncEngine reads config.scheduler.max_waiting_requests
@@ -87,6 +166,11 @@ class MultiEngine:
         self.risk_s = config.tbt_goal_ms / 2000.0 if config.tbt_goal_ms > 0 else 0.1
         self.last_model: str | None = None
         self.last_step = None
+        # (model, start, end, engine thread CPU s, decode tokens, prompt tokens) per step: one tuple per step is
+        # the whole cost; a switch copies the stretch around it into its LoadTimeline (what stalls the others)
+        self.recent_steps: deque[tuple] = deque(maxlen=STEP_RING)
+        self.turns = LoadTurns()
+        self._turn_since_step = False  # a load's turn was served since the last step
         for name, engine in (engines or {}).items():
             self.add_model(name, engine)
 
@@ -162,37 +246,67 @@ class MultiEngine:
             total.num_swapped += s.num_swapped
         return total
 
+    def serve_load_turn(self) -> None:
+        """Between two steps (AsyncEngine's command, or the top of step()): a load piece that asked for a turn
+        runs now, bounded by what the step-time target leaves beside the busy models' next steps."""
+        if not self.turns.is_asked():
+            return
+        busy = [name for name, e in self.engines.items() if e.has_unfinished()]
+        if busy and self._turn_since_step:  # one turn per rotation: the busy models step between two turns
+            return
+        self._turn_since_step = True
+        limit_s = self._foreign_step_s(None, busy) if busy else LOAD_TURN_MAX_S
+        start, cpu = time.monotonic(), time.thread_time()
+        if self.turns.serve(limit_s if limit_s > 0 else LOAD_TURN_MAX_S) > 0:
+            self.recent_steps.append(("(load)", start, time.monotonic(), time.thread_time() - cpu, 0, 0))
+
     def step(self) -> list[RequestOutput]:
+        self.serve_load_turn()
         busy = [name for name, e in self.engines.items() if e.has_unfinished()]
         if not busy:
             self.last_model, self.last_step = None, None
             return []
         name = busy[0] if len(busy) == 1 else self.pick(busy, time.monotonic())
         engine = self.engines[name]
-        if len(busy) > 1 or engine.scheduler.config.max_step_ms != self._step_ms[name]:
+        if len(busy) > 1 or self.turns.pending or engine.scheduler.config.max_step_ms != self._step_ms[name]:
             self._share_step_target(busy)
         if name in self._debut and DEBUT_STEP == "whole":
             engine.scheduler.config.max_num_batched_tokens = self._budget[name]
         else:
-            if name in self._debut:
+            if name in self._debut and DEBUT_STEP == "left":
                 self._debut_step_target(name, busy)
+            elif name in self._debut and DEBUT_STEP == "fit" and self._step_ms[name] > 0:
+                # one step of its own: the target less the other busy models' next steps, never below the share
+                config = engine.scheduler.config
+                config.max_step_ms = max(config.max_step_ms, 1e3 * self._foreign_step_s(name, busy))
             self._cap_budget(name, busy)
         debut = self._debut.get(name)
         if debut is not None:
             debut.mark("first_step_start")
+        start, cpu = time.monotonic(), time.thread_time()
         outputs = engine.step()
-        self._since[name] = time.monotonic()
+        self._turn_since_step = False
+        self._since[name] = end = time.monotonic()
         self.last_model, self.last_step = name, engine.last_step
+        last = engine.last_step
+        self.recent_steps.append((name, start, end, time.thread_time() - cpu, last.num_decode_tokens if last else 0,
+                                  last.num_prefill_tokens if last else 0))
         if debut is not None:
-            debut.mark("first_step_end", self._since[name])
+            debut.mark("first_step_end", end)
             if any(out.new_token_ids for out in outputs):
-                debut.mark("first_token", self._since[name])
+                debut.mark("first_token", end)
                 del self._debut[name]
+                debut.steps = self.steps_since(debut.start - SWITCH_STEPS_BEFORE_S, debut.start)
                 debut.finish()
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
         return outputs
+
+    def steps_since(self, since: float, origin: float) -> list[tuple]:
+        """The recorded steps that ended after `since`, their times in seconds after `origin`."""
+        return [(m, round(a - origin, 4), round(b - origin, 4), round(c, 4), d, p)
+                for m, a, b, c, d, p in self.recent_steps if b > since]
 
     # ---- the policy -----------------------------------------------------------------------------------------------
 
@@ -211,7 +325,10 @@ class MultiEngine:
         # (a prompt chunk) was what stretched the other models' gaps (p99 TBT 1.59x alone, 2026-11-23).
         # With no stream running anywhere there is no gap to protect: each model keeps its whole target.
         # The scheduler's own config: under auto batch settings it is a copy of the engine's.
-        shares = len(busy) if any(self.engines[name].scheduler.running for name in busy) else 1
+        # A model loading on demand takes its turns in the rotation too (LoadTurns), so it counts from the start
+        # of its load: the other models' prompt chunks shrink to their share before its first turn.
+        loading = 1 if self.turns.pending else 0
+        shares = len(busy) + loading if any(self.engines[name].scheduler.running for name in busy) else 1
         for name in busy:
             config = self.engines[name].scheduler.config
             if self._step_ms[name] > 0:
@@ -237,6 +354,24 @@ class MultiEngine:
         taken_ms = sum(1e3 * self.engines[o].last_step.duration if self.engines[o].last_step is not None
                        else own / len(busy) for o in streaming)
         config.max_step_ms = max(config.max_step_ms, own - taken_ms)
+
+    def _foreign_step_s(self, name: str | None, busy: list[str]) -> float:
+        """Seconds of one step of a model with no streams of its own (`name`, or a load's turn when None) that
+        keep the other models' stream gaps within the step-time target: the largest target less the other busy
+        models' next steps (the last one, or their share of the target when a prompt of theirs waits for its
+        chunk, which may take that much), never less than one share. 0 when no model has a target."""
+        own = max((self._step_ms[m] for m in busy + ([name] if name else [])), default=0.0)
+        if own <= 0:
+            return 0.0
+        others = [m for m in busy if m != name]
+        k = len(others) + 1
+        taken_ms = 0.0
+        for m in others:
+            engine = self.engines[m]
+            last = 1e3 * engine.last_step.duration if engine.last_step is not None else own / k
+            prompt_waits = bool(engine.scheduler.waiting) or any(not r.is_decoding for r in engine.scheduler.running)
+            taken_ms += max(last, own / k) if prompt_waits else last
+        return max(own / k, own - taken_ms) / 1e3
 
     def _cap_budget(self, name: str, busy: list[str]) -> None:
         """Lower `name`'s token budget for this step to the prompt tokens that fit its share of the step-time

@@ -11,7 +11,9 @@ is one, else the model serves without a step-time target until a start-up load (
 
 A GGUF model loads from its runtime snapshot (loader.build_model: the model as built, mapped from one file), so
 the load is mostly the kernel's work with the interpreter free, and it runs at the loaded models' priority. The
-loader then maps the pages in, so that the first step on the engine thread takes no page faults. Float32 and int4
+loader then maps the pages in, so that the first step on the engine thread takes no page faults. Both pieces run
+as turns of the step loop (multi.LoadTurns): the engine thread waits between two steps while each runs, instead
+of its steps running beside them, short of the interpreter and a core. Float32 and int4
 models join the loop on plain linears. What the first token does not need waits until the model has produced it
 (or FIRST_TOKEN_WAIT_S): a packer thread at nice 19 then packs the linears for oneDNN one at a time while the
 model serves, and the new KV pool's prefault starts (nice 19 too). Each load keeps its LoadTimeline (multi.py):
@@ -26,6 +28,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import json
 import logging
 import threading
 import math
@@ -33,14 +36,14 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from paceline.config import EngineConfig
 from paceline.engine.engine import Engine
 from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
-from paceline.engine.multi import LoadTimeline, MultiEngine
+from paceline.engine.multi import LoadTimeline, LoadTurns, MultiEngine
 from paceline.engine.prefault import held_until, madvise_function, set_nice
 from paceline.model.llama import Linear, deferred_packing
 from paceline.model.loader import unpacked_linears as model_unpacked_linears
@@ -50,9 +53,12 @@ log = logging.getLogger("paceline.residency")
 REAP_INTERVAL_S = 0.5
 DEFER_PACKING = os.environ.get("PACELINE_DEFER_PACKING", "1") != "0"  # 0: pack before serving (the A/B's before)
 PACK_PAUSE_S = 0.002  # between two Linears packed in the background
+LOAD_TURNS = os.environ.get("PACELINE_LOAD_TURNS", "1") != "0"  # 0: the load runs beside the steps (the A/B's before)
 LOADER_NICE = int(os.environ.get("PACELINE_LOADER_NICE", "0"))  # the load's CPU priority (19: the A/B's before)
 # Two warm-up forwards on the loader thread before the model joins (1: the A/B's before, 2026-11-23)
 LOAD_WARM_UP = os.environ.get("PACELINE_LOAD_WARM_UP", "0") != "0"
+# log every step around each switch as one JSON line (benchmarks/multi_model.py reads it)
+LOG_SWITCH_STEPS = os.environ.get("PACELINE_LOG_SWITCH_STEPS", "0") != "0"
 FIRST_TOKEN_WAIT_S = 5.0  # packing and the KV prefault wait this long at most for a loaded model's first token
 
 
@@ -169,6 +175,9 @@ class Residency:
             held.set()
             loop.call_soon_threadsafe(first_token.set)
             log.info("model %s: switch %s (seconds after the request)", name, timeline.split())
+            if LOG_SWITCH_STEPS:
+                log.info("model %s: switch steps %s", name, json.dumps({"split": timeline.split(),
+                                                                          "steps": timeline.steps}))
 
         timeline.on_first_token = on_first_token
         try:
@@ -185,11 +194,20 @@ class Residency:
                 timeline.mark("room")
                 slot.state, slot.timeline = "loading", timeline
                 t0 = time.perf_counter()
+                turns = self.multi.turns if LOAD_TURNS else None
+                if turns is not None:
+                    turns.pending = True  # the other models' step targets make room for its turns
+
+                def nudge() -> None:  # on the loader thread: have the engine thread serve the turn, idle or not
+                    asyncio.run_coroutine_threadsafe(self.async_engine.call(self.multi.serve_load_turn), loop)
+
                 try:
                     engine, step_ms = await loop.run_in_executor(self._loader, _build_engine, config, timeline,
-                                                                 held)
+                                                                 held, turns, nudge)
                 except Exception as e:
                     held.set()
+                    if turns is not None:
+                        turns.pending = False
                     slot.state = "unloaded"
                     log.exception("loading model %s failed", name)
                     raise ModelLoadError(f"model {name} could not be loaded: {e}") from e
@@ -218,16 +236,18 @@ class Residency:
                 await joined
             except Exception:  # cannot happen while this load holds the name; if it does, the model is not in
                 log.exception("model %s could not join the loop", name)  # the loop: say so and leave it out
+                self.multi.turns.pending = False
                 timeline.finish()
                 slot.engine, slot.state = None, "unloaded"
                 return
-            slot.nbytes = engine_bytes(engine)
             slot.load_s = time.perf_counter() - t0
-            log.info("model %s loaded in %.2f s (%.0f MiB)", name, slot.load_s, slot.nbytes / 2**20)
             try:
                 await asyncio.wait_for(first_token.wait(), FIRST_TOKEN_WAIT_S)
             except asyncio.TimeoutError:  # its request went away, or the loop is that slow: do not hold forever
                 timeline.finish()
+            # after the first token: walking every tensor holds the interpreter for a few ms on the event loop
+            slot.nbytes = engine_bytes(engine)
+            log.info("model %s loaded in %.2f s (%.0f MiB)", name, slot.load_s, slot.nbytes / 2**20)
             if self.slots[name].engine is not engine:  # unloaded before it served: nothing to pack
                 return
             linears = unpacked_linears(engine)
@@ -333,9 +353,15 @@ def _estimate(config: EngineConfig) -> int:
 
 
 def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
-                  held: threading.Event | None = None) -> tuple[Engine, float]:
+                  held: threading.Event | None = None, turns: LoadTurns | None = None,
+                  nudge: Callable[[], None] | None = None) -> tuple[Engine, float]:
     """On the loader thread, one torch thread: the Engine without its step-time model, and the max_step_ms that
-    _install gives it once it has a profile. Its KV pool's prefault waits for `held` (set at the first token)."""
+    _install gives it once it has a profile. Its KV pool's prefault waits for `held` (set at the first token).
+    With `turns`, building the Engine and mapping its pages in each run as a turn of the step loop (LoadTurns in
+    multi.py: the engine thread waits between two steps while the piece runs)."""
+    def turn() -> contextlib.AbstractContextManager:
+        return turns.take(nudge) if turns is not None else contextlib.nullcontext()
+
     timeline = timeline or LoadTimeline(time.monotonic())
     timeline.mark("build_start")
     step_ms, config.scheduler.max_step_ms = config.scheduler.max_step_ms, 0.0
@@ -356,12 +382,14 @@ def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
                 stack.enter_context(deferred_packing())
             if held is not None:
                 stack.enter_context(held_until(held))
-            engine = Engine(config)
-        timeline.mark("engine_built")
+            with turn():
+                engine = Engine(config)
+                timeline.mark("engine_built")
         model = getattr(engine.runner, "model", None)
         if model is not None and hasattr(model, "layers"):
-            map_in(model)
-            timeline.mark("mapped")
+            with turn():
+                map_in(model)
+                timeline.mark("mapped")
             # Left out by default (2026-11-24): the first step on the engine's two threads does whatever first-call
             # set-up a kernel has, while these forwards ran on one thread beside the other models' steps, before
             # the request could start; see docs/multi-model.md for the A/B.
@@ -469,6 +497,7 @@ def _install(multi: MultiEngine, name: str, engine: Engine, step_ms: float,
     other model's streams for seconds), then the model joins the loop. Here, not on the loader thread: the
     profile's key holds torch's thread count, which is 1 there (2026-11-24 the switch served without its
     profile that way)."""
+    multi.turns.pending = False  # from here it counts as a busy model through its requests
     if step_ms > 0:
         from paceline.core.step_time import ProfiledCostModel
 

@@ -2,14 +2,8 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
-from _tiny_checkpoints import tiny_checkpoint
 
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.engine import Engine
@@ -17,28 +11,12 @@ from paceline.engine.model_specs import (FOREVER, ModelSpec, estimate_bytes, loa
                                          parse_model_flag)
 from paceline.engine.multi import MultiEngine
 from paceline.engine.residency import _build_engine, _pack_slowly, drop_plain_weights, engine_bytes, unpacked_linears
-from paceline.model.loader import write_hf_folder
 from paceline.sampling import SamplingParams
 
 PROMPTS = ["the cat sat on", "hello there, in the", "a b c d e f", "then the end"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny")
-    out = {}
-    for kind, seed in (("llama", 1), ("qwen2", 2)):
-        write_hf_folder(tiny_checkpoint(kind, seed=seed), root / kind)
-        out[kind] = str(root / kind)
-    return out
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny_dirs and one_torch_thread: conftest.py
 
 
 def config(path: str, **kw) -> EngineConfig:

@@ -3,43 +3,24 @@ model's first prompt may take beside other models' streams, and what waits for i
 prefault)."""
 from __future__ import annotations
 
-import sys
+import concurrent.futures
 import threading
-from pathlib import Path
+import time
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
-from _tiny_checkpoints import tiny_checkpoint
-
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.engine import Engine, StepStats
 from paceline.engine import multi as multi_module
-from paceline.engine.multi import LoadTimeline, MultiEngine
+from paceline.engine.multi import LoadTimeline, LoadTurns, MultiEngine
 from paceline.engine.prefault import held_until, populate_in_background
-from paceline.model.loader import write_hf_folder
 from paceline.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny")
-    out = {}
-    for kind, seed in (("llama", 1), ("qwen2", 2)):
-        write_hf_folder(tiny_checkpoint(kind, seed=seed), root / kind)
-        out[kind] = str(root / kind)
-    return out
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny_dirs and one_torch_thread: conftest.py
 
 
 def engine(path: str, name: str, **kw) -> Engine:
@@ -111,7 +92,7 @@ def test_a_debut_takes_what_the_other_models_last_steps_left_of_the_target(tiny_
     assert engines["qwen2"].scheduler.config.max_step_ms == pytest.approx(10.0)
 
 
-@pytest.mark.parametrize("debut_step", ["whole", "left"])
+@pytest.mark.parametrize("debut_step", ["whole", "left", "fit"])
 def test_a_debut_prompt_beside_streams_gives_the_tokens_it_gives_alone(tiny_dirs, monkeypatch, debut_step):
     monkeypatch.setattr(multi_module, "DEBUT_STEP", debut_step)
     engines = {"llama": engine(tiny_dirs["llama"], "llama"), "qwen2": engine(tiny_dirs["qwen2"], "qwen2")}
@@ -158,8 +139,6 @@ def test_prefault_held_until_its_gate_opens():
 def test_a_model_built_on_the_loader_thread_gets_the_profile_its_setup_cached(tiny_dirs, monkeypatch, tmp_path):
     """The profile's key holds torch's thread count, which is 1 on the loader thread: the lookup happens when the
     model joins, on the engine thread (here the test's), where a start-up load of the same setup cached it."""
-    import concurrent.futures
-
     from paceline.core.step_time import FEATURES, ProfiledCostModel
     from paceline.engine.residency import _build_engine, _install
 
@@ -178,3 +157,86 @@ def test_a_model_built_on_the_loader_thread_gets_the_profile_its_setup_cached(ti
     _install(multi, "m", built, step_ms)
     assert built.scheduler.step_time is not None and built.config.scheduler.max_step_ms == 50.0
     assert multi.engines["m"] is built
+
+
+def test_a_load_turn_runs_its_piece_while_the_engine_thread_waits_and_is_bounded():
+    turns = LoadTurns()
+    order: list[str] = []
+
+    def piece(seconds: float) -> None:
+        with turns.take(timeout_s=5.0):
+            order.append("piece start")
+            time.sleep(seconds)
+            order.append("piece end")
+
+    with concurrent.futures.ThreadPoolExecutor(1) as loader:
+        assert turns.serve(1.0) == 0.0  # nobody asked: no wait
+        done = loader.submit(piece, 0.05)
+        while not turns.is_asked():
+            time.sleep(0.001)
+        waited = turns.serve(5.0)
+        order.append("engine goes on")
+        done.result()
+        assert order == ["piece start", "piece end", "engine goes on"] and waited >= 0.05
+        order.clear()
+        done = loader.submit(piece, 0.5)
+        while not turns.is_asked():
+            time.sleep(0.001)
+        waited = turns.serve(0.05)  # the limit passes first: the piece goes on beside the engine thread
+        order.append("engine goes on")
+        done.result()
+        assert order == ["piece start", "engine goes on", "piece end"] and waited < 0.5
+
+
+def test_a_load_turn_that_nobody_serves_runs_after_its_timeout():
+    turns = LoadTurns()
+    start = time.monotonic()
+    nudged = []
+    with turns.take(nudge=lambda: nudged.append(1), timeout_s=0.05):
+        pass
+    assert nudged == [1] and 0.05 <= time.monotonic() - start < 5.0
+
+
+def test_a_load_on_demand_builds_in_turns_between_the_other_models_steps(tiny_dirs):
+    from paceline.engine.residency import _build_engine, _install
+
+    streaming = engine(tiny_dirs["llama"], "llama")
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": streaming})
+    streams = iter(range(10_000))
+    timeline = LoadTimeline(time.monotonic())
+    config = EngineConfig(model=tiny_dirs["qwen2"], dtype="float32", tbt_goal_ms=0,
+                          cache=CacheConfig(num_blocks=64, block_size=4, swap_space_gb=0))
+    multi.turns.pending = True
+    with concurrent.futures.ThreadPoolExecutor(1) as loader:
+        built = loader.submit(_build_engine, config, timeline, None, multi.turns)
+        while not built.done():
+            if not streaming.has_unfinished():  # keep a stream running until the load is done
+                multi.add_request(f"s{next(streams)}", "a b", SamplingParams(temperature=0.0, max_tokens=200,
+                                                                               ignore_eos=True), model="llama")
+            multi.step()
+        new, step_ms = built.result()
+    loads = [s for s in multi.recent_steps if s[0] == "(load)"]
+    assert len(loads) == 2  # the build and the page mapping, each a turn of its own
+    marks = timeline.marks
+    (_, a0, b0, *_), (_, a1, b1, *_) = loads
+    assert marks["build_start"] <= a0 <= marks["engine_built"] <= b0  # the build ran while the loop waited
+    assert b0 <= a1 <= marks["mapped"] <= b1
+    assert any(s[0] == "llama" and b0 <= s[1] <= a1 for s in multi.recent_steps)  # a step of the others between
+    _install(multi, "qwen2", new, step_ms, timeline)
+    assert not multi.turns.pending and "qwen2" in multi.engines
+
+
+def test_a_debut_step_fits_the_target_beside_the_others_next_step(tiny_dirs):
+    engines = {"llama": engine(tiny_dirs["llama"], "llama"), "qwen2": engine(tiny_dirs["qwen2"], "qwen2")}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    for name in engines:
+        multi._step_ms[name] = 100.0
+    engines["llama"].last_step = StepStats(num_decode_tokens=1, num_prefill_tokens=0, num_requests=1, duration=0.02)
+    # the other model only decodes: the target less its last step (20 ms)
+    assert multi._foreign_step_s("qwen2", ["llama", "qwen2"]) == pytest.approx(0.08)
+    # a prompt of its own waits for a chunk: its next step may take its share (50 ms)
+    engines["llama"].add_request("p", "the cat sat on", GREEDY)
+    assert multi._foreign_step_s("qwen2", ["llama", "qwen2"]) == pytest.approx(0.05)
+    # a load's turn beside both: never less than one share of three
+    engines["llama"].last_step = StepStats(num_decode_tokens=1, num_prefill_tokens=0, num_requests=1, duration=0.09)
+    assert multi._foreign_step_s(None, ["llama", "qwen2"]) == pytest.approx(0.1 / 3)

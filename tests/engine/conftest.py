@@ -1,0 +1,35 @@
+"""Fixtures shared by the several-model tests (test_multi_*.py). Nothing here is autouse: a module that wants
+one torch thread says so (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`), the other engine tests
+keep torch's default."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
+from _tiny_checkpoints import tiny_checkpoint  # noqa: E402
+
+from paceline.model.loader import write_hf_folder  # noqa: E402
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test: tiny models run no faster on more, and the suite shares 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, str]:
+    """Two tiny random-weight checkpoints as Hugging Face folders: {"llama": path, "qwen2": path}."""
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for kind, seed in (("llama", 1), ("qwen2", 2)):
+        write_hf_folder(tiny_checkpoint(kind, seed=seed), root / kind)
+        out[kind] = str(root / kind)
+    return out
