@@ -116,14 +116,6 @@ def numeric_mode(model: str | None, device: torch.device, dtype: str, quantizati
 PROFILE_CACHE_MAX_ERROR = 0.3  # a quick profile fitting its own shapes worse than this is not kept on disk
 
 class Engine:
-    def __new__(cls, config: EngineConfig | None = None, *args, **kwargs):
-        # under pipeline parallelism every caller (LLM, serve, Ray Serve) gets the engine that keeps one step in
-        # flight per stage (engine/pipelined.py); PP=1 is this class, untouched
-        if cls is Engine and config is not None and config.pipeline_parallel_size > 1:
-            from paceline.engine.pipelined import PipelinedEngine
-            return super().__new__(PipelinedEngine)
-        return super().__new__(cls)
-
     def __init__(self, config: EngineConfig | None = None, speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         # speculative decoding: the argument, else the config's field once EngineConfig has one (a JSON string or dict)

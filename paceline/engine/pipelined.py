@@ -8,7 +8,7 @@ next step of every idle slot (stage 0 runs it and passes it on, returning at onc
 flight: while the last stage finishes slot A's step, stage 0 already computes slot B's.
 
 A request lives in one slot for its whole life: a new one goes to the slot with the fewest unfinished requests, an
-abort to the slot that holds it. Stats are summed over the slots. The PP=1 path never comes here (Engine.__new__).
+abort to the slot that holds it. Stats are summed over the slots. The PP=1 path never comes here (engine_for).
 
 What several slots cannot do yet is refused at construction or at add_request, never half done: speculative
 decoding (a proposal is verified against tokens another step may still be computing), prompt_logprobs (refused
@@ -204,3 +204,11 @@ class PipelinedEngine(Engine):
             except Exception as e:  # its detokenizer or stop strings: this request's fault, not the step's
                 outputs.append(core._error_output(request.request_id, f"{type(e).__name__}: {e}", request))
         return outputs
+
+
+def engine_for(config: EngineConfig | None = None, speculative_config: SpeculativeConfig | None = None) -> Engine:
+    """The engine a caller (LLM, serve, Ray Serve) should run: under pipeline parallelism the one that keeps a step in
+    flight per stage, else the plain Engine, untouched."""
+    if config is not None and config.pipeline_parallel_size > 1:
+        return PipelinedEngine(config, speculative_config)
+    return Engine(config, speculative_config)

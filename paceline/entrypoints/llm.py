@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.core.outputs import TokenLogprobs
-from paceline.engine.engine import Engine
+from paceline.engine.pipelined import engine_for
 from paceline.sampling import SamplingParams
 
 
@@ -79,7 +79,7 @@ class LLM:
             kwargs["policy"] = kwargs.pop("scheduler")
         # offline, nobody reads tokens as they come: no TBT goal (and no start-up profile) unless asked for
         kwargs.setdefault("tbt_goal_ms", 0.0)
-        self.engine = Engine(_split_kwargs({"model": model, **kwargs}))
+        self.engine = engine_for(_split_kwargs({"model": model, **kwargs}))
         self._ids = itertools.count()
 
     @property

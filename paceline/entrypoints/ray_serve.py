@@ -39,13 +39,13 @@ class EngineReplica:
         import torch
 
         from paceline.engine.async_engine import AsyncEngine
-        from paceline.engine.engine import Engine
+        from paceline.engine.pipelined import engine_for
         from paceline.entrypoints.llm import _split_kwargs
         from paceline.entrypoints.server import build_app
 
         torch.set_num_threads(threads)
         config = _split_kwargs(dict(engine_kwargs))
-        self.engine = AsyncEngine(lambda: Engine(config))
+        self.engine = AsyncEngine(lambda: engine_for(config))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(self.engine)),
                                         base_url="http://replica", timeout=None)

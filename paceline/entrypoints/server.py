@@ -905,7 +905,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    from paceline.engine.engine import Engine
+    from paceline.engine.pipelined import engine_for
 
     try:
         config = engine_config_from_args(args)
@@ -917,7 +917,7 @@ def run_server(args: argparse.Namespace) -> None:
         async_engine, router, metrics = build_multi(config, specs, args)
     else:
         # built on the engine thread: torch must run its parallel ops from one thread only (see AsyncEngine)
-        async_engine = AsyncEngine(lambda: maybe_install(Engine(config)))  # faults: only with PACELINE_FAULT_INJECTION=1
+        async_engine = AsyncEngine(lambda: maybe_install(engine_for(config)))  # faults: only with PACELINE_FAULT_INJECTION=1
         metrics = EngineMetrics(async_engine.engine.model_name, step_log=not getattr(args, "no_dashboard", False))
         async_engine.on_step = metrics.on_step  # read per call; an idle call before this only skips zero gauges
     engine = async_engine.engine
