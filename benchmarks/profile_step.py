@@ -26,9 +26,11 @@ place of real contexts (values do not change the cost).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from contextlib import contextmanager
+from unittest.mock import patch
 
 import torch
 
@@ -145,33 +147,16 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     from paceline.model import int4_kernel
     from paceline.model.llama import LlamaModel
 
-    if "w4a8" in model_kw:  # w4a8=all / w4a8=down:o / w4a8=none: the layer linears that run the int4 x int8 op
-        import os
-        w4a8 = model_kw.pop("w4a8")
-        saved_env = os.environ.get("PACELINE_W4A8_LINEARS")
-        os.environ["PACELINE_W4A8_LINEARS"] = "" if w4a8 is None else str(w4a8)
-        try:
-            return make_runner(ckpt, mode, blocks, bs, **model_kw)
-        finally:
-            if saved_env is None:
-                os.environ.pop("PACELINE_W4A8_LINEARS")
-            else:
-                os.environ["PACELINE_W4A8_LINEARS"] = saved_env
+    # w4a8=all / down:o / none: the layer linears that run the int4 x int8 op; fused=0: the layers' norms, RoPE and
+    # SiLU * up as torch's ops (fused_kernel.py off). Both are read from the environment while the model is built.
+    for key, var in (("w4a8", "PACELINE_W4A8_LINEARS"), ("fused", "PACELINE_FUSED_KERNEL")):
+        if key in model_kw:
+            value = model_kw.pop(key)
+            with patch.dict(os.environ, {var: "" if value is None else str(value)}):
+                return make_runner(ckpt, mode, blocks, bs, **model_kw)
     rev = model_kw.pop("kernels", None)
     if rev is not None:  # kernels=REV: the w4a8 and attention ops as they were at git revision REV, for this runner
         return _with_kernels_at(str(rev), lambda: make_runner(ckpt, mode, blocks, bs, **model_kw))
-    fused = model_kw.pop("fused", None)
-    if fused is not None:  # fused=0: the layers' norms, RoPE and SiLU * up as torch's ops (fused_kernel.py off)
-        import os
-        saved_env = os.environ.get("PACELINE_FUSED_KERNEL")
-        os.environ["PACELINE_FUSED_KERNEL"] = str(fused)
-        try:
-            return make_runner(ckpt, mode, blocks, bs, **model_kw)
-        finally:
-            if saved_env is None:
-                os.environ.pop("PACELINE_FUSED_KERNEL")
-            else:
-                os.environ["PACELINE_FUSED_KERNEL"] = saved_env
     rev = model_kw.pop("int4_kernel", None)
     if rev is not None:
         from benchmarks.int4_linear import kernel_module_at

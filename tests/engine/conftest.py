@@ -1,27 +1,17 @@
 """Fixtures shared by the several-model tests (test_multi_*.py). Nothing here is autouse: a module that wants
-one torch thread says so (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`), the other engine tests
-keep torch's default."""
+one torch thread says so (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`, tests/conftest.py), the other
+engine tests keep torch's default."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
 from _tiny_checkpoints import tiny_checkpoint  # noqa: E402
 
 from paceline.model.loader import write_hf_folder  # noqa: E402
-
-
-@pytest.fixture
-def one_torch_thread():
-    """One torch thread for the test: tiny models run no faster on more, and the suite shares 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

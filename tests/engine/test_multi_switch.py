@@ -67,15 +67,23 @@ def test_a_model_unloaded_before_its_first_token_releases_what_waited_for_it(tin
     assert calls == [1]
 
 
-def test_a_debut_takes_what_the_other_models_last_steps_left_of_the_target(tiny_dirs):
+def llama_streaming_qwen2_ready(tiny_dirs, max_tokens: int) -> tuple[dict, MultiEngine]:
+    """llama serving one stream past its first token, qwen2 built but not added; both with a step-time model of 1 ms
+    a token and a 20 ms target (10 ms each while both are busy)."""
     engines = {"llama": engine(tiny_dirs["llama"], "llama"), "qwen2": engine(tiny_dirs["qwen2"], "qwen2")}
-    for e in engines.values():  # a step-time model: 1 ms a token; a 20 ms target, 10 ms each for two busy models
+    for e in engines.values():
         e.scheduler.step_time = lambda shape: 1e-3 * shape.num_tokens
         e.scheduler.config.max_step_ms = 20.0
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": engines["llama"]})
-    multi.add_request("stream", "a b", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), model="llama")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    multi.add_request("stream", "a b", params, model="llama")
     while not engines["llama"].scheduler.running or not engines["llama"].scheduler.running[0].num_output_tokens:
         multi.step()
+    return engines, multi
+
+
+def test_a_debut_takes_what_the_other_models_last_steps_left_of_the_target(tiny_dirs):
+    engines, multi = llama_streaming_qwen2_ready(tiny_dirs, max_tokens=40)
     multi.add_model("qwen2", engines["qwen2"], LoadTimeline(0.0))
     multi.add_request("long", list(range(5, 65)), GREEDY, model="qwen2")
     busy = ["llama", "qwen2"]
@@ -95,14 +103,7 @@ def test_a_debut_takes_what_the_other_models_last_steps_left_of_the_target(tiny_
 @pytest.mark.parametrize("debut_step", ["whole", "left", "fit"])
 def test_a_debut_prompt_beside_streams_gives_the_tokens_it_gives_alone(tiny_dirs, monkeypatch, debut_step):
     monkeypatch.setattr(multi_module, "DEBUT_STEP", debut_step)
-    engines = {"llama": engine(tiny_dirs["llama"], "llama"), "qwen2": engine(tiny_dirs["qwen2"], "qwen2")}
-    for e in engines.values():
-        e.scheduler.step_time = lambda shape: 1e-3 * shape.num_tokens
-        e.scheduler.config.max_step_ms = 20.0
-    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": engines["llama"]})
-    multi.add_request("stream", "a b", SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), model="llama")
-    while not engines["llama"].scheduler.running or not engines["llama"].scheduler.running[0].num_output_tokens:
-        multi.step()
+    engines, multi = llama_streaming_qwen2_ready(tiny_dirs, max_tokens=60)
     prompt = list(range(5, 65))
     multi.add_model("qwen2", engines["qwen2"], LoadTimeline(0.0))
     multi.add_request("long", prompt, GREEDY, model="qwen2")

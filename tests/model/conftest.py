@@ -11,12 +11,8 @@ from paceline.model.llama import LlamaModel
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from a second thread, and on a shared machine its barrier waits dominate."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Tiny models gain nothing from a second thread (tests/conftest.py)."""
 
 
 def make_hf_model(kind: str = "llama", seed: int = 0, **overrides):

@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
 from _tiny_checkpoints import tiny_checkpoint
@@ -14,12 +13,8 @@ from paceline.model.loader import write_hf_folder
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread(one_torch_thread):
     """Every rank runs one thread (workers are told so); the driver here too, as the issue's target says."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
