@@ -151,16 +151,15 @@ class Bench:
             self.prefill_rates[system] = measure_prefill_rate(ep, self.source, seed=self.args.seed)
             print(f"  {system}: one prompt alone prefills at {self.prefill_rates[system]:.0f} tok/s")
         cache: dict[float, dict] = {}
-        searched: list[CapacityResult | None] = []
-        if fixed:  # the rates were chosen by hand: probe each once, judge them all below
+        searched: list[CapacityResult | None] = [None] * len(self.slos)
+        if fixed:  # the rates were chosen by hand: probe each once (a repeated rate too), judge them all below
             for rate in fixed:
-                cache.setdefault(round(rate, 6), self.run_at(system, ep, rate, self.probe_size(rate), True)["summary"])
-            searched = [None] * len(self.slos)
-        for name, slo_s in self.slos if not fixed else []:
-            res = search_capacity(lambda rate: self.run_at(system, ep, rate, self.probe_size(rate), True)["summary"],
+                if round(rate, 6) not in cache:
+                    cache[round(rate, 6)] = self.run_at(system, ep, rate, self.probe_size(rate), True)["summary"]
+        for i, (name, slo_s) in enumerate(self.slos if not fixed else []):
+            searched[i] = res = search_capacity(lambda rate: self.run_at(system, ep, rate, self.probe_size(rate), True)["summary"],
                                   slo_s, start_rate=self.args.start_rate, max_probes=self.args.max_probes,
                                   slo_name=name, cache=cache)
-            searched.append(res)
             print(f"  {system}: capacity under the {name} SLO ({slo_s * 1e3:.0f} ms), this search: "
                   f"{'>=' if res.is_lower_bound else '='} {res.capacity:.3f} req/s")
         out = []

@@ -15,7 +15,7 @@ import torch
 
 from paceline.config import EngineConfig
 from paceline.core.batch_shape import batch_shape
-from paceline.core.outputs import TokenLogprobs
+from paceline.core.outputs import StepResult, TokenLogprobs
 from paceline.core.scheduler import Scheduler
 from paceline.engine.faults import run_isolated
 from paceline.engine.runner import ModelRunner
@@ -311,8 +311,7 @@ class Engine:
         return self.scheduler.stats()
 
     def step(self) -> list[RequestOutput]:
-        outputs = [self._final_output(r) for r in self._aborted]
-        self._aborted.clear()
+        outputs = self._drain_aborted()
         sched_out = self.scheduler.schedule(time.monotonic())
         if sched_out.is_empty:
             self.last_step = None
@@ -350,6 +349,16 @@ class Engine:
                     have = len(s.request.prompt_logprobs)
                     if start <= have:
                         s.request.prompt_logprobs.extend(lps[have - start:])
+        return outputs + self._text_outputs(updated, result)
+
+    def _drain_aborted(self) -> list[RequestOutput]:
+        outputs = [self._final_output(r) for r in self._aborted]
+        self._aborted.clear()
+        return outputs
+
+    def _text_outputs(self, updated: list[Request], result: StepResult) -> list[RequestOutput]:
+        """The text delta of every request a step moved on, its sampled logprobs queued with it."""
+        outputs = []
         for request in updated:
             if request.request_id in result.logprobs:
                 self._text[request.request_id].pending_logprobs.append(result.logprobs[request.request_id])

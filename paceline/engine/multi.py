@@ -36,8 +36,9 @@ import os
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from paceline.config import EngineConfig
 from paceline.core.auto_batch import largest_that_fits
@@ -102,16 +103,21 @@ class LoadTurns:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._state = "idle"  # idle | asked | granted | running
+        self._state = "idle"  # idle | asked | granted
         self._ended = False  # the granted piece has ended (a flag of its own: the loader may ask for its next
         # turn before the engine thread wakes, and that must not read as "still running")
         self.pending = False  # a load is under way: it counts as one more busy model in the step-time shares
 
-    def take(self, nudge: Callable[[], None] | None = None, timeout_s: float = 5.0) -> "_Turn":
+    @contextmanager
+    def take(self, nudge: Callable[[], None] | None = None, timeout_s: float = 5.0) -> Iterator[None]:
         """On the loader thread: `with turns.take(nudge): piece()`. nudge() has the engine thread call serve even
         while it is idle (AsyncEngine.call); a busy one serves at the top of its next step anyway. The wait for a
         grant is bounded: an engine thread that never comes round must not block a load."""
-        return _Turn(self, nudge, timeout_s)
+        self._begin(nudge, timeout_s)
+        try:
+            yield
+        finally:
+            self._end()
 
     def serve(self, limit_s: float) -> float:
         """On the engine thread between two steps: if a piece asks for a turn, let it run and wait until it ends
@@ -135,23 +141,12 @@ class LoadTurns:
             nudge()
         with self._cond:
             self._cond.wait_for(lambda: self._state == "granted", timeout=timeout_s)
-            self._state = "running"
+            self._state = "idle"  # the piece runs now (granted, or the wait gave up): nothing more to ask
 
     def _end(self) -> None:
         with self._cond:
             self._state, self._ended = "idle", True
             self._cond.notify_all()
-
-
-class _Turn:
-    def __init__(self, turns: LoadTurns, nudge: Callable[[], None] | None, timeout_s: float) -> None:
-        self.turns, self.nudge, self.timeout_s = turns, nudge, timeout_s
-
-    def __enter__(self) -> None:
-        self.turns._begin(self.nudge, self.timeout_s)
-
-    def __exit__(self, *exc: object) -> None:
-        self.turns._end()
 
 
 class MultiEngine:
@@ -255,9 +250,9 @@ class MultiEngine:
         if busy and self._turn_since_step:  # one turn per rotation: the busy models step between two turns
             return
         self._turn_since_step = True
-        limit_s = self._foreign_step_s(None, busy) if busy else LOAD_TURN_MAX_S
+        limit_s = (self._foreign_step_s(None, busy) if busy else 0.0) or LOAD_TURN_MAX_S
         start, cpu = time.monotonic(), time.thread_time()
-        if self.turns.serve(limit_s if limit_s > 0 else LOAD_TURN_MAX_S) > 0:
+        if self.turns.serve(limit_s) > 0:
             self.recent_steps.append(("(load)", start, time.monotonic(), time.thread_time() - cpu, 0, 0))
 
     def step(self) -> list[RequestOutput]:
@@ -270,17 +265,17 @@ class MultiEngine:
         engine = self.engines[name]
         if len(busy) > 1 or self.turns.pending or engine.scheduler.config.max_step_ms != self._step_ms[name]:
             self._share_step_target(busy)
-        if name in self._debut and DEBUT_STEP == "whole":
+        debut = self._debut.get(name)
+        if debut is not None and DEBUT_STEP == "whole":
             engine.scheduler.config.max_num_batched_tokens = self._budget[name]
         else:
-            if name in self._debut and DEBUT_STEP == "left":
+            if debut is not None and DEBUT_STEP == "left":
                 self._debut_step_target(name, busy)
-            elif name in self._debut and DEBUT_STEP == "fit" and self._step_ms[name] > 0:
+            elif debut is not None and DEBUT_STEP == "fit" and self._step_ms[name] > 0:
                 # one step of its own: the target less the other busy models' next steps, never below the share
                 config = engine.scheduler.config
                 config.max_step_ms = max(config.max_step_ms, 1e3 * self._foreign_step_s(name, busy))
             self._cap_budget(name, busy)
-        debut = self._debut.get(name)
         if debut is not None:
             debut.mark("first_step_start")
         start, cpu = time.monotonic(), time.thread_time()
@@ -288,7 +283,7 @@ class MultiEngine:
         self._turn_since_step = False
         self._since[name] = end = time.monotonic()
         self.last_model, self.last_step = name, engine.last_step
-        last = engine.last_step
+        last = self.last_step
         self.recent_steps.append((name, start, end, time.thread_time() - cpu, last.num_decode_tokens if last else 0,
                                   last.num_prefill_tokens if last else 0))
         if debut is not None:

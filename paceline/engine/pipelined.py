@@ -129,11 +129,9 @@ class PipelinedEngine(Engine):
         parts = [s.core.scheduler.stats() for s in self.slots]
         total = dataclasses.replace(parts[0])
         for f in dataclasses.fields(SchedulerStats):
-            values = [getattr(p, f.name) for p in parts]
-            if f.name == "spec_decode_num_accepted_tokens_per_pos":
-                continue  # refused under PP: always empty
-            if f.name != "kv_usage":
-                setattr(total, f.name, sum(values))
+            # spec decoding is refused under PP: its per-position counts stay empty; kv_usage is derived below
+            if f.name not in ("kv_usage", "spec_decode_num_accepted_tokens_per_pos"):
+                setattr(total, f.name, sum(getattr(p, f.name) for p in parts))
         total.kv_usage = total.num_used_blocks / total.num_blocks
         return total
 
@@ -142,8 +140,7 @@ class PipelinedEngine(Engine):
         outputs: list[RequestOutput] = []
         for i, slot in enumerate(self.slots):
             core = slot.core
-            outputs += [core._final_output(r) for r in core._aborted]
-            core._aborted.clear()
+            outputs += core._drain_aborted()
             if slot.busy or not core.scheduler.has_unfinished():
                 continue
             out = core.scheduler.schedule(time.monotonic())
@@ -195,15 +192,7 @@ class PipelinedEngine(Engine):
         updated = core.scheduler.update(out, result, time.monotonic())
         self.last_step = StepStats(step.num_decode, step.num_prefill, len(out.scheduled), result.duration,
                                    len(out.preempted_ids), len(out.swapped_out_ids), step.predicted)
-        for request in updated:
-            state = core._text[request.request_id]
-            if request.request_id in result.logprobs:
-                state.pending_logprobs.append(result.logprobs[request.request_id])
-            try:
-                outputs.append(core._delta(request))
-            except Exception as e:  # its detokenizer or stop strings: this request's fault, not the step's
-                outputs.append(core._error_output(request.request_id, f"{type(e).__name__}: {e}", request))
-        return outputs
+        return outputs + core._text_outputs(updated, result)
 
 
 def engine_for(config: EngineConfig | None = None, speculative_config: SpeculativeConfig | None = None) -> Engine:

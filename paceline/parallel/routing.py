@@ -190,12 +190,17 @@ TOPICS = ["cooking", "chess", "tax law", "gardening", "astronomy", "poetry", "sa
           "knitting", "cycling"]
 
 
+def _desk_prompt(desk: int, question: int) -> str:
+    """Desk `desk`'s long system prompt (the shared prefix), then question `question`."""
+    return (f"You are an assistant who knows {TOPICS[desk % len(TOPICS)]} (desk {desk}) well and answers briefly. " * 8
+            + f"Question {question}: name one fact.")
+
+
 def shared_prefix_workload(groups: int, per_group: int, seed: int = 0) -> list[str]:
     """`groups` long system prompts, `per_group` questions under each, in a shuffled order."""
     import random
 
-    prompts = [f"You are an assistant who knows {TOPICS[g % len(TOPICS)]} (desk {g}) well and answers briefly. " * 8
-               + f"Question {j}: name one fact." for g in range(groups) for j in range(per_group)]
+    prompts = [_desk_prompt(g, j) for g in range(groups) for j in range(per_group)]
     random.Random(seed).shuffle(prompts)
     return prompts
 
@@ -213,8 +218,7 @@ def agent_rounds(agents: int, rounds: int, seed: int = 0) -> list[str]:
     for r in range(rounds):
         order = list(range(agents))
         rng.shuffle(order)
-        out += [f"You are an assistant who knows {TOPICS[g % len(TOPICS)]} (desk {g}) well and answers briefly. " * 8
-                + f"Question {r}: name one fact." for g in order]
+        out += [_desk_prompt(g, r) for g in order]
     return out
 
 

@@ -95,7 +95,9 @@ def test_a_debut_takes_what_the_other_models_last_steps_left_of_the_target(tiny_
     multi._share_step_target(busy)
     multi._debut_step_target("qwen2", busy)
     assert engines["qwen2"].scheduler.config.max_step_ms == pytest.approx(10.0)
-    multi._debut.clear()  # past its first token: the share, as for any model
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.004)
+    multi._debut_step_target("qwen2", busy)  # widened to 16 ms again...
+    multi._debut.clear()  # ...then past its first token: back to the share, as for any model
     multi._share_step_target(busy)
     assert engines["qwen2"].scheduler.config.max_step_ms == pytest.approx(10.0)
 
