@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from paceline.bench.client import run, warmup  # noqa: E402
-from paceline.bench.peers import Server, paceline_system, vllm_cpu_system  # noqa: E402
+from paceline.bench.peers import Server, paceline_system, set_autogroup_nice, vllm_cpu_system  # noqa: E402
 from paceline.bench.prompts import PromptSource, build_prompts, bundled_gguf, load_tokenizer  # noqa: E402
 from paceline.bench.report import client_table, environment, markdown_table, run_dict  # noqa: E402
 from paceline.bench.workload import generate, load_workload  # noqa: E402
@@ -116,12 +116,6 @@ def other_cpu(before: dict, after: dict, server_ticks: int) -> dict:
     mine = after["self"] - before["self"] + server_ticks
     return {"other_cores": max(busy - mine, 0) / hz / span, "steal_cores": (after["steal"] - before["steal"]) / hz / span,
             "server_cores": server_ticks / hz / span}
-
-
-def set_autogroup_nice(pid: int, nice: int) -> None:
-    """Give a server's session (Server starts each in its own, hence its own scheduler autogroup, nice 0) this
-    autogroup nice: processes outside the lock that run at nice 0 then take less of the cores from it."""
-    Path(f"/proc/{pid}/autogroup").write_text(str(nice))
 
 
 def _shape_features(s: dict) -> list[float]:

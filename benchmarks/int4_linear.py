@@ -70,16 +70,16 @@ def bench_linears(shapes: list[tuple[str, int, int]], rows: list[int], repeats: 
                   f"{med['paceline'] / base['paceline']:.2f} |", flush=True)
 
 
-def kernel_module_at(rev: str):
-    """paceline/model/int4_kernel.py as it was at git revision `rev`, imported under another name (its op builds
+def kernel_module_at(rev: str, module: str = "int4_kernel"):
+    """paceline/model/<module>.py as it was at git revision `rev`, imported under another name (its op builds
     under its own namespace, keyed by its source), for before/after runs in one process."""
-    text = subprocess.run(["git", "show", f"{rev}:paceline/model/int4_kernel.py"], capture_output=True, text=True,
+    text = subprocess.run(["git", "show", f"{rev}:paceline/model/{module}.py"], capture_output=True, text=True,
                           check=True, cwd=Path(__file__).resolve().parents[1]).stdout
-    name = f"int4_kernel_{rev}"
+    name = f"{module}_{rev}"
     spec = importlib.util.spec_from_loader(name, loader=None)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
-    exec(compile(text, f"{rev}:int4_kernel.py", "exec"), mod.__dict__)
+    exec(compile(text, f"{rev}:{module}.py", "exec"), mod.__dict__)
     return mod
 
 

@@ -175,29 +175,13 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     return runner
 
 
-def _module_at(rev: str, module: str):
-    """paceline/model/<module>.py as it was at git revision `rev`, imported under another name: its C++ source
-    builds under its own key and namespace, beside this tree's."""
-    import importlib.util
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    text = subprocess.run(["git", "show", f"{rev}:paceline/model/{module}.py"], capture_output=True, text=True,
-                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout
-    name = f"{module}_{rev}"
-    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    sys.modules[name] = mod
-    exec(compile(text, f"{rev}:{module}.py", "exec"), mod.__dict__)
-    return mod
-
-
 def _with_kernels_at(rev: str, build):
     """Build a runner whose w4a8 and attention ops are those of revision `rev`: the model looks them up at call
     time (w4a8_kernel.op, attention_kernel.load), so they are swapped in for its build and for each of its steps."""
     from paceline.model import attention_kernel, w4a8_kernel
 
-    old_w4a8, old_attn = _module_at(rev, "w4a8_kernel"), _module_at(rev, "attention_kernel")
+    from benchmarks.int4_linear import kernel_module_at
+    old_w4a8, old_attn = kernel_module_at(rev, "w4a8_kernel"), kernel_module_at(rev, "attention_kernel")
     swaps = [(w4a8_kernel, "op", old_w4a8.op), (w4a8_kernel, "load", old_w4a8.load),
              (w4a8_kernel, "pack", old_w4a8.pack), (attention_kernel, "load", old_attn.load)]
 
