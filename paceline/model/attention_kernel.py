@@ -241,11 +241,20 @@ void attend(const float* q, int64_t q_stride, float* out, int64_t H, int G, int 
   const size_t need = per_head * nh + (std::is_same<T, float>::value ? 0 : 2 * size_t(KC) * W);
   if (buf.size() < need) buf.resize(need);
   float* conv = buf.data() + per_head * nh;
+  // head hh's part of the buffer: its scaled query rows, output accumulators, scores of one chunk, running max and
+  // running sum of the online softmax (one place for the layout, read by the three loops below)
+  struct Head { float *qs, *acc, *s, *m, *l; };
+  auto head = [&](int hh) {
+    Head b;
+    b.qs = buf.data() + per_head * hh;
+    b.acc = b.qs + size_t(R) * d;
+    b.s = b.acc + size_t(R) * d;
+    b.m = b.s + size_t(R) * KC;
+    b.l = b.m + R;
+    return b;
+  };
   for (int hh = 0; hh < nh; ++hh) {
-    float* qs = buf.data() + per_head * hh;
-    float* acc = qs + size_t(R) * d;
-    float* m = acc + size_t(R) * d + size_t(R) * KC;
-    float* l = m + R;
+    const auto [qs, acc, s, m, l] = head(hh);
     for (int t = 0; t < ntok; ++t)
       for (int g = 0; g < G; ++g) {
         const float* src = q + (int64_t(row0) + t) * q_stride + (int64_t(h0 + hh) * G + g) * d;
@@ -289,11 +298,7 @@ void attend(const float* q, int64_t q_stride, float* out, int64_t H, int G, int 
       }
     }
     for (int hh = 0; hh < nh; ++hh) {
-      float* qs = buf.data() + per_head * hh;
-      float* acc = qs + size_t(R) * d;
-      float* s = acc + size_t(R) * d;
-      float* m = s + size_t(R) * KC;
-      float* l = m + R;
+      const auto [qs, acc, s, m, l] = head(hh);
       for (int j = 0; j < n; ++j) {
         krow[j] = kbase[j] + int64_t(hh) * d;
         vrow[j] = vbase[j] + int64_t(hh) * d;
@@ -352,8 +357,7 @@ void attend(const float* q, int64_t q_stride, float* out, int64_t H, int G, int 
     }
   }
   for (int hh = 0; hh < nh; ++hh) {
-    const float* acc = buf.data() + per_head * hh + size_t(R) * d;
-    const float* l = acc + size_t(R) * d + size_t(R) * KC + R;
+    const auto [qs, acc, s, m, l] = head(hh);
     for (int t = 0; t < ntok; ++t)
       for (int g = 0; g < G; ++g) {
         const int r = t * G + g;
