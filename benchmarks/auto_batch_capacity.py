@@ -32,11 +32,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fairness import _session_cpu, host_cpu, other_cpu, set_autogroup_nice  # noqa: E402  (this folder's)
+from paceline.bench import host_cpu  # noqa: E402
 from paceline.bench.capacity import capacity_from_probes  # noqa: E402
 from paceline.bench.client import warmup  # noqa: E402
 from paceline.bench.compare import Bench, add_common_args  # noqa: E402
-from paceline.bench.peers import Server, paceline_system  # noqa: E402
+from paceline.bench.peers import Server, paceline_system, set_autogroup_nice  # noqa: E402
 from paceline.bench.prompts import PromptSource, bundled_gguf, load_tokenizer  # noqa: E402
 from paceline.bench.report import output_dir  # noqa: E402
 from paceline.bench.workload import load_workload  # noqa: E402
@@ -95,9 +95,9 @@ def bench_rates(args: argparse.Namespace, bench: Bench, model: str, out: Path) -
         for i, rate in enumerate(rates):
             for name, ep, srv, _tag in (servers if i % 2 == 0 else servers[::-1]):
                 print(f"== {name} @ {rate:g} req/s, {time.strftime('%H:%M:%S', time.gmtime())} UTC", flush=True)
-                before, server_before = host_cpu(), _session_cpu({srv.proc.pid})
-                probes[name][round(rate, 6)] = bench.run_at(name, ep, rate, bench.probe_size(rate), True)["summary"]
-                host = other_cpu(before, host_cpu(), _session_cpu({srv.proc.pid}) - server_before)
+                with host_cpu.watch(srv.proc.pid) as host:
+                    probes[name][round(rate, 6)] = bench.run_at(name, ep, rate, bench.probe_size(rate),
+                                                                True)["summary"]
                 bench.runs[-1]["host"] = host
                 print("  host: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()), flush=True)
                 bench.write(out, " ".join(sys.argv))  # after every probe, so a cut-short run leaves results behind

@@ -40,6 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from paceline.bench import host_cpu  # noqa: E402
 from paceline.bench.client import run, warmup  # noqa: E402
 from paceline.bench.peers import Server, paceline_system, set_autogroup_nice, vllm_cpu_system  # noqa: E402
 from paceline.bench.prompts import PromptSource, build_prompts, bundled_gguf, load_tokenizer  # noqa: E402
@@ -77,45 +78,6 @@ def window_steps(records: list[dict], duration: float) -> list[dict]:
         return []
     t0 = records[0]["t"]
     return [s for s in records if s["t"] - t0 < duration]
-
-
-def _proc_cpu(pid: int) -> tuple[int, int]:
-    """(session id, utime + stime in clock ticks) of one process, all its threads included; (0, 0) if gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0, 0
-    return int(fields[3]), int(fields[11]) + int(fields[12])  # fields 6, 14 and 15 of proc(5), after the name
-
-
-def _session_cpu(sids: set[int]) -> int:
-    """CPU ticks used so far by every process of these sessions (a server and, for vLLM, its engine process)."""
-    total = 0
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            sid, ticks = _proc_cpu(int(d.name))
-            if sid in sids:
-                total += ticks
-    return total
-
-
-def host_cpu() -> dict:
-    """The machine's busy and stolen CPU ticks so far (/proc/stat), this process's, and the wall clock."""
-    cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = cpu[:8]
-    return {"t": time.monotonic(), "busy": user + nice + system + irq + softirq, "steal": steal,
-            "self": _proc_cpu(os.getpid())[1]}
-
-
-def other_cpu(before: dict, after: dict, server_ticks: int) -> dict:
-    """Cores' worth of CPU that something other than this benchmark and the server under test used during a run,
-    and the time the hypervisor stole: what a "host stall" is made of, measured rather than guessed."""
-    hz = os.sysconf("SC_CLK_TCK")
-    span = max(after["t"] - before["t"], 1e-9)
-    busy = after["busy"] - before["busy"]
-    mine = after["self"] - before["self"] + server_ticks
-    return {"other_cores": max(busy - mine, 0) / hz / span, "steal_cores": (after["steal"] - before["steal"]) / hz / span,
-            "server_cores": server_ticks / hz / span}
 
 
 def _shape_features(s: dict) -> list[float]:
@@ -287,10 +249,9 @@ def serve(args: argparse.Namespace, out: Path) -> list[dict]:
                 warmup(ep, build_prompts(source, requests[:1], args.seed, text, 99)[0])
                 steps_before = _num_steps(srv.url) if system.is_paceline else 0
                 prompts = build_prompts(source, requests, args.seed, text, round_)
-                before, server_before = host_cpu(), _session_cpu({srv.proc.pid})
-                result = run(ep, requests, prompts, progress=False, label=system.name,
-                             in_flight_caps=spec.in_flight_caps(), deadline_s=deadline)
-                host = other_cpu(before, host_cpu(), _session_cpu({srv.proc.pid}) - server_before)
+                with host_cpu.watch(srv.proc.pid) as host:
+                    result = run(ep, requests, prompts, progress=False, label=system.name,
+                                 in_flight_caps=spec.in_flight_caps(), deadline_s=deadline)
                 steps = step_summary(srv.url, steps_before) if system.is_paceline else None
                 if system.name not in kept:
                     srv.__exit__(None, None, None)  # its stack callback then finds it stopped

@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from paceline.bench import host_cpu
 from paceline.model.attention import SeqSlice
 
 BLOCK_SIZE = 16
@@ -263,26 +264,18 @@ def measure(layout: str, pairs: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import psutil
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=30, help="real / no-op pairs per step kind")
     p.add_argument("--layouts", default="tp,pp")
     args = p.parse_args(argv)
-    busy0, t0 = psutil.cpu_times(), time.perf_counter()
-    c = psutil.Process().cpu_times()
-    mine0 = c.user + c.system + c.children_user + c.children_system
+    before = host_cpu.snapshot()
     out: dict = {"started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "pairs": args.pairs}
     for layout in args.layouts.split(","):
         out[{"tp": "TP=2", "pp": "PP=2"}[layout]] = measure(layout, args.pairs)
         print(json.dumps(out, indent=1), file=sys.stderr, flush=True)
-    wall = time.perf_counter() - t0
-    busy1 = psutil.cpu_times()
-    c = psutil.Process().cpu_times()
-    ours = c.user + c.system + c.children_user + c.children_system - mine0  # the ranks count once joined
-    total = sum(getattr(busy1, f) - getattr(busy0, f) for f in ("user", "nice", "system", "irq", "softirq"))
-    out["wall_s"] = round(wall, 1)
-    out["other_processes_share_of_the_cores"] = round(max(0.0, total - ours) / (wall * (os.cpu_count() or 1)), 4)
+    used = host_cpu.between(before, host_cpu.snapshot())  # the ranks count as ours once joined
+    out["wall_s"] = round(used.wall_s, 1)
+    out["other_processes_share_of_the_cores"] = round(used.other_cores / (os.cpu_count() or 1), 4)
     print(json.dumps(out, indent=1))
 
 

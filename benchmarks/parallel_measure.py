@@ -25,6 +25,7 @@ import urllib.request
 
 import torch
 
+from paceline.bench import host_cpu
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.engine import Engine
 from paceline.engine.pipelined import PipelinedEngine
@@ -300,21 +301,15 @@ def measure_overhead(args) -> dict:
     """One process, TP=2 and PP=2 on the same steps, twice in turn (one, TP, PP, one, TP, PP) so that drift shows
     as a difference between the rounds; how much CPU other processes took meanwhile (the run is clean only if
     that is near 0)."""
-    import psutil
-
     vocab = load_checkpoint(None).arch.vocab_size
     prompts = prompts_of(prompt_lengths(args.requests, 8, args.max_prompt), vocab)
     layouts = {"one process": (1, 1), "TP=2": (2, 1), "PP=2": (1, 2)}
-    me = psutil.Process()
-    busy0, t0 = psutil.cpu_times(), time.perf_counter()
-    mine0 = sum(me.cpu_times()[:4])
-    rounds, reference, ours_children = [], None, 0.0
+    before = host_cpu.snapshot()
+    rounds, reference = [], None
     for _ in range(args.rounds):
         result: dict = {}
         for name, (tp, pp) in layouts.items():
             run = timed_steps(tp, pp, prompts, args.max_tokens, args.budget)
-            ct = me.cpu_times()
-            ours_children = ct.children_user + ct.children_system  # joined ranks count here
             reference = reference or run["outputs"]
             kinds = {"prefill steps": [s for s in run["steps"] if s["prefill"]],
                      "decode-only steps": [s for s in run["steps"] if not s["prefill"]]}
@@ -326,13 +321,10 @@ def measure_overhead(args) -> dict:
             del r["schedule"]
         result["same steps in every layout"] = same_steps
         rounds.append(result)
-    wall = time.perf_counter() - t0
-    busy1 = psutil.cpu_times()
-    system = sum(getattr(busy1, f) - getattr(busy0, f) for f in ("user", "nice", "system", "irq", "softirq"))
-    ours = sum(me.cpu_times()[:2]) - mine0 + ours_children
-    return {"rounds": rounds, "wall_s": round(wall, 1), "cpu_count": os.cpu_count(),
-            "cpu_s_all_processes": round(system, 1), "cpu_s_this_benchmark": round(ours, 1),
-            "other_processes_share_of_2_cores": round(max(0.0, system - ours) / (wall * os.cpu_count()), 4)}
+    used = host_cpu.between(before, host_cpu.snapshot())  # the TP/PP ranks count as ours once joined
+    return {"rounds": rounds, "wall_s": round(used.wall_s, 1), "cpu_count": os.cpu_count(),
+            "cpu_s_all_processes": round(used.all_s, 1), "cpu_s_this_benchmark": round(used.ours_s, 1),
+            "other_processes_share_of_2_cores": round(used.other_cores / os.cpu_count(), 4)}
 
 
 def _allreduce_rank(rank: int, port: int, shapes: list[tuple[int, int]], repeats: int, results) -> None:

@@ -16,5 +16,6 @@ Modules, one job each:
                        every probe: pure functions of summaries, shared with `paceline simulate capacity`
     calibrate.py       the decode step strict/relaxed scale, a prompt's prefill rate alone
     peers.py           start/stop paceline (each scheduler), llama-server, transformers serve on 127.0.0.1
+    host_cpu.py        how busy the host was during a run (/proc): what other processes and the hypervisor took
     compare.py         the side-by-side run; cli.py wires the sub-commands
 """
