@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -33,7 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from paceline.bench import host_cpu  # noqa: E402
-from paceline.bench.capacity import capacity_from_probes  # noqa: E402
 from paceline.bench.client import warmup  # noqa: E402
 from paceline.bench.compare import Bench, add_common_args  # noqa: E402
 from paceline.bench.peers import Server, paceline_system, set_autogroup_nice  # noqa: E402
@@ -104,15 +102,7 @@ def bench_rates(args: argparse.Namespace, bench: Bench, model: str, out: Path) -
         for _name, _ep, srv, tag in servers:
             save_steps(srv.url, out / "logs" / f"steps-{tag}.json")
     for name in probes:
-        for slo_name, slo_s in bench.slos:
-            res = capacity_from_probes(probes[name], slo_s, slo_name=slo_name)
-            bench.capacities.append({"system": name, "slo": res.slo_name, "tbt_slo_s": res.tbt_slo_s,
-                                     "capacity": res.capacity, "lower_bound": res.is_lower_bound,
-                                     "verdicts": [dataclasses.asdict(v) for v in res.verdicts]})
-            print(f"{name}, {slo_name}: " + ", ".join(
-                f"{v.rate:g} {'pass' if v.passed else 'FAIL'} (p99 TBT {(v.p99_tbt_s or 0) * 1e3:.0f} ms, "
-                f"delay p50 {v.delay_s if v.delay_s is not None else float('nan'):.2f} s, failed {v.failed_requests})"
-                for v in res.verdicts) + f" -> {'>=' if res.is_lower_bound else '='} {res.capacity:g} req/s")
+        bench.judge_probes(name, probes[name])
     return bench.write(out, " ".join(sys.argv))
 
 

@@ -162,9 +162,15 @@ class Bench:
                                   slo_name=name, cache=cache)
             print(f"  {system}: capacity under the {name} SLO ({slo_s * 1e3:.0f} ms), this search: "
                   f"{'>=' if res.is_lower_bound else '='} {res.capacity:.3f} req/s")
+        return self.judge_probes(system, cache, searched)
+
+    def judge_probes(self, system: str, probes: dict[float, dict],
+                     searched: list[CapacityResult | None] | None = None) -> list[CapacityResult]:
+        """One system's capacity under each SLO over every probe it ran (rate -> summary), whichever search or
+        fixed rate ran it; printed and added to self.capacities. `searched`: each SLO's own search, if one ran."""
         out = []
-        for (name, slo_s), res in zip(self.slos, searched):  # the answer: every probe, whichever search ran it
-            final = capacity_from_probes(cache, slo_s, slo_name=name)
+        for (name, slo_s), res in zip(self.slos, searched or [None] * len(self.slos)):
+            final = capacity_from_probes(probes, slo_s, slo_name=name)
             out.append(final)
             for v in final.verdicts:
                 print(f"  {system} @ {v.rate:.3f} req/s, {name} SLO {slo_s * 1e3:.0f} ms: "
