@@ -31,6 +31,7 @@ from paceline.bench.client import Endpoint, send_one
 from paceline.bench.metrics import RequestRecord
 from paceline.bench.peers import Server, System
 from paceline.bench.prompts import PromptSource, build_prompts, load_tokenizer
+from paceline.bench.server_metrics import QUEUE_TIME, histogram, parse_prometheus
 from paceline.bench.workload import generate, load_workload
 
 
@@ -64,10 +65,10 @@ async def gauges(client: httpx.AsyncClient, url: str, peaks: dict[str, float], s
     """The peaks of the running / waiting gauges, sampled every second."""
     while not stop.is_set():
         try:
-            for line in (await client.get(url + "/metrics", timeout=5)).text.splitlines():
-                for name in ("running", "waiting"):
-                    if line.startswith((f"paceline:num_requests_{name} ", f"paceline:num_requests_{name}{{")):
-                        peaks[name] = max(peaks.get(name, 0.0), float(line.split()[-1]))
+            snapshot = parse_prometheus((await client.get(url + "/metrics", timeout=5)).text)
+            for name in ("running", "waiting"):
+                if f"paceline:num_requests_{name}" in snapshot:
+                    peaks[name] = max(peaks.get(name, 0.0), snapshot[f"paceline:num_requests_{name}"])
         except httpx.HTTPError:
             pass
         try:
@@ -150,15 +151,11 @@ def queued_past(url: str, limit_s: float | None) -> dict | None:
     if limit_s is None:
         return None
     try:
-        text = httpx.get(url + "/metrics", timeout=30).text
+        snapshot = parse_prometheus(httpx.get(url + "/metrics", timeout=30).text)
     except httpx.HTTPError:
         return None
-    count = within = None
-    for line in text.splitlines():
-        if line.startswith("paceline:request_queue_time_seconds_count"):
-            count = float(line.split()[-1])
-        elif line.startswith("paceline:request_queue_time_seconds_bucket") and f'le="{float(limit_s)}"' in line:
-            within = float(line.split()[-1])
+    count = snapshot.get(QUEUE_TIME + "_count")
+    within = dict(histogram(snapshot, QUEUE_TIME)).get(float(limit_s))
     if count is None or within is None:
         return None
     return {"finished": int(count), "waited_past_limit": int(count - within)}
