@@ -1,6 +1,7 @@
 """Fair share and time slices, measured (issue 15): the same two-tenants run (a heavy client keeping 16 long
 generations in flight, twice the 8 seats, and a light client sending short requests) against paceline with
-fcfs, fair, and fair + time slices, and vLLM's CPU server (fcfs) beside them; one table.
+fcfs, fair, and fair + time slices, and vLLM's CPU server (fcfs) beside them; one table (run 1 of
+benchmarks/summaries/fairness.md):
 
     flock -x /tmp/paceline-cpu.lock .venv/bin/python benchmarks/fairness.py --duration 75 --rate 5.5
 
@@ -8,10 +9,12 @@ Each system: started on 127.0.0.1 with --max-num-seqs 8, warmed up with one requ
 with the same prompts (each carrying its client as the OpenAI `user` field), stopped. Only the ratios between
 systems of one run mean anything on a shared machine.
 
-Throughput against fcfs, measured so that one host stall cannot decide it (issue 15's tok/s target):
+Throughput against fcfs, measured so that one host stall cannot decide it (issue 15's tok/s target; run 7 of
+benchmarks/summaries/fairness.md, rounds 1-2, then round 3 in a later lock hold with `--first-round 3 --rounds 1`):
 
-    flock -x /tmp/paceline-cpu.lock setsid .venv/bin/python benchmarks/fairness.py --duration 40 --drain-s 2 \
-        --rounds 3 --systems fcfs,fair,fair-slice --persistent-servers --server-nice -10
+    flock -x /tmp/paceline-cpu.lock setsid .venv/bin/python benchmarks/fairness.py --duration 60 --drain-s 3 \\
+        --rounds 2 --systems fcfs,fair,fair-slice --time-slice-tokens 16 --persistent-servers --server-nice -10 \\
+        --steady-skip-s 30
 
 --rounds N runs the systems N times in a rotating order (round_order), each round on fresh requests (seed +
 round - 1) that every system of the round gets alike; --first-round continues such a run in a later lock hold.
