@@ -1,20 +1,13 @@
 """benchmarks/fairness.py's split of decode throughput: a host that slows one run must land in the speed factor,
 not in the order's own cost, and an order that runs more prompt-chunk steps must show in the shape."""
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def fairness():
-    spec = importlib.util.spec_from_file_location("fairness_bench", ROOT / "benchmarks" / "fairness.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def fairness(load_benchmark):
+    return load_benchmark("fairness")
 
 
 COST_MS = {"fixed": 20.0, "decode": 4.0, "token": 2.0, "chunk": 15.0}
