@@ -41,7 +41,10 @@ def test_tiny_model_kernel_matches_eager(tiny, hf_llama, monkeypatch, dtype):
     for flag in ("0", "1"):
         monkeypatch.setenv("PACELINE_ATTN_KERNEL", flag)
         got[flag] = _mixed_step(tiny.make_runner(hf_llama, num_blocks=64, block_size=4, dtype=dtype), prompts, 30)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    # bf16: the two paths sum in different orders and every layer rounds its hidden state to bf16, so the gap grows
+    # with depth. Where the CPU has native bf16 math every step runs in bf16 (2026-11-24, AVX512_BF16: up to 0.043
+    # on logits of magnitude ~1); elsewhere steps of 9+ rows run in float32, which hid most of it (within 0.03).
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
     torch.testing.assert_close(got["1"], got["0"], atol=tol, rtol=0)
 
 
