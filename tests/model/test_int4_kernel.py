@@ -124,17 +124,21 @@ def test_int4_linear_falls_back_to_torch_op_when_switched_off(monkeypatch):
 
 
 def test_bundled_model_greedy_tokens_are_the_same_with_either_op(monkeypatch):
-    """One-row decode steps (32 tokens), then a 6-row step as a verification of five proposals makes: the same
-    greedy tokens from the C++ op as from torch's, logits within bfloat16 noise."""
+    """One-row decode steps (32 tokens), then a 6-row step as a verification of five proposals makes: the C++ op
+    picks torch's op's greedy token wherever that token leads by more than bfloat16 noise, logits within it.
+
+    Both ops are fed the same tokens (torch's op's greedy ones): on a CPU with native bf16 math (2026-11-24,
+    AVX512_BF16) the two ops broke a near-tie at the 27th token differently, and free-running they then diverge."""
     from paceline.engine.runner import ModelRunner
     from paceline.model.attention import SeqSlice
     from paceline.model.loader import load_checkpoint
 
     ckpt = load_checkpoint(None, "float32")
     prompt = ckpt.tokenizer.encode("The history of the printing press begins in East Asia, where woodblock printing")
-    results = {}
     monkeypatch.setenv("PACELINE_W4A8_LINEARS", "")  # not the int4 x int8 op (test_w4a8.py): the int4 ops alone
-    for flag in ("0", "1"):
+    ids: list[int] = []
+    results = {}
+    for flag in ("0", "1"):  # "0" (torch's op) chooses the tokens, "1" (the C++ op) is fed the same ones
         monkeypatch.setenv("PACELINE_INT4_KERNEL", flag)
         # int4_rows=0: the prompt's rows take the dense copy with either op (by default the C++ op serves them)
         model = LlamaModel.from_weights(ckpt.arch, ckpt.weights, dtype=torch.bfloat16, quantization="int4",
@@ -142,16 +146,19 @@ def test_bundled_model_greedy_tokens_are_the_same_with_either_op(monkeypatch):
         assert (model.layers[0].qkv.kernel is None) == (flag == "0")
         runner = ModelRunner(model, ckpt.arch, 8, 16, dtype=torch.bfloat16)
         table = list(range(8))
-        ids = list(prompt)
-        logits = runner.prefill_logits(ids)[-1:]  # many rows: the dense copy, the same for both
-        for _ in range(32):
-            ids.append(int(logits[-1].argmax()))
-            logits = runner.forward_tokens([ids[-1]], [len(ids) - 1], [SeqSlice(len(ids) - 1, 1, table)], [0])
-        n = len(ids)
-        ids += ids[len(prompt): len(prompt) + 5]  # five made-up proposals after the last (fed again) token
-        verify = runner.forward_tokens(ids[n - 1:], list(range(n - 1, n + 5)), [SeqSlice(n - 1, 6, table)],
-                                       list(range(6)))
-        results[flag] = (ids[len(prompt): n], verify)
-    assert results["1"][0] == results["0"][0]
-    assert torch.equal(results["1"][1].argmax(-1), results["0"][1].argmax(-1))
-    torch.testing.assert_close(results["1"][1], results["0"][1], rtol=0, atol=0.5)
+        steps = [runner.prefill_logits(prompt)[-1]]  # many rows: the dense copy, the same for both
+        for i in range(32):
+            if flag == "0":
+                ids.append(int(steps[-1].argmax()))
+            pos = len(prompt) + i
+            steps.append(runner.forward_tokens([ids[i]], [pos], [SeqSlice(pos, 1, table)], [0])[0])
+        n = len(prompt) + len(ids)
+        fed = ids[-1:] + ids[:5]  # the last token again, then five made-up proposals
+        verify = runner.forward_tokens(fed, list(range(n - 1, n + 5)), [SeqSlice(n - 1, 6, table)], list(range(6)))
+        results[flag] = torch.cat([torch.stack(steps[1:]), verify]).float()
+    got, ref = results["1"], results["0"]
+    torch.testing.assert_close(got, ref, rtol=0, atol=1.0)  # logits of 10-30 in bf16 steps: 0.59 seen
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1.0  # a lead that noise within the tolerance cannot overturn
+    assert clear.sum() >= 16  # 21 of the 38 positions on 2026-11-24: this text has many close calls
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
