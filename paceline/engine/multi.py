@@ -12,12 +12,13 @@ share the cores badly):
 
 Layer-sliced steps (the default; PACELINE_SLICE=0 turns them off): a step is a generator (Engine.step_iter) that
 yields between two layers of the model. While another model's streams wait, the running step is suspended at a
-layer boundary once they come due (earliest deadline first over each model's usual gap, `_advance`), that model's
+layer boundary once they come due (waited as long as their own usual step, `_advance`), that model's
 step runs whole and its tokens go out at once, and the suspended step resumes on a later call. A stream then waits
 for one layer of another model's long step (~1-6 ms for the bundled model) instead of all of it: an int4 stream's
 usual gap (~25 ms) is shorter than one float32 decode step (~41 ms, 2026-11-23), so unsliced no rotation could
-keep it. Each model keeps its own step-time target and token budget, and a model loaded on demand runs its first
-prompt whole. Everything stays on the engine thread (a second Python thread would mean two OpenMP teams spinning
+keep it. A step of prompts alone is not capped for the others' sake any more and a model loaded on demand runs its
+first prompt whole; the step-time target stays shared among the busy models (below), since a model's own streams
+still wait for its own step plus the other models' steps run inside it. Everything stays on the engine thread (a second Python thread would mean two OpenMP teams spinning
 against each other on the same cores). A suspended step's duration counts its own layers only (the runner's).
 
 Where slicing does not apply (PACELINE_SLICE=0, speculative decoding, a parallel runner, the fault injector's
@@ -62,11 +63,12 @@ from paceline.sampling import SamplingParams
 DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "fit")
 # Layer-sliced steps (see MultiEngine._advance): PACELINE_SLICE=0 runs every step whole, as before 2026-11-24 (the A/B)
 SLICE = os.environ.get("PACELINE_SLICE", "1") != "0"
-GAP_WINDOW = 64  # a model's usual stream gap is read from its last this many decode steps ...
-# ... at this quantile, times this factor: alone, a stream's p99 gap is about its high-quantile step, and the issue's
-# target is 1.2x that; 1.1 leaves room for the layer of the other model a due stream still waits for
-GAP_QUANTILE = float(os.environ.get("PACELINE_SLICE_QUANTILE", "0.95"))
-GAP_FACTOR = float(os.environ.get("PACELINE_SLICE_FACTOR", "1.1"))
+# Another model's streams are due once they have waited SLICE_DUE x the median of their own last GAP_WINDOW decode
+# steps since their model's last step ended. 1.0: while two models stream, each stream's gap is about twice its
+# own step (the cores split ~50/50) plus one layer of the other model. Measured against the alternative (earliest
+# deadline over each model's 95th-percentile step x 1.1) on 2026-11-24 05:38-05:44 UTC: see docs/multi-model.md.
+SLICE_DUE = float(os.environ.get("PACELINE_SLICE_DUE", "1.0"))
+GAP_WINDOW = 64
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -302,9 +304,10 @@ class MultiEngine:
         engine = self.engines[name]
         config = engine.scheduler.config
         if sliced:
-            # Another model's streams wait for one layer of this step, not all of it (`_advance`): the step-time
-            # target and token budget stay the model's own, no share, no cap, and a debut's prompt runs whole.
-            config.max_step_ms = self._step_ms[name]
+            # Another model's streams wait for one layer of this step, not all of it (`_advance`): a step of prompts
+            # alone is no longer capped and a debut's prompt runs whole. The target stays shared: this model's own
+            # streams still wait for its own step plus the other models' steps run inside it.
+            self._share_step_target(busy)
             if not config.auto_max_num_batched_tokens:  # an auto budget the scheduler sizes from the target itself
                 config.max_num_batched_tokens = self._budget[name]
         else:
@@ -332,15 +335,10 @@ class MultiEngine:
 
     def _advance(self, name: str, run: "_Run", busy: list[str]) -> str | None:
         """Run `name`'s step on from where it stood; None once it has ended (run.outputs), else the model whose
-        streams came due at a layer boundary (the step stays suspended).
-
-        "Due" is earliest-deadline-first over the streams' gaps. Each streaming model's gap has a deadline: its
-        last step's end plus its usual gap, a high quantile of its own decode steps' durations (GAP_QUANTILE of
-        the last GAP_WINDOW; alone, a stream's gap is one such step). Another model preempts this step at its
-        latest start (the deadline less its last step's duration) if its deadline comes before this model's own
-        (this model's streams wait for this step to end; a model with no stream, a debut, has none). So each
-        stream's gap stays near its usual one plus one layer of the other model while the cores suffice, and
-        when they do not, the model whose streams waited longest past their usual gap goes on: neither starves."""
+        streams came due at a layer boundary (the step stays suspended): another streaming model whose streams
+        have waited SLICE_DUE x its usual step (the median of its last decode steps) since its last step ended.
+        A model whose own step is suspended is not due (it resumes once the preemptor's step ends): no ping-pong,
+        and the running step always makes at least one layer of progress per call."""
         start, cpu = time.monotonic(), time.thread_time()
         watch = self._preemptors(name, busy) if run.sliced else []
         first = min((start_by for start_by, _ in watch), default=math.inf)
@@ -358,24 +356,16 @@ class MultiEngine:
             return None
 
     def _preemptors(self, name: str, busy: list[str]) -> list[tuple[float, str]]:
-        """(latest start, model) of every other model that may preempt `name`'s step (see _advance)."""
-        own = self._deadline(name) if has_streams(self.engines[name]) else math.inf
+        """(when due, model) of every other model that may preempt `name`'s step (see _advance)."""
         watch = []
         for other in busy:
             engine = self.engines[other]
             if other == name or other in self._inflight or not has_streams(engine):
                 continue
-            deadline = self._deadline(other)
-            if deadline < own:
-                last = engine.last_step.duration if engine.last_step is not None else 0.0
-                watch.append((deadline - last, other))
+            steps = self._gaps.get(other)
+            usual = sorted(steps)[len(steps) // 2] if steps else 0.0
+            watch.append((self._since.get(other, 0.0) + SLICE_DUE * usual, other))
         return watch
-
-    def _deadline(self, name: str) -> float:
-        """When `name`'s streams reach their usual gap since its last step ended (see _advance)."""
-        gaps = self._gaps.get(name)
-        usual = sorted(gaps)[int(GAP_QUANTILE * (len(gaps) - 1))] if gaps else 0.0
-        return self._since.get(name, 0.0) + GAP_FACTOR * usual
 
     def _finish(self, name: str, run: "_Run") -> list[RequestOutput]:
         engine = self.engines[name]

@@ -11,7 +11,7 @@ import pytest
 
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine import multi as multi_module
-from paceline.engine.engine import Engine, StepStats
+from paceline.engine.engine import Engine
 from paceline.engine.faults import FaultInjector
 from paceline.engine.multi import MultiEngine, has_streams, sliceable
 from paceline.sampling import SamplingParams
@@ -151,27 +151,18 @@ def test_slicing_is_off_where_it_cannot_apply(tiny_dirs, monkeypatch):
     assert seen == []
 
 
-def test_due_is_earliest_deadline_first_over_the_usual_gaps(tiny_dirs, monkeypatch):
-    monkeypatch.setattr(multi_module, "GAP_FACTOR", 1.0)  # a usual gap is the quantile itself here
+def test_another_model_is_due_once_its_streams_waited_its_usual_step(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 1.0)
     engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
-    for kind in engines:
-        engines[kind].add_request(f"{kind}-s", "x y", GREEDY)
-        while not has_streams(engines[kind]):
-            engines[kind].step()
-    multi._gaps = {"llama": deque([0.020] * 10), "qwen2": deque([0.100] * 10)}  # usual gaps 20 and 100 ms
-    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.015)
+    engines["llama"].add_request("s", "x y", GREEDY)
+    while not has_streams(engines["llama"]):
+        engines["llama"].step()
+    engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)  # a prompt only: no stream of its own
+    multi._gaps = {"llama": deque([0.010, 0.012, 0.050]), "qwen2": deque([0.100] * 3)}  # median 12 ms and 100 ms
     multi._since = {"llama": 10.0, "qwen2": 10.0}
     busy = ["llama", "qwen2"]
-    # qwen2 steps; llama's streams are due at 10.0 + 0.020 - 0.015 (its deadline 10.02 comes before qwen2's 10.1)
-    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.005), "llama")]
-    # llama steps: qwen2's deadline (10.1) is later than llama's own (10.02): it waits for the step's end
-    assert multi._preemptors("llama", busy) == []
-    # qwen2's streams waited long past their usual gap: now it is llama that waits
-    multi._since["qwen2"] = 9.85
+    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.012), "llama")]  # the median, not the 50 ms step
+    assert multi._preemptors("llama", busy) == []  # qwen2 has no stream waiting
+    multi._inflight["llama"] = object()  # its own step suspended: it resumes after, it does not preempt
     assert multi._preemptors("qwen2", busy) == []
-    # a model with no stream of its own (a debut) has no deadline: any streaming model preempts it
-    engines["qwen2"].abort("qwen2-s")
-    engines["qwen2"].step()
-    engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)
-    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.005), "llama")]
