@@ -339,7 +339,7 @@ class MultiEngine:
         have waited SLICE_DUE x its usual step (the median of its last decode steps) since its last step ended.
         A model whose own step is suspended is not due (it resumes once the preemptor's step ends): no ping-pong,
         and the running step always makes at least one layer of progress per call."""
-        start, cpu = time.monotonic(), time.thread_time()
+        cpu = time.thread_time()
         watch = self._preemptors(name, busy) if run.sliced else []
         first = min((start_by for start_by, _ in watch), default=math.inf)
         try:
