@@ -12,7 +12,7 @@ share the cores badly):
 
 Layer-sliced steps (the default; PACELINE_SLICE=0 turns them off): a step is a generator (Engine.step_iter) that
 yields between two layers of the model. While another model's streams wait, the running step is suspended at a
-layer boundary once they come due (waited as long as their own usual step, `_advance`), that model's
+layer boundary once they come due (waited as long as their own last step, `_advance`), that model's
 step runs whole and its tokens go out at once, and the suspended step resumes on a later call. A stream then waits
 for one layer of another model's long step (~1-6 ms for the bundled model) instead of all of it: an int4 stream's
 usual gap (~25 ms) is shorter than one float32 decode step (~41 ms, 2026-11-23), so unsliced no rotation could
@@ -63,12 +63,12 @@ from paceline.sampling import SamplingParams
 DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "fit")
 # Layer-sliced steps (see MultiEngine._advance): PACELINE_SLICE=0 runs every step whole, as before 2026-11-24 (the A/B)
 SLICE = os.environ.get("PACELINE_SLICE", "1") != "0"
-# Another model's streams are due once they have waited SLICE_DUE x the median of their own last GAP_WINDOW decode
-# steps since their model's last step ended. 1.0: while two models stream, each stream's gap is about twice its
-# own step (the cores split ~50/50) plus one layer of the other model. Measured against the alternative (earliest
-# deadline over each model's 95th-percentile step x 1.1) on 2026-11-24 05:38-05:44 UTC: see docs/multi-model.md.
+# Another model's streams are due once they have waited SLICE_DUE x that model's own last step since it ended: while
+# two models stream, the cores split about evenly in time between them, and each stream's gap is about twice its
+# own step plus one layer of the other model. (Against the median of its last decode steps instead, 2026-11-24
+# 05:52 UTC: a debut's first prompt got ~15 ms of every 70 ms int4 prompt chunk, first token 0.96 s; see
+# docs/multi-model.md.)
 SLICE_DUE = float(os.environ.get("PACELINE_SLICE_DUE", "1.0"))
-GAP_WINDOW = 64
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -186,7 +186,6 @@ class MultiEngine:
         self._turn_since_step = False  # a load's turn was served since the last step
         self._inflight: dict[str, _Run] = {}  # model -> its suspended step (at most one each)
         self._deferred_aborts: dict[str, list[str]] = {}  # aborts that wait for the model's suspended step
-        self._gaps: dict[str, deque[float]] = {}  # model -> its last decode steps' durations (its usual gap)
         for name, engine in (engines or {}).items():
             self.add_model(name, engine)
 
@@ -216,7 +215,6 @@ class MultiEngine:
         self._step_ms.pop(name, None)
         self._budget.pop(name, None)
         self._since.pop(name, None)
-        self._gaps.pop(name, None)
         return engine
 
     def is_idle(self, name: str) -> bool:
@@ -336,7 +334,7 @@ class MultiEngine:
     def _advance(self, name: str, run: "_Run", busy: list[str]) -> str | None:
         """Run `name`'s step on from where it stood; None once it has ended (run.outputs), else the model whose
         streams came due at a layer boundary (the step stays suspended): another streaming model whose streams
-        have waited SLICE_DUE x its usual step (the median of its last decode steps) since its last step ended.
+        have waited SLICE_DUE x its own last step since that step ended.
         A model whose own step is suspended is not due (it resumes once the preemptor's step ends): no ping-pong,
         and the running step always makes at least one layer of progress per call."""
         cpu = time.thread_time()
@@ -362,9 +360,8 @@ class MultiEngine:
             engine = self.engines[other]
             if other == name or other in self._inflight or not has_streams(engine):
                 continue
-            steps = self._gaps.get(other)
-            usual = sorted(steps)[len(steps) // 2] if steps else 0.0
-            watch.append((self._since.get(other, 0.0) + SLICE_DUE * usual, other))
+            last = engine.last_step.duration if engine.last_step is not None else 0.0
+            watch.append((self._since.get(other, 0.0) + SLICE_DUE * last, other))
         return watch
 
     def _finish(self, name: str, run: "_Run") -> list[RequestOutput]:
@@ -374,8 +371,6 @@ class MultiEngine:
         self._since[name] = end = time.monotonic()
         self.last_model, self.last_step = name, engine.last_step
         last = self.last_step
-        if last is not None and last.num_decode_tokens:
-            self._gaps.setdefault(name, deque(maxlen=GAP_WINDOW)).append(last.duration)
         # start and end are wall times (a sliced step's span holds the steps run inside it), the CPU its own
         self.recent_steps.append((name, run.start, end, run.cpu, last.num_decode_tokens if last else 0,
                                   last.num_prefill_tokens if last else 0))

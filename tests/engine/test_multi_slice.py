@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 
 import pytest
 
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine import multi as multi_module
-from paceline.engine.engine import Engine
+from paceline.engine.engine import Engine, StepStats
 from paceline.engine.faults import FaultInjector
 from paceline.engine.multi import MultiEngine, has_streams, sliceable
 from paceline.sampling import SamplingParams
@@ -151,7 +150,7 @@ def test_slicing_is_off_where_it_cannot_apply(tiny_dirs, monkeypatch):
     assert seen == []
 
 
-def test_another_model_is_due_once_its_streams_waited_its_usual_step(tiny_dirs, monkeypatch):
+def test_another_model_is_due_once_its_streams_waited_its_last_step(tiny_dirs, monkeypatch):
     monkeypatch.setattr(multi_module, "SLICE_DUE", 1.0)
     engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
@@ -159,10 +158,10 @@ def test_another_model_is_due_once_its_streams_waited_its_usual_step(tiny_dirs, 
     while not has_streams(engines["llama"]):
         engines["llama"].step()
     engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)  # a prompt only: no stream of its own
-    multi._gaps = {"llama": deque([0.010, 0.012, 0.050]), "qwen2": deque([0.100] * 3)}  # median 12 ms and 100 ms
+    engines["llama"].last_step = StepStats(1, 30, 2, duration=0.070)  # a long step: the other gets as long
     multi._since = {"llama": 10.0, "qwen2": 10.0}
     busy = ["llama", "qwen2"]
-    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.012), "llama")]  # the median, not the 50 ms step
+    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.070), "llama")]
     assert multi._preemptors("llama", busy) == []  # qwen2 has no stream waiting
     multi._inflight["llama"] = object()  # its own step suspended: it resumes after, it does not preempt
     assert multi._preemptors("qwen2", busy) == []
