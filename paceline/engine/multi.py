@@ -18,8 +18,9 @@ for one layer of another model's long step (~1-6 ms for the bundled model) inste
 usual gap (~25 ms) is shorter than one float32 decode step (~41 ms, 2026-11-23), so unsliced no rotation could
 keep it. A step of prompts alone is not capped for the others' sake any more and a model loaded on demand runs its
 first prompt whole; the step-time target stays shared among the busy models (below), since a model's own streams
-still wait for its own step plus the other models' steps run inside it. Everything stays on the engine thread (a second Python thread would mean two OpenMP teams spinning
-against each other on the same cores). A suspended step's duration counts its own layers only (the runner's).
+still wait for its own step plus the other models' steps run inside it. Everything stays on the engine thread (a
+second Python thread would mean two OpenMP teams spinning against each other on the same cores). A suspended
+step's duration counts its own layers only (the runner's).
 
 Where slicing does not apply (PACELINE_SLICE=0, speculative decoding, a parallel runner, the fault injector's
 hooks: `sliceable`), a stream waits for a whole step of every other busy model, so while k models have
@@ -247,8 +248,9 @@ class MultiEngine:
     def abort(self, request_id: str) -> None:
         model = self._owner.get(request_id)
         if model in self._inflight:
-            # its step is suspended mid-forward with this request's blocks in its batch: freeing them now could
-            # hand them to nobody yet, but update() must still find the request; the abort waits for the step
+            # its model's step is suspended mid-forward with this request in its batch: freed now, its blocks would
+            # go back to the pool while that forward still writes them, and update() would meet a request that is
+            # gone; the abort waits for the step's end (_finish)
             self._deferred_aborts.setdefault(model, []).append(request_id)
         elif model is not None and model in self.engines:
             self.engines[model].abort(request_id)
