@@ -67,7 +67,7 @@ SLICE = os.environ.get("PACELINE_SLICE", "1") != "0"
 # Another model's streams are due once they have waited SLICE_DUE x that model's own last step since it ended: while
 # two models stream, the cores split about evenly in time between them, and each stream's gap is about twice its
 # own step plus one layer of the other model. (Against the median of its last decode steps instead, 2026-11-24
-# 05:52 UTC: a debut's first prompt got ~15 ms of every 70 ms int4 prompt chunk, first token 0.96 s; see
+# 05:56-05:59 UTC: a debut's first prompt got ~15 ms of every 70 ms int4 prompt chunk, first token 0.958 s; see
 # docs/multi-model.md.)
 SLICE_DUE = float(os.environ.get("PACELINE_SLICE_DUE", "1.0"))
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
