@@ -102,7 +102,8 @@ SWITCH_VARIANTS = {
     # as before 2026-11-24 03:00 UTC: the load beside the other model's steps, the first prompt whole in one step
     "before": ("smol-fp32", {"PACELINE_LOAD_TURNS": "0", "PACELINE_DEBUT_STEP": "whole"}),
     "int4-before": ("smol-int4", {"PACELINE_LOAD_TURNS": "0", "PACELINE_DEBUT_STEP": "whole"}),
-    "left": ("smol-fp32", {"PACELINE_DEBUT_STEP": "left"}),
+    # every step whole, as before 2026-11-24 05:00 UTC (multi.py's layer-sliced steps off)
+    "unsliced": ("smol-fp32", {"PACELINE_SLICE": "0"}), "int4-unsliced": ("smol-int4", {"PACELINE_SLICE": "0"}),
     # the load in turns, the first prompt whole in one step
     "turns-whole": ("smol-fp32", {"PACELINE_DEBUT_STEP": "whole"}),
     "int4-turns-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
@@ -210,9 +211,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for logs and results.json (default: a temp folder)")
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
-                   help="comma-separated parts (prepare: load both once, so that a switch finds their runtime "
+                   help="comma-separated parts: alone, one-loop, one-loop-unsliced, two-processes (prepare: load both "
+                        "once, so that a switch finds their runtime "
                         "snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the order "
-                        "given: switch, switch-int4, switch-before, switch-int4-before, switch-left, switch-nice19, "
+                        "given: switch, switch-int4, switch-before, switch-int4-before, switch-unsliced, "
+                        "switch-int4-unsliced, switch-nice19, "
                         "switch-pack-first, switch-warm-up, switch-whole, switch-int4-whole")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="multi-model-"))
@@ -246,13 +249,15 @@ def main() -> None:
             finally:
                 server.stop()
             print(name, "alone", results["alone"][name], flush=True)
-    if "one-loop" in only:
-        server = Served(["--models-config", str(models_yaml(out / "models.yaml"))], args.threads, out, "one-loop")
+    for key in [k for k in args.only.split(",") if k in ("one-loop", "one-loop-unsliced")]:
+        # one-loop-unsliced: every step whole (PACELINE_SLICE=0), the A/B of multi.py's layer-sliced steps
+        env = {"PACELINE_SLICE": "0"} if key == "one-loop-unsliced" else {}
+        server = Served(["--models-config", str(models_yaml(out / "models.yaml"))], args.threads, out, key, env)
         try:
-            results["one_loop"] = drive(Endpoint(server.url), requests, prompts_for(requests), args.seconds)
+            results[key.replace("-", "_")] = drive(Endpoint(server.url), requests, prompts_for(requests), args.seconds)
         finally:
             server.stop()
-        print("one loop", results["one_loop"], flush=True)
+        print(key, results[key.replace("-", "_")], flush=True)
     if "two-processes" in only:  # the anchor: one `paceline serve` per model, both on the same cores
         servers = {}
         try:

@@ -9,6 +9,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field
+from typing import Generator
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from paceline.core.outputs import StepResult, TokenLogprobs
 from paceline.core.scheduler import Scheduler
 from paceline.engine.faults import run_isolated
 from paceline.engine.runner import ModelRunner
+from paceline.model.llama import drain
 from paceline.model.loader import DTYPES, build_model, cache_root, default_model_path, load_checkpoint
 from paceline.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from paceline.parallel.executor import build_runner, parallel_bytes_per_block
@@ -311,6 +313,13 @@ class Engine:
         return self.scheduler.stats()
 
     def step(self) -> list[RequestOutput]:
+        return drain(self.step_iter())
+
+    def step_iter(self, sliced: bool = False) -> Generator[None, None, list[RequestOutput]]:
+        """step; with `sliced`, suspended between two layers of the model (a bare `yield`, from
+        ModelRunner.execute_iter), so that the loop of several models (engine/multi.py) can run another model's
+        step in between. Unsliced (step), the runner's plain execute runs: the single-model path, the
+        tensor- and pipeline-parallel runners and the fault injector's hooks see exactly what they always saw."""
         outputs = self._drain_aborted()
         sched_out = self.scheduler.schedule(time.monotonic())
         if sched_out.is_empty:
@@ -323,7 +332,7 @@ class Engine:
         # what the refit learns from; read before update(), which moves the requests on
         shape = batch_shape(sched_out) if self.live_step_time is not None else None
         try:
-            result = self.runner.execute(sched_out)
+            result = (yield from self.runner.execute_iter(sched_out)) if sliced else self.runner.execute(sched_out)
             failed: dict[str, str] = {}
         except Exception as e:  # one request's row may have done it: find it, fail it alone (engine/faults.py)
             result, failed = run_isolated(self.runner, sched_out, e)

@@ -104,7 +104,8 @@ class FaultInjector:
             return execute(out)
 
         def forward_hook(order: list, *rest: Any) -> Any:  # rest: the runner's StepResult, where it takes one
-            logits, sampled = forward(order, *rest)
+            # a generator, as ModelRunner._forward is (it yields between layers: engine/multi.py slices steps)
+            logits, sampled = yield from forward(order, *rest)
             for row, s in enumerate(sampled):
                 if self.stages.get(s.request.request_id) == "nan" and not s.spec_token_ids:
                     logits[row] = float("nan")

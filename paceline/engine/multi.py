@@ -1,56 +1,75 @@
 """MultiEngine: one step loop over several models, each with its own Engine (runner, KV pool, scheduler).
 
 A step runs one model's batch: different weights cannot share a forward pass. Which model runs is decided here,
-once per step, from every model's streams at once (two engines in two processes would instead both compute at
-the same time and share the cores badly):
+from every model's streams at once (two engines in two processes would instead both compute at the same time and
+share the cores badly):
 
 1. A model whose streams have waited at least half the TBT goal since its last step is at risk: the one that has
    waited longest runs. This is what keeps one model's decodes from starving behind another model's prompts or
-   priorities: each stream's gap is bounded by one step of every other busy model.
+   priorities.
 2. Otherwise the model holding the most urgent request (lowest priority value) runs; between equals, the one
-   that has waited longest. With equal priorities this alternates the busy models step by step, so every stream
-   keeps a steady TBT.
+   that has waited longest. With equal priorities this alternates the busy models step by step.
 
-While k models have unfinished requests and any of them has running streams, a stream waits for k steps
-between two of its tokens, so each model's step-time target (`max_step_ms`, which cuts prompt chunks) is its own
-target divided by k: a model that only has prompts waiting takes its turn too. The scheduler cuts only steps that
-carry a decode of their own model (a step of prompts alone keeps no stream of that model waiting), so while
-another model has streams, a model's token budget is also lowered to the prompt tokens its share of the target
-predicts: without that, a model with only prompts runs a whole 512-token chunk inside a stream gap of the other
-model (a 64-token prompt alone takes 180-270 ms for the bundled model in float32 on this 2-core VM, 2026-11-23).
+Layer-sliced steps (the default; PACELINE_SLICE=0 turns them off): a step is a generator (Engine.step_iter) that
+yields between two layers of the model. While another model's streams wait, the running step is suspended at a
+layer boundary once they come due (waited as long as their own last step, `_advance`), that model's
+step runs whole and its tokens go out at once, and the suspended step resumes on a later call. A stream then waits
+for one layer of another model's long step (~1-6 ms for the bundled model) instead of all of it: an int4 stream's
+usual gap (~25 ms) is shorter than one float32 decode step (~41 ms, 2026-11-23), so unsliced no rotation could
+keep it. A step of prompts alone is not capped for the others' sake any more and a model loaded on demand runs its
+first prompt whole; the step-time target stays shared among the busy models (below), since a model's own streams
+still wait for its own step plus the other models' steps run inside it. Everything stays on the engine thread (a
+second Python thread would mean two OpenMP teams spinning against each other on the same cores). A suspended
+step's duration counts its own layers only (the runner's).
+
+Where slicing does not apply (PACELINE_SLICE=0, speculative decoding, a parallel runner, the fault injector's
+hooks: `sliceable`), a stream waits for a whole step of every other busy model, so while k models have
+unfinished requests and any of them has running streams, each model's step-time target (`max_step_ms`, which cuts
+prompt chunks) is its own divided by k, and a step of prompts alone is capped to the tokens its share predicts
+(the scheduler cuts only steps that carry a decode of their own model; a 64-token prompt alone takes 180-270 ms
+for the bundled model in float32 on the old 2-core VM, 2026-11-23). A debut's first prompt is then cut to what the
+target leaves beside the other models' next steps (DEBUT_STEP "fit").
 
 A model loading on demand takes turns in the same rotation (LoadTurns): the parts of its load that hold the
 interpreter or a core (building the Engine from its runtime snapshot, mapping its pages in) run on the loader
 thread while the engine thread waits between two steps, each turn bounded like a step, instead of beside the
 other models' steps. Beside them a load stretched the step it overlapped by 25-85 ms (the engine thread waiting
-for the interpreter and a core) and the first prompt ran whole in one 95-167 ms step (2026-11-24, step log in
-docs/multi-model.md). Until its first token the new model's prompt is cut to what fits the step-time target
-beside the other models' next steps (DEBUT_STEP "fit").
+for the interpreter and a core; 2026-11-24, step log in docs/multi-model.md).
 
 With one model busy the pick is skipped: the single-model path costs one dict walk per step.
 MultiEngine is not thread-safe; AsyncEngine calls it from its engine thread only, as it does an Engine.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 from paceline.config import EngineConfig
 from paceline.core.auto_batch import largest_that_fits
 from paceline.core.batch_shape import BatchShape
 from paceline.engine.engine import Engine, RequestOutput
+from paceline.engine.runner import ModelRunner
 from paceline.sampling import SamplingParams
 
-# How a model loaded on demand runs its first prompt beside other models' streams: "fit" (cut to what the step-time
-# target leaves beside the other models' next steps, _debut_step_target), "whole" (its own token budget, uncapped:
-# one step for a short prompt; the default until 2026-11-24 02:50 UTC) or "left" (cut to what the others' last
-# steps left of the target, an others' prompt chunk to come not counted; measured 2026-11-24 00:21-00:31 UTC).
+# Without slicing (PACELINE_SLICE=0, or an engine that cannot be sliced), how a model loaded on demand runs its first
+# prompt beside other models' streams: "fit" (cut to what the step-time target leaves beside the other models' next
+# steps, _foreign_step_s) or "whole" (its own token budget, uncapped: one step for a short prompt). ("left", the
+# others' last steps only, measured 2026-11-24 00:21-00:31 UTC, is gone: "fit" replaced it.) Sliced, it runs whole.
 DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "fit")
+# Layer-sliced steps (see MultiEngine._advance): PACELINE_SLICE=0 runs every step whole, as before 2026-11-24 (the A/B)
+SLICE = os.environ.get("PACELINE_SLICE", "1") != "0"
+# Another model's streams are due once they have waited SLICE_DUE x that model's own last step since it ended: while
+# two models stream, the cores split about evenly in time between them, and each stream's gap is about twice its
+# own step plus one layer of the other model. (Against the median of its last decode steps instead, 2026-11-24
+# 05:56-05:59 UTC: a debut's first prompt got ~15 ms of every 70 ms int4 prompt chunk, first token 0.958 s; see
+# docs/multi-model.md.)
+SLICE_DUE = float(os.environ.get("PACELINE_SLICE_DUE", "1.0"))
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -166,6 +185,8 @@ class MultiEngine:
         self.recent_steps: deque[tuple] = deque(maxlen=STEP_RING)
         self.turns = LoadTurns()
         self._turn_since_step = False  # a load's turn was served since the last step
+        self._inflight: dict[str, _Run] = {}  # model -> its suspended step (at most one each)
+        self._deferred_aborts: dict[str, list[str]] = {}  # aborts that wait for the model's suspended step
         for name, engine in (engines or {}).items():
             self.add_model(name, engine)
 
@@ -226,7 +247,12 @@ class MultiEngine:
 
     def abort(self, request_id: str) -> None:
         model = self._owner.get(request_id)
-        if model is not None and model in self.engines:
+        if model in self._inflight:
+            # its model's step is suspended mid-forward with this request in its batch: freed now, its blocks would
+            # go back to the pool while that forward still writes them, and update() would meet a request that is
+            # gone; the abort waits for the step's end (_finish)
+            self._deferred_aborts.setdefault(model, []).append(request_id)
+        elif model is not None and model in self.engines:
             self.engines[model].abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -256,36 +282,101 @@ class MultiEngine:
             self.recent_steps.append(("(load)", start, time.monotonic(), time.thread_time() - cpu, 0, 0))
 
     def step(self) -> list[RequestOutput]:
+        """Run steps until one model's step ends; its outputs. Where slicing applies, a step is suspended between
+        two layers when another model's streams come due (`_advance`), that model's step runs (and its outputs
+        return at once), and the suspended one resumes on a later call."""
         self.serve_load_turn()
         busy = [name for name, e in self.engines.items() if e.has_unfinished()]
         if not busy:
             self.last_model, self.last_step = None, None
             return []
         name = busy[0] if len(busy) == 1 else self.pick(busy, time.monotonic())
+        sliced = SLICE and len(busy) > 1 and all(sliceable(self.engines[m]) for m in busy)
+        while True:
+            run = self._inflight.pop(name, None) or self._start(name, busy, sliced)
+            preemptor = self._advance(name, run, busy)
+            if preemptor is None:
+                return self._finish(name, run)
+            self._inflight[name] = run  # resumed by a later call, once the preemptor's step has ended
+            name = preemptor
+
+    def _start(self, name: str, busy: list[str], sliced: bool) -> "_Run":
+        engine = self.engines[name]
+        config = engine.scheduler.config
+        if sliced:
+            # Another model's streams wait for one layer of this step, not all of it (`_advance`): a step of prompts
+            # alone is no longer capped and a debut's prompt runs whole. The target stays shared: this model's own
+            # streams still wait for its own step plus the other models' steps run inside it.
+            self._share_step_target(busy)
+            if not config.auto_max_num_batched_tokens:  # an auto budget the scheduler sizes from the target itself
+                config.max_num_batched_tokens = self._budget[name]
+        else:
+            self._share_budgets(name, busy)
+        debut = self._debut.get(name)
+        if debut is not None:
+            debut.mark("first_step_start")
+        return _Run(engine.step_iter(sliced=sliced), sliced, time.monotonic())
+
+    def _share_budgets(self, name: str, busy: list[str]) -> None:
+        """Without slicing, another model's streams wait for the whole of this step: the step-time target is
+        shared among the busy models and a step of prompts is capped to its share (module docstring)."""
         engine = self.engines[name]
         if len(busy) > 1 or self.turns.pending or engine.scheduler.config.max_step_ms != self._step_ms[name]:
             self._share_step_target(busy)
         debut = self._debut.get(name)
         if debut is not None and DEBUT_STEP == "whole":
             engine.scheduler.config.max_num_batched_tokens = self._budget[name]
-        else:
-            if debut is not None and DEBUT_STEP == "left":
-                self._debut_step_target(name, busy)
-            elif debut is not None and DEBUT_STEP == "fit" and self._step_ms[name] > 0:
-                # one step of its own: the target less the other busy models' next steps, never below the share
-                config = engine.scheduler.config
-                config.max_step_ms = max(config.max_step_ms, 1e3 * self._foreign_step_s(name, busy))
-            self._cap_budget(name, busy)
-        if debut is not None:
-            debut.mark("first_step_start")
-        start, cpu = time.monotonic(), time.thread_time()
-        outputs = engine.step()
+            return
+        if debut is not None and DEBUT_STEP == "fit" and self._step_ms[name] > 0:
+            # one step of its own: the target less the other busy models' next steps, never below the share
+            config = engine.scheduler.config
+            config.max_step_ms = max(config.max_step_ms, 1e3 * self._foreign_step_s(name, busy))
+        self._cap_budget(name, busy)
+
+    def _advance(self, name: str, run: "_Run", busy: list[str]) -> str | None:
+        """Run `name`'s step on from where it stood; None once it has ended (run.outputs), else the model whose
+        streams came due at a layer boundary (the step stays suspended): another streaming model whose streams
+        have waited SLICE_DUE x its own last step since that step ended.
+        A model whose own step is suspended is not due (it resumes once the preemptor's step ends): no ping-pong,
+        and the running step always makes at least one layer of progress per call."""
+        cpu = time.thread_time()
+        watch = self._preemptors(name, busy) if run.sliced else []
+        first = min((start_by for start_by, _ in watch), default=math.inf)
+        try:
+            while True:
+                next(run.gen)
+                if first <= time.monotonic():  # the whole cost of a boundary where nothing is due: this compare
+                    now = time.monotonic()
+                    due = [(start_by, other) for start_by, other in watch if start_by <= now]
+                    run.cpu += time.thread_time() - cpu
+                    return min(due)[1]
+        except StopIteration as done:
+            run.outputs = done.value
+            run.cpu += time.thread_time() - cpu
+            return None
+
+    def _preemptors(self, name: str, busy: list[str]) -> list[tuple[float, str]]:
+        """(when due, model) of every other model that may preempt `name`'s step (see _advance)."""
+        watch = []
+        for other in busy:
+            engine = self.engines[other]
+            if other == name or other in self._inflight or not has_streams(engine):
+                continue
+            last = engine.last_step.duration if engine.last_step is not None else 0.0
+            watch.append((self._since.get(other, 0.0) + SLICE_DUE * last, other))
+        return watch
+
+    def _finish(self, name: str, run: "_Run") -> list[RequestOutput]:
+        engine = self.engines[name]
+        outputs = run.outputs
         self._turn_since_step = False
         self._since[name] = end = time.monotonic()
         self.last_model, self.last_step = name, engine.last_step
         last = self.last_step
-        self.recent_steps.append((name, start, end, time.thread_time() - cpu, last.num_decode_tokens if last else 0,
+        # start and end are wall times (a sliced step's span holds the steps run inside it), the CPU its own
+        self.recent_steps.append((name, run.start, end, run.cpu, last.num_decode_tokens if last else 0,
                                   last.num_prefill_tokens if last else 0))
+        debut = self._debut.get(name)
         if debut is not None:
             debut.mark("first_step_end", end)
             if any(out.new_token_ids for out in outputs):
@@ -293,6 +384,8 @@ class MultiEngine:
                 del self._debut[name]
                 debut.steps = self.steps_since(debut.start - SWITCH_STEPS_BEFORE_S, debut.start)
                 debut.finish()
+        for request_id in self._deferred_aborts.pop(name, []):
+            engine.abort(request_id)
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
@@ -329,27 +422,6 @@ class MultiEngine:
             if self._step_ms[name] > 0:
                 config.max_step_ms = self._step_ms[name] / shares
 
-    def _debut_step_target(self, name: str, busy: list[str]) -> None:
-        """Under PACELINE_DEBUT_STEP=left: a model loaded on demand, before its first token, takes what the other
-        models' last steps left of the step-time target rather than only its 1/k share.
-
-        The target is the gap budget of one rotation: another model's stream waits for one step of each busy
-        model. A model with no stream of its own has no gap of its own to protect, so its step may be the target
-        less the other streaming models' steps (their last ones, as measured), and the others' gaps stay within
-        the target, which is what their own prompt chunks already make their usual p99. For the bundled model
-        loaded in float32 beside int4 streams (~25-40 ms decode steps, 2026-11-23) that is ~110-125 ms of the
-        150 ms target against a 75 ms share: a 64-token prompt in two chunks instead of three or four, each
-        chunk costing the others one gap. Never less than the share. Only the debut: in steady traffic a model
-        with only prompts keeps its share (the one-loop figures in docs/multi-model.md were measured so)."""
-        own = self._step_ms[name]
-        config = self.engines[name].scheduler.config
-        streaming = [o for o in busy if o != name and has_streams(self.engines[o])]
-        if own <= 0 or not streaming:
-            return
-        taken_ms = sum(1e3 * self.engines[o].last_step.duration if self.engines[o].last_step is not None
-                       else own / len(busy) for o in streaming)
-        config.max_step_ms = max(config.max_step_ms, own - taken_ms)
-
     def _foreign_step_s(self, name: str | None, busy: list[str]) -> float:
         """Seconds of one step of a model with no streams of its own (`name`, or a load's turn when None) that
         keep the other models' stream gaps within the step-time target: the largest target less the other busy
@@ -385,6 +457,25 @@ class MultiEngine:
                                    sched.block_size)
         # the model's own decodes always fit in: the scheduler cuts its prompt chunks around them
         config.max_num_batched_tokens = min(own, max(fit, len(sched.running) + sched.block_size))
+
+
+@dataclass
+class _Run:
+    """One model's step under way: its generator (Engine.step_iter), when it began (wall), its own CPU so far."""
+    gen: Generator[None, None, list[RequestOutput]]
+    sliced: bool
+    start: float
+    cpu: float = 0.0
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+
+def sliceable(engine: Engine) -> bool:
+    """Whether a step of this engine may be suspended between layers: a plain Engine on the single-process runner,
+    no speculative decoding (its proposals and verification are one unit of work) and no hooks in its step
+    (the fault injector wraps step and execute: it sees whole steps only)."""
+    runner = engine.runner
+    return (type(engine) is Engine and engine.speculative_config is None and type(runner) is ModelRunner
+            and runner.drafter is None and "step" not in vars(engine) and "execute" not in vars(runner))
 
 
 def has_streams(engine: Engine) -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import time
+from typing import Generator
 
 import torch
 
@@ -10,7 +11,7 @@ from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from paceline.engine.prefault import populate_in_background
 from paceline.model.arch import ModelArch
 from paceline.model.attention import GatherWorkspace, SeqSlice, build_metadata
-from paceline.model.llama import LlamaModel
+from paceline.model.llama import LlamaModel, drain
 from paceline.model.sampler import Sampler, token_logprobs
 from paceline.model.spec_verify import accept_prefix, verify_rows
 
@@ -71,9 +72,32 @@ class ModelRunner:
             dev = torch.tensor([d for _, d in blocks_to_swap_in], device=self.device)
             self.kv_cache.index_copy_(2, dev, self.host_cache.index_select(2, host).to(self.device, non_blocking=True))
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        return drain(self.execute_iter(out))
+
+    @torch.inference_mode()  # generator-aware: on while the step runs, off while it is suspended
+    def execute_iter(self, out: SchedulerOutput) -> Generator[None, None, StepResult]:
+        """execute, suspended between two layers of the model (a bare `yield`): the loop of several models
+        (engine/multi.py) runs another model's step there. The result's duration counts this step's own work
+        only, not the time it spent suspended (the step-time refit and the scale learn from it)."""
         t0 = time.perf_counter()
+        paused = 0.0
+        steps = self._execute_layers(out)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                result = done.value
+                break
+            suspended = time.perf_counter()
+            yield
+            paused += time.perf_counter() - suspended
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        result.duration = time.perf_counter() - t0 - paused
+        return result
+
+    def _execute_layers(self, out: SchedulerOutput) -> Generator[None, None, StepResult]:
         self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
         result = StepResult()
         if out.scheduled:
@@ -82,7 +106,7 @@ class ModelRunner:
             order = sorted(out.scheduled, key=lambda s: (s.num_tokens == 1, s.start if s.num_tokens == 1 else 0))
             if self.drafter is not None:
                 self.drafter.propose(out)
-            logits, sampled = self._forward(order, result)
+            logits, sampled = yield from self._forward(order, result)
             # a NaN or inf row (a broken weight, an overflow) would sample garbage silently: fail the step instead,
             # and the engine finds the row's request (engine/faults.py); one sum per row is cheap next to sampling
             if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
@@ -99,12 +123,10 @@ class ModelRunner:
                     if logprobs[i] is not None:
                         result.logprobs[rid] = logprobs[i]
                 i += k + 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        result.duration = time.perf_counter() - t0
         return result
 
-    def _forward(self, order: list[ScheduledRequest], result: StepResult) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+    def _forward(self, order: list[ScheduledRequest],
+                 result: StepResult) -> Generator[None, None, tuple[torch.Tensor, list[ScheduledRequest]]]:
         """Run the model over the flat batch; logits [N, vocab] for the requests that need a sample. Prompt
         logprobs, for requests that asked, go into `result`."""
         ids: list[int] = []
@@ -131,11 +153,11 @@ class ModelRunner:
                 sampled.append(s)
         seqs = [SeqSlice(s.start, s.num_tokens, s.block_table) for s in order]
         if not prompt_rows:
-            return self.forward_tokens(ids, positions, seqs, last_rows), sampled
+            return (yield from self._forward_tokens(ids, positions, seqs, last_rows)), sampled
         # only requests that ask pay: their prompt rows join the sampled ones, in flat order (disjoint from them)
         rows = sorted(last_rows + [first + j for _, first, n in prompt_rows for j in range(n)])
         at = {row: i for i, row in enumerate(rows)}
-        logits = self.forward_tokens(ids, positions, seqs, rows)
+        logits = yield from self._forward_tokens(ids, positions, seqs, rows)
         for s, first, n in prompt_rows:
             r = s.request
             targets = r.token_ids[s.start + 1:s.start + 1 + n]
@@ -143,22 +165,36 @@ class ModelRunner:
                 logits[at[first]:at[first] + n], targets, r.sampling_params.prompt_logprobs))
         return logits[[at[row] for row in last_rows]], sampled
 
+    def _forward_tokens(self, ids: list[int], positions: list[int], seqs: list[SeqSlice],
+                        rows: list[int]) -> Generator[None, None, torch.Tensor]:
+        if type(self).forward_tokens is not ModelRunner.forward_tokens:
+            # a subclass that wraps forward_tokens (the tensor-parallel rank 0 sends the batch to its workers first)
+            # runs it whole: its step is never suspended
+            return self.forward_tokens(ids, positions, seqs, rows)
+        return (yield from self.forward_tokens_iter(ids, positions, seqs, rows))
+
     def _check_positions(self, positions: list[int]) -> None:
         if positions and max(positions) >= self.model.max_positions:
             raise ValueError(f"position {max(positions)} exceeds the model's {self.model.max_positions} positions")
 
     def forward_tokens(self, ids: list[int], positions: list[int], seqs: list[SeqSlice], rows: list[int]) -> torch.Tensor:
         """Lowest level: one forward over a flat batch laid out as `seqs`; float32 logits of the flat `rows`."""
+        with torch.inference_mode():
+            return drain(self.forward_tokens_iter(ids, positions, seqs, rows))
+
+    def forward_tokens_iter(self, ids: list[int], positions: list[int], seqs: list[SeqSlice],
+                            rows: list[int]) -> Generator[None, None, torch.Tensor]:
+        """forward_tokens, suspended between two layers (LlamaModel.forward_layers); the caller holds
+        inference mode on while it runs."""
         self._check_positions(positions)
         meta = build_metadata(seqs, self.block_size, self.device, self.workspace)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        with torch.inference_mode():
-            hidden = self.model(input_ids, pos, meta, self.kv_cache)
-            if not rows:
-                return hidden.new_empty(0, self.arch.vocab_size, dtype=torch.float32)
-            sel = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
-            return self.model.compute_logits(sel)
+        hidden = yield from self.model.forward_layers(input_ids, pos, meta, self.kv_cache)
+        if not rows:
+            return hidden.new_empty(0, self.arch.vocab_size, dtype=torch.float32)
+        sel = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
+        return self.model.compute_logits(sel)
 
     # --- conveniences for tests and benchmarks: one request alone, blocks 0.. in order -------------------------
     def prefill_logits(self, token_ids: list[int], chunk: int | None = None, first_block: int = 0) -> torch.Tensor:

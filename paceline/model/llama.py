@@ -14,6 +14,7 @@ import math
 import os
 import threading
 import warnings
+from typing import Generator, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,19 @@ from torch import nn
 from paceline.model import fused_kernel, int4_kernel, logits_kernel, w4a8_kernel
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
+
+
+T = TypeVar("T")
+
+
+def drain(steps: Generator[None, None, T]) -> T:
+    """Run a generator that yields between pieces of work (forward_layers, ModelRunner.execute_iter,
+    Engine.step_iter) to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def cpu_has_bf16_math() -> bool:
@@ -621,6 +635,13 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]; kv_cache [layers, 2, blocks, bs, kvh, d]."""
+        return drain(self.forward_layers(input_ids, positions, meta, kv_cache))
+
+    def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                       kv_cache: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """forward, suspended after every layer (a bare `yield`); returns the hidden states. Why: several models in
+        one loop (engine/multi.py) run another model's whole step between two layers of a long one, so that
+        model's streams wait for one layer of it rather than the whole step. forward is this, run through."""
         h = F.embedding(input_ids, self.embed)
         norm = self.norm
         if self.wide_above is not None and h.shape[0] > self.wide_above:
@@ -628,6 +649,7 @@ class LlamaModel(nn.Module):
         rope = self.rope[positions].unsqueeze(1)  # [T, 1, d/2], shared by every layer
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
+            yield
         fused = self.layers[0].fused if len(self.layers) else None
         if fused is not None and h.dtype in (torch.float32, torch.bfloat16):
             return fused.rms_norm(h, norm, self.arch.rms_norm_eps)

@@ -9,6 +9,7 @@ from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.engine import Engine
 from paceline.engine.model_specs import (FOREVER, ModelSpec, estimate_bytes, load_models_config, parse_keep_alive,
                                          parse_model_flag)
+from paceline.engine import multi as multi_module
 from paceline.engine.multi import MultiEngine
 from paceline.engine.residency import _build_engine, _pack_slowly, drop_plain_weights, engine_bytes, unpacked_linears
 from paceline.sampling import SamplingParams
@@ -54,7 +55,8 @@ def test_greedy_outputs_per_model_equal_single_model(tiny_dirs):
     assert not multi.has_unfinished() and multi._owner == {}
 
 
-def test_busy_models_alternate_step_by_step(tiny_dirs):
+def test_busy_models_alternate_step_by_step(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(multi_module, "SLICE", False)  # the pick alone (sliced, a due model preempts: test_multi_slice)
     multi = MultiEngine(config(None), {kind: Engine(config(path, name=kind)) for kind, path in tiny_dirs.items()})
     _, order = run_all(multi, [("a", "x y", "llama"), ("b", "x y", "qwen2")], max_tokens=10)
     both = order[:2 * 10]  # while both have streams, neither runs twice in a row
@@ -76,9 +78,12 @@ def test_priority_first_but_waiting_streams_are_not_starved(tiny_dirs):
     assert multi.pick(["llama", "qwen2"], 1.2) == "qwen2"
 
 
-def test_prompt_steps_are_cut_to_their_share_while_another_model_streams(tiny_dirs):
-    """The scheduler leaves a step of prompts alone uncut (no stream of its model waits on it); beside another
-    model's streams it is a gap of theirs, so the loop lowers its token budget to what its share of the target fits."""
+@pytest.mark.parametrize("sliced", [False, True])
+def test_prompt_steps_are_cut_to_their_share_while_another_model_streams(tiny_dirs, monkeypatch, sliced):
+    """Unsliced, the scheduler leaves a step of prompts alone uncut (no stream of its model waits on it); beside
+    another model's streams it is a gap of theirs, so the loop lowers its token budget to what its share of the
+    target fits. Sliced (the default), the other model's streams wait for one layer of it: its own budget."""
+    monkeypatch.setattr(multi_module, "SLICE", sliced)
     engines = {kind: Engine(config(path, name=kind, max_num_batched_tokens=64)) for kind, path in tiny_dirs.items()}
     for engine in engines.values():  # a step-time model: 1 ms a token; a 20 ms target, 10 ms each for two models
         engine.scheduler.step_time = lambda shape: 1e-3 * shape.num_tokens
@@ -95,7 +100,10 @@ def test_prompt_steps_are_cut_to_their_share_while_another_model_streams(tiny_di
         if multi.last_model == "qwen2" and multi.last_step.num_prefill_tokens:
             prompt_steps.append((multi.last_step.num_prefill_tokens, engines["llama"].has_unfinished()))
     beside = [n for n, streaming in prompt_steps if streaming]
-    assert beside and max(beside) <= 10 + 4  # its share (10 ms) fits 10 tokens; the cap keeps a block of room
+    if sliced:
+        assert beside == [60]  # the whole prompt in one step (64-token budget), sliced between layers
+    else:
+        assert beside and max(beside) <= 10 + 4  # its share (10 ms) fits 10 tokens; the cap keeps a block of room
     assert sum(n for n, _ in prompt_steps) >= 60
 
     # alone again (fresh ids: a repeated prompt would be mostly a prefix-cache hit): its own budget

@@ -1,0 +1,167 @@
+"""Layer-sliced steps: one model's step suspended between two layers while another model's step runs whole, then
+resumed. Same tokens as uninterrupted serving, the other model's step really inside, durations of its own work only,
+and the KV pools whole at the end."""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
+from paceline.engine import multi as multi_module
+from paceline.engine.engine import Engine, StepStats
+from paceline.engine.faults import FaultInjector
+from paceline.engine.multi import MultiEngine, has_streams, sliceable
+from paceline.sampling import SamplingParams
+
+PROMPTS = ["the cat sat on the mat and", "hello there, in the", "a b c d e f g h i j", "then the end"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny_dirs and one_torch_thread: conftest.py
+
+
+def engine(path: str, name: str) -> Engine:
+    return Engine(EngineConfig(model=path, dtype="float32", tbt_goal_ms=0, served_model_name=name,
+                               cache=CacheConfig(num_blocks=64, block_size=4, swap_space_gb=0),
+                               scheduler=SchedulerConfig(max_num_batched_tokens=16)))
+
+
+def always_preempt(multi: MultiEngine) -> list[tuple[str, str]]:
+    """Make every other streaming model due at every layer boundary (the policy aside: the mechanism under test);
+    the (suspended, preemptor) pairs are recorded."""
+    seen: list[tuple[str, str]] = []
+
+    def preemptors(name: str, busy: list[str]) -> list[tuple[float, str]]:
+        found = [(-math.inf, o) for o in busy
+                 if o != name and o not in multi._inflight and has_streams(multi.engines[o])]
+        seen.extend((name, o) for _, o in found[:1])
+        return found
+
+    multi._preemptors = preemptors
+    return seen
+
+
+def serve(multi_or_engine, requests: list[tuple[str, str, str | None]]) -> dict[str, list[int]]:
+    for rid, prompt, model in requests:
+        kw = {"model": model} if model is not None else {}
+        multi_or_engine.add_request(rid, prompt, GREEDY, **kw)
+    got: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    while multi_or_engine.has_unfinished():
+        for out in multi_or_engine.step():
+            got[out.request_id] += out.new_token_ids
+    return got
+
+
+def test_suspended_steps_resumed_later_give_the_tokens_of_single_model_serving(tiny_dirs):
+    alone = {kind: serve(engine(path, kind), [(f"{kind}-{i}", p, None) for i, p in enumerate(PROMPTS)])
+             for kind, path in tiny_dirs.items()}
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    seen = always_preempt(multi)
+    got = serve(multi, [(f"{kind}-{i}", p, kind) for i, p in enumerate(PROMPTS) for kind in tiny_dirs])
+    for kind in tiny_dirs:
+        assert {k: v for k, v in got.items() if k.startswith(kind)} == alone[kind]
+    assert set(seen) == {("llama", "qwen2"), ("qwen2", "llama")}  # each suspended the other
+    assert not multi._inflight and multi._owner == {}
+    for e in engines.values():  # every block back in the pool: nothing leaked by a suspension
+        assert e.scheduler.stats().num_used_blocks == 0
+
+
+def test_the_other_models_step_runs_inside_the_suspended_one(tiny_dirs):
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    always_preempt(multi)
+    serve(multi, [("a", PROMPTS[0], "llama"), ("b", PROMPTS[1], "qwen2")])
+    steps = list(multi.recent_steps)  # (model, start, end, ...) in the order the steps ended
+    nested = [(outer, inner) for outer in steps for inner in steps
+              if inner[0] != outer[0] and outer[1] < inner[1] and inner[2] < outer[2]]
+    assert nested  # a step of one model started after and ended before a step of the other
+    outer, inner = nested[0]
+    assert steps.index(inner) < steps.index(outer)  # its outputs came back first
+
+
+def test_a_suspended_steps_duration_counts_only_its_own_layers(tiny_dirs):
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    slow = engines["qwen2"].runner
+    real = slow.execute_iter
+
+    def slow_step(out):  # the other model's every step takes 50 ms more
+        time.sleep(0.05)
+        return (yield from real(out))
+
+    slow.execute_iter = slow_step
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    always_preempt(multi)
+    multi.add_request("q", "x y", GREEDY, model="qwen2")
+    while not has_streams(engines["qwen2"]):
+        multi.step()
+    observed = []
+    multi.add_request("l", PROMPTS[0], GREEDY, model="llama")
+    while multi.has_unfinished():
+        multi.step()
+        if multi.last_model == "llama":
+            name, start, end, *_ = multi.recent_steps[-1]
+            observed.append((end - start, engines["llama"].last_step.duration))
+    spans_with_a_slow_step_inside = [(span, own) for span, own in observed if span >= 0.05]
+    assert spans_with_a_slow_step_inside
+    # StepStats.duration is the StepResult's: what the step-time refit and the scale learn from
+    assert all(own < span - 0.045 for span, own in spans_with_a_slow_step_inside)
+
+
+def test_an_abort_while_its_step_is_suspended_waits_for_the_step(tiny_dirs):
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    always_preempt(multi)
+    multi.add_request("q", "x y", GREEDY, model="qwen2")
+    while not has_streams(engines["qwen2"]):
+        multi.step()
+    multi.add_request("l", PROMPTS[0], GREEDY, model="llama")
+    for _ in range(4):  # llama's prompt step is suspended for qwen2's decode, whose outputs come back
+        multi.step()
+        if "llama" in multi._inflight:
+            break
+    assert multi.last_model == "qwen2" and "llama" in multi._inflight
+    multi.abort("l")
+    assert engines["llama"].scheduler.get_request("l") is not None  # not yet: its blocks are in the batch
+    finished = {}
+    while multi.has_unfinished():
+        for out in multi.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert finished["l"] == "abort" and finished["q"] == "length"
+    assert all(e.scheduler.stats().num_used_blocks == 0 for e in engines.values())
+
+
+def test_slicing_is_off_where_it_cannot_apply(tiny_dirs, monkeypatch):
+    plain = engine(tiny_dirs["llama"], "llama")
+    assert sliceable(plain)
+    hooked = engine(tiny_dirs["qwen2"], "qwen2")
+    FaultInjector(hooked).install()  # wraps step and execute: it must see whole steps
+    assert not sliceable(hooked)
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": plain, "qwen2": hooked})
+    seen = always_preempt(multi)
+    serve(multi, [("a", PROMPTS[0], "llama"), ("b", PROMPTS[1], "qwen2")])
+    assert seen == []  # one unsliceable busy model: every step whole
+    monkeypatch.setattr(multi_module, "SLICE", False)  # PACELINE_SLICE=0: the same for any models
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {k: engine(p, k) for k, p in tiny_dirs.items()})
+    seen = always_preempt(multi)
+    serve(multi, [("a", PROMPTS[0], "llama"), ("b", PROMPTS[1], "qwen2")])
+    assert seen == []
+
+
+def test_another_model_is_due_once_its_streams_waited_its_last_step(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 1.0)
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    engines["llama"].add_request("s", "x y", GREEDY)
+    while not has_streams(engines["llama"]):
+        engines["llama"].step()
+    engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)  # a prompt only: no stream of its own
+    engines["llama"].last_step = StepStats(1, 30, 2, duration=0.070)  # a long step: the other gets as long
+    multi._since = {"llama": 10.0, "qwen2": 10.0}
+    busy = ["llama", "qwen2"]
+    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.070), "llama")]
+    assert multi._preemptors("llama", busy) == []  # qwen2 has no stream waiting
+    multi._inflight["llama"] = object()  # its own step suspended: it resumes after, it does not preempt
+    assert multi._preemptors("qwen2", busy) == []
