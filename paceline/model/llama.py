@@ -282,7 +282,7 @@ def w4a8_linears() -> tuple[str, ...]:
 # the layer linears on a dense bfloat16 copy of the dequantized codes (oneDNN's AVX512-BF16 matmul), fewer rows
 # keep the int4 op (and the w4a8 op between W4A8_FROM_ROWS and here, where that is faster). See INT4_WIDE_CHOICES
 # and int4_wide_choice(). The threshold is measured (benchmarks/profile_step.py; benchmarks/summaries/profile_after.md).
-INT4_BF16_FROM_ROWS = 16
+INT4_BF16_FROM_ROWS = 12
 # what an int4 model's bfloat16 steps of many rows run: "bf16" (the dense bfloat16 copy from INT4_BF16_FROM_ROWS
 # rows, ~2 bytes a weight more), "w4a8" (the int4 x int8 op as before, no dense copy); "auto": bf16 where the CPU
 # has native bf16 math, else w4a8 (without it a bf16 matmul converts inside every call, WIDE_ABOVE's comment).
@@ -377,7 +377,8 @@ class Int4Linear:
             op = w4a8_kernel.op()
             if op is not None:  # None: a snapshot built with the op, mapped where it cannot build (int4 op below)
                 return op(x, self.w4a8, self.out_features, self.bias, True, w4a8_kernel.MAX_R)
-        if x.shape[0] <= self.kernel_rows or self.dense is None or self.bf16_from is not None:  # x's dtype out
+        if self.kernel is not None and (x.shape[0] <= self.kernel_rows or self.dense is None
+                                        or self.bf16_from is not None):  # reads x as float32, returns x's dtype
             return self.kernel(x, self.packed, self.out_features, self.bias)
         if x.shape[0] > self.DENSE_ABOVE or x.dtype == torch.float32:
             return self.dense(x.to(self.dense.dtype)).to(x.dtype)
