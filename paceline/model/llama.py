@@ -279,14 +279,25 @@ def w4a8_linears() -> tuple[str, ...]:
 
 
 # int4 models on a CPU with native bf16 math (cpu_has_bf16_math): steps of at least INT4_BF16_FROM_ROWS rows run
-# the layer linears on a dense bfloat16 copy of the dequantized codes (oneDNN's AVX512-BF16 matmul), fewer rows
-# keep the int4 op (and the w4a8 op between W4A8_FROM_ROWS and here, where that is faster). See INT4_WIDE_CHOICES
-# and int4_wide_choice(). The threshold is measured (benchmarks/profile_step.py; benchmarks/summaries/profile_after.md).
+# the layer linears on a dense bfloat16 copy of the dequantized codes (oneDNN's AVX512-BF16 matmul, prepacked), fewer
+# rows keep the int4 op (1-6 rows) and the w4a8 op (7-11 rows). Once a step has a dozen rows it is compute-bound,
+# and oneDNN's prepacked bf16 GEMM (AVX512-BF16 dot products) outruns the w4a8 op (AVX2 integer dot products plus its
+# per-block work): whole steps of the bundled model, w4a8 vs the bf16 copy (AMD Zen 4, 2 threads;
+# `benchmarks/profile_step.py --modes int4 --compare "int4_wide=w4a8,int4_wide=bf16+int4_bf16_from=16,
+# int4_wide=bf16+int4_bf16_from=12"`, 2026-11-24, ended 05:56 UTC, ms): 32 decodes 56.9 -> 45.6, a 512-token
+# prefill 594.5 -> 392.8, 1,500 tokens in 512-chunks 2110.2 -> 1559.9; by rows, 12 rows 20.7 vs 20.5 (even), 16
+# rows 26.5 vs 23.2, 24 rows 34.0 vs 28.5, 128 rows 150.1 vs 104.5; at 9 rows w4a8 is ahead (15.7 vs 18.6 with the
+# copy from 7 rows, an earlier run ended 05:48 UTC). So the switch sits where the two lines meet
+# (12 rows) and a step's cost has no jump there (the step-time model is linear in rows: INT4_KERNEL_ROWS's comment).
+# The copy costs 2 bytes a weight: 212 MB for the bundled model's layers; the LM head and the activations of every
+# step stay bfloat16 as they were (no float32 wide steps on such a CPU), the KV cache too.
 INT4_BF16_FROM_ROWS = 12
 # what an int4 model's bfloat16 steps of many rows run: "bf16" (the dense bfloat16 copy from INT4_BF16_FROM_ROWS
-# rows, ~2 bytes a weight more), "w4a8" (the int4 x int8 op as before, no dense copy); "auto": bf16 where the CPU
-# has native bf16 math, else w4a8 (without it a bf16 matmul converts inside every call, WIDE_ABOVE's comment).
-# PACELINE_INT4_WIDE=auto|bf16|w4a8 picks it for models built afterwards; forcing bf16 on another CPU is for tests.
+# rows), "w4a8" (the int4 x int8 op from W4A8_FROM_ROWS rows as before, no dense copy); "auto": bf16 where the CPU
+# has native bf16 math, else w4a8 (without it a bf16 matmul converts inside every call, WIDE_ABOVE's comment, and
+# steps of more than 8 rows run in float32 anyway). PACELINE_INT4_WIDE=auto|bf16|w4a8 picks it for models built
+# afterwards (a faster w4a8 op may take the wide steps back: compare with profile_step.py --compare
+# "int4_wide=w4a8,int4_wide=bf16"); forcing bf16 on a CPU without bf16 math is for tests.
 INT4_WIDE_CHOICES = ("auto", "bf16", "w4a8")
 
 
