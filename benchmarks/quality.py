@@ -55,9 +55,7 @@ MODES = {"fp32": {"dtype": "float32", "quantization": "none"},
          "int4 wide bf16": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
                             "env": {"PACELINE_INT4_WIDE": "bf16"}},
          "int4 wide w4a8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
-                            "env": {"PACELINE_INT4_WIDE": "w4a8"}},
-         "int4 wide bf16f32": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
-                               "env": {"PACELINE_INT4_WIDE": "bf16f32"}}}
+                            "env": {"PACELINE_INT4_WIDE": "w4a8"}}}
 NARROW = 8  # tokens per step of the second pass: the decode path's width
 CORPUS = ROOT / "paceline" / "bench" / "data" / "corpus.txt"
 

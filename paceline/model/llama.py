@@ -298,10 +298,7 @@ INT4_BF16_FROM_ROWS = 12
 # steps of more than 8 rows run in float32 anyway). PACELINE_INT4_WIDE=auto|bf16|w4a8 picks it for models built
 # afterwards (a faster w4a8 op may take the wide steps back: compare with profile_step.py --compare
 # "int4_wide=w4a8,int4_wide=bf16"); forcing bf16 on a CPU without bf16 math is for tests.
-# "bf16f32" (opt-in): the bf16 copy's steps (INT4_BF16_FROM_ROWS rows and more) also run their residual stream,
-# norms and attention in float32, the linears' inputs rounded to bf16 (the wide_above mechanism; KV cache and LM
-# head weights stay bf16): bf16 activations throughout cost top-1 agreement on such a CPU (quality.md, 2026-11-24).
-INT4_WIDE_CHOICES = ("auto", "bf16", "w4a8", "bf16f32")
+INT4_WIDE_CHOICES = ("auto", "bf16", "w4a8")
 
 
 def int4_wide_choice(choice: str | None = None) -> str:
@@ -365,9 +362,7 @@ class Int4Linear:
         # wide steps) the dense copy, 4 bytes a weight, is not built at all.
         # bf16_from (bfloat16 steps only, no float32 wide steps): steps of at least this many rows run the dense
         # bfloat16 copy; the w4a8 op then serves only the rows between W4A8_FROM_ROWS and bf16_from, if any
-        self.bf16_from = (bf16_from if bf16_from is not None and wide in (None, "bf16") and dtype == torch.bfloat16
-                          else None)
-        wide = None if wide == "bf16" else wide  # float32 steps on the bf16 copy: no float32 copy of their own
+        self.bf16_from = bf16_from if bf16_from is not None and not wide and dtype == torch.bfloat16 else None
         use_w4a8 = (w4a8 and self.kernel is not None and wide != "int8"
                     and (self.bf16_from is None or self.bf16_from > W4A8_FROM_ROWS) and w4a8_kernel.load() is not None)
         self.w4a8 = w4a8_kernel.pack(codes, scale, lo, nibbles=True) if use_w4a8 else None
@@ -387,8 +382,8 @@ class Int4Linear:
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bf16_from is not None and x.shape[0] >= self.bf16_from:  # float32 x: a bf16f32 model's wide step
-            return self.dense(x.to(torch.bfloat16)).to(x.dtype)
+        if self.bf16_from is not None and x.shape[0] >= self.bf16_from and x.dtype == torch.bfloat16:
+            return self.dense(x)
         if self.w4a8 is not None and x.shape[0] >= W4A8_FROM_ROWS:
             op = w4a8_kernel.op()
             if op is not None:  # None: a snapshot built with the op, mapped where it cannot build (int4 op below)
@@ -549,12 +544,9 @@ class LlamaModel(nn.Module):
         int4_rows = INT4_KERNEL_ROWS if int4_rows is None else int4_rows
         # int4 steps that stay in bfloat16 (no float32 wide steps): from how many rows a dense bf16 copy serves them
         self.int4_bf16_from = None
-        choice = int4_wide_choice(int4_wide) if quantization == "int4" else "w4a8"
-        if wide is None and embed.dtype == torch.bfloat16 and choice in ("bf16", "bf16f32"):
+        if (quantization == "int4" and wide is None and embed.dtype == torch.bfloat16
+                and int4_wide_choice(int4_wide) == "bf16"):
             self.int4_bf16_from = INT4_BF16_FROM_ROWS if int4_bf16_from is None else int4_bf16_from
-            if choice == "bf16f32":  # those steps in float32, reading the bf16 copy ("bf16" wide linears)
-                self.wide_above = self.int4_bf16_from - 1
-                self.wide_linears = wide = "bf16"
         self.layers = nn.ModuleList(LlamaLayer(arch, w, pack, quantization, embed.dtype, wide, int4_rows,
                                                self.int4_bf16_from) for w in layers)
         self.norm32 = norm.float() if wide else None
@@ -568,7 +560,7 @@ class LlamaModel(nn.Module):
               and head.shape[1] % 8 == 0 and not cpu_has_bf16_math() else None)
         self.few_row_logits = logits_kernel.FewRowLogits(head, op) if op is not None else None
         self.lm_head = Linear(head, None, pack and not (self.few_row_logits is not None and wide))
-        if wide and wide != "bf16":  # logits of many rows in float32 too: several times faster than bf16 there
+        if wide:  # logits of many rows (a batch of decodes) in float32 too: several times faster than bf16 here
             self.lm_head.wide = wide_linear(head, None, pack, wide)
         self.max_positions = max_positions or arch.max_position_embeddings
         self.register_buffer("rope", rope_table(arch, self.max_positions, embed.device))
@@ -701,5 +693,4 @@ class LlamaModel(nn.Module):
         wide = self.wide_above is not None and hidden.shape[0] > self.wide_above
         if not wide and self.few_row_logits is not None and hidden.shape[0] <= logits_kernel.MAX_ROWS:
             return self.few_row_logits(hidden)
-        wide = wide and self.lm_head.wide is not None  # bf16f32 models: their LM head has no float32 copy
         return self.lm_head(hidden.float() if wide else hidden.to(self.dtype)).float()

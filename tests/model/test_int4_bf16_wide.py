@@ -124,27 +124,3 @@ def test_bundled_model_bf16_wide_steps_agree_with_float32_and_generate(monkeypat
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text.strip()
     # the first token is the float32 model's greedy choice at the prompt's end
     assert out.outputs[0].token_ids[0] == int(f32[-1].argmax())
-
-
-def test_bf16f32_runs_wide_steps_in_float32_on_the_bf16_copy(tiny):
-    hf = tiny.make_hf_model("llama", hidden_size=64, intermediate_size=128)
-    arch = tiny.arch_of(hf)
-    weights = {k: v.float() for k, v in hf.state_dict().items()}
-    deq = {k: _dequantized(v) if v.dim() == 2 and k.startswith("model.layers.") else v for k, v in weights.items()}
-    ref = ModelRunner(LlamaModel.from_weights(arch, deq), arch, 64, 4)
-    model = LlamaModel.from_weights(arch, weights, "cpu", torch.bfloat16, quantization="int4", wide_above=None,
-                                    int4_wide="bf16f32")
-    assert model.wide_above == INT4_BF16_FROM_ROWS - 1 and model.wide_linears == "bf16"
-    lin = model.layers[0].gate_up
-    assert lin.bf16_from == INT4_BF16_FROM_ROWS and lin.dense.dtype == torch.bfloat16  # no float32 copy
-    assert model.lm_head.wide is None
-    x = torch.randn(INT4_BF16_FROM_ROWS, 64)
-    got = lin(x)  # a float32 step: bf16 inputs to the copy, float32 out
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, lin.dense(x.to(torch.bfloat16)).float(), rtol=0, atol=0)
-    fast = ModelRunner(model, arch, 64, 4, dtype=torch.bfloat16)
-    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-    for chunk in (None, INT4_BF16_FROM_ROWS, 8, 3):
-        want, got = ref.prefill_logits(ids, chunk), fast.prefill_logits(ids, chunk)
-        assert _rel(got, want) < 0.03, chunk
-        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9, chunk
