@@ -109,7 +109,7 @@ def scenarios(vocab: int, bs: int):
         # a full batch of 32 decodes beside a 48-token chunk of a fresh prompt: 80 rows, the int4 op's range
         "probe32: 48-token chunk + 32 decodes": [[(100, 0, 0, 48)] + [(c, 1, c, 1) for c in ctx32]],
         # a wide step's cost against its rows (fresh prompt chunks): the intercept is the per-step cost
-        **{f"rows {n} (fresh chunk)": [[(n, 0, 0, n)]] for n in (9, 16, 32, 64, 128, 192, 256)},
+        **{f"rows {n} (fresh chunk)": [[(n, 0, 0, n)]] for n in (9, 12, 16, 24, 32, 64, 128, 192, 256)},
     }
 
 

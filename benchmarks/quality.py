@@ -49,7 +49,13 @@ MODES = {"fp32": {"dtype": "float32", "quantization": "none"},
          "int4 w4a8 down only": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
                             "w4a8_linears": ("down",)},
          "int4 w4a8 o+down": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
-                              "w4a8_linears": ("o", "down")}}
+                              "w4a8_linears": ("o", "down")},
+         # what int4's bfloat16 steps of many rows run (llama.int4_wide_choice; "int4" above: auto, bf16 where the
+         # CPU has native bf16 math): the dense bf16 copy from INT4_BF16_FROM_ROWS rows, or the w4a8 op
+         "int4 wide bf16": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
+                            "env": {"PACELINE_INT4_WIDE": "bf16"}},
+         "int4 wide w4a8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
+                            "env": {"PACELINE_INT4_WIDE": "w4a8"}}}
 NARROW = 8  # tokens per step of the second pass: the decode path's width
 CORPUS = ROOT / "paceline" / "bench" / "data" / "corpus.txt"
 

@@ -292,6 +292,42 @@ def w4a8_linears() -> tuple[str, ...]:
     return names
 
 
+# int4 models on a CPU with native bf16 math (cpu_has_bf16_math): steps of at least INT4_BF16_FROM_ROWS rows run
+# the layer linears on a dense bfloat16 copy of the dequantized codes (oneDNN's AVX512-BF16 matmul, prepacked), fewer
+# rows keep the int4 op (1-6 rows) and the w4a8 op (7-11 rows). Once a step has a dozen rows it is compute-bound,
+# and oneDNN's prepacked bf16 GEMM (AVX512-BF16 dot products) outruns the w4a8 op (AVX2 integer dot products plus its
+# per-block work): whole steps of the bundled model, w4a8 vs the bf16 copy (AMD Zen 4, 2 threads;
+# `benchmarks/profile_step.py --modes int4 --compare "int4_wide=w4a8,int4_wide=bf16+int4_bf16_from=16,
+# int4_wide=bf16+int4_bf16_from=12"`, 2026-11-24, ended 05:56 UTC, ms): 32 decodes 56.9 -> 45.6, a 512-token
+# prefill 594.5 -> 392.8, 1,500 tokens in 512-chunks 2110.2 -> 1559.9; by rows, 12 rows 20.7 vs 20.5 (even), 16
+# rows 26.5 vs 23.2, 24 rows 34.0 vs 28.5, 128 rows 150.1 vs 104.5; at 9 rows w4a8 is ahead (15.7 vs 18.6 with the
+# copy from 7 rows, an earlier run ended 05:48 UTC). So the switch sits where the two lines meet
+# (12 rows) and a step's cost has no jump there (the step-time model is linear in rows: INT4_KERNEL_ROWS's comment).
+# The copy costs 2 bytes a weight: 212 MB for the bundled model's layers; the LM head and the activations of every
+# step stay bfloat16 as they were (no float32 wide steps on such a CPU), the KV cache too. Quality there, whole
+# 512-token windows: top-1 97.70 % of fp32's, perplexity +0.06 %, against 97.82 % / +0.18 % for the w4a8 op with
+# the same bf16 activations; the 99 % top-1 bar needs float32 activations (benchmarks/summaries/quality.md).
+INT4_BF16_FROM_ROWS = 12
+# what an int4 model's bfloat16 steps of many rows run: "bf16" (the dense bfloat16 copy from INT4_BF16_FROM_ROWS
+# rows), "w4a8" (the int4 x int8 op from W4A8_FROM_ROWS rows as before, no dense copy); "auto": bf16 where the CPU
+# has native bf16 math, else w4a8 (without it a bf16 matmul converts inside every call, WIDE_ABOVE's comment, and
+# steps of more than 8 rows run in float32 anyway). PACELINE_INT4_WIDE=auto|bf16|w4a8 picks it for models built
+# afterwards (a faster w4a8 op may take the wide steps back: compare with profile_step.py --compare
+# "int4_wide=w4a8,int4_wide=bf16"); forcing bf16 on a CPU without bf16 math is for tests.
+INT4_WIDE_CHOICES = ("auto", "bf16", "w4a8")
+
+
+def int4_wide_choice(choice: str | None = None) -> str:
+    """"bf16" or "w4a8": `choice`, else PACELINE_INT4_WIDE, else "auto", with "auto" resolved for this CPU."""
+    choice = choice or os.environ.get("PACELINE_INT4_WIDE") or "auto"
+    if choice not in INT4_WIDE_CHOICES:
+        raise ValueError(f"PACELINE_INT4_WIDE / int4_wide must be one of {', '.join(INT4_WIDE_CHOICES)}, "
+                         f"got {choice!r}")
+    if choice == "auto":
+        return "bf16" if cpu_has_bf16_math() else "w4a8"
+    return choice
+
+
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest 4-bit codes [N, K] (int32, 0..15) with a float32 scale and minimum per group of
     INT4_GROUP inputs [N, K / INT4_GROUP]: w ~ min + code * scale.
@@ -323,7 +359,7 @@ class Int4Linear:
     DENSE_ABOVE = 8
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, wide: str | None = None,
-                 kernel_rows: int = 0, w4a8: bool = False):
+                 kernel_rows: int = 0, w4a8: bool = False, bf16_from: int | None = None):
         codes, scale, lo = int4_codes(weight)
         self.kernel = int4_kernel.load()
         # rows up to which paceline's own int4 op serves any step, float32 (wide) inputs included; 0: DENSE_ABOVE
@@ -340,10 +376,14 @@ class Int4Linear:
         # the same codes with exact float32 scales and minimums, activations rounded to int8 per block of 32. It
         # was faster than the float32 copy and the int4 op at every row count measured, so with it (and float32
         # wide steps) the dense copy, 4 bytes a weight, is not built at all.
-        use_w4a8 = w4a8 and self.kernel is not None and w4a8_kernel.load() is not None and wide != "int8"
+        # bf16_from (bfloat16 steps only, no float32 wide steps): steps of at least this many rows run the dense
+        # bfloat16 copy; the w4a8 op then serves only the rows between W4A8_FROM_ROWS and bf16_from, if any
+        self.bf16_from = bf16_from if bf16_from is not None and not wide and dtype == torch.bfloat16 else None
+        use_w4a8 = (w4a8 and self.kernel is not None and wide != "int8"
+                    and (self.bf16_from is None or self.bf16_from > W4A8_FROM_ROWS) and w4a8_kernel.load() is not None)
         self.w4a8 = w4a8_kernel.pack(codes, scale, lo, nibbles=True) if use_w4a8 else None
-        if use_w4a8 and W4A8_FROM_ROWS <= self.kernel_rows + 1:  # fewer rows: the int4 op; more: this op
-            self.dense = None
+        if use_w4a8 and self.bf16_from is None and W4A8_FROM_ROWS <= self.kernel_rows + 1:
+            self.dense = None  # fewer rows: the int4 op; more: this op
             return
         dequantized = (lo[..., None] + codes.view(n, -1, INT4_GROUP) * scale[..., None]).view(n, k)
         # wide: the dense copy serves the float32 steps the model runs for many rows (float32 or int8); else bf16
@@ -358,11 +398,14 @@ class Int4Linear:
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_from is not None and x.shape[0] >= self.bf16_from and x.dtype == torch.bfloat16:
+            return self.dense(x)
         if self.w4a8 is not None and x.shape[0] >= W4A8_FROM_ROWS:
             op = w4a8_kernel.op()
             if op is not None:  # None: a snapshot built with the op, mapped where it cannot build (int4 op below)
                 return op(x, self.w4a8, self.out_features, self.bias, True, w4a8_kernel.MAX_R)
-        if x.shape[0] <= self.kernel_rows or self.dense is None:  # reads x as float32, returns x's dtype
+        if self.kernel is not None and (x.shape[0] <= self.kernel_rows or self.dense is None
+                                        or self.bf16_from is not None):  # reads x as float32, returns x's dtype
             return self.kernel(x, self.packed, self.out_features, self.bias)
         if x.shape[0] > self.DENSE_ABOVE or x.dtype == torch.float32:
             return self.dense(x.to(self.dense.dtype)).to(x.dtype)
@@ -373,15 +416,16 @@ class Int4Linear:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, quantization: str,
-                dtype: torch.dtype, wide: str | None = None, int4_rows: int = 0, name: str = "") -> "Linear | Int4Linear":
+                dtype: torch.dtype, wide: str | None = None, int4_rows: int = 0, name: str = "",
+                bf16_from: int | None = None) -> "Linear | Int4Linear":
     """wide: None, or what serves the model's float32 (wide) steps: "fp32" or "int8" (see wide_linear). name: the
-    layer's name for it (W4A8_LINEARS)."""
+    layer's name for it (W4A8_LINEARS). bf16_from: int4 steps of at least this many rows run a dense bf16 copy."""
     if quantization == "int4":
         if not Int4Linear.supports(weight, dtype):
             raise ValueError(f"int4 quantization needs a CPU, dtype bfloat16 and input sizes that are multiples "
                              f"of {INT4_GROUP}; got {weight.device.type}, {dtype} and {weight.shape[1]}")
         return Int4Linear(weight, None if bias is None else bias.to(dtype), dtype, wide, int4_rows,
-                          w4a8=name in w4a8_linears())
+                          w4a8=name in w4a8_linears(), bf16_from=bf16_from)
     # the wide copy comes from the checkpoint's weight, not from its rounding to the run dtype
     lin = Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack)
     if wide and dtype != torch.float32:
@@ -432,21 +476,24 @@ def _permute_heads(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tens
 
 class LlamaLayer(nn.Module):
     def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor], pack: bool = True, quantization: str = "none",
-                 dtype: torch.dtype | None = None, wide: str | None = None, int4_rows: int = 0):
+                 dtype: torch.dtype | None = None, wide: str | None = None, int4_rows: int = 0,
+                 bf16_from: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
         self.scale = arch.head_dim ** -0.5
         dtype = dtype or w["qkv"].dtype
-        self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), pack, quantization, dtype, wide, int4_rows, "qkv")
-        self.o = make_linear(w["o"], None, pack, quantization, dtype, wide, int4_rows, "o")
-        self.gate_up = make_linear(w["gate_up"], None, pack, quantization, dtype, wide, int4_rows, "gate_up")
+        self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), pack, quantization, dtype, wide, int4_rows, "qkv",
+                               bf16_from)
+        self.o = make_linear(w["o"], None, pack, quantization, dtype, wide, int4_rows, "o", bf16_from)
+        self.gate_up = make_linear(w["gate_up"], None, pack, quantization, dtype, wide, int4_rows, "gate_up",
+                                   bf16_from)
         # int8 wide steps keep `down` in float32: its input has outliers that belong to tokens (up to ~90x the
         # row's median), which neither smoothing nor fixed outlier channels catch; int8 there alone cost ~3 % of
         # top-1 agreement on the bundled model (benchmarks/summaries/int8_wide.md)
         # (and the int4 x int8 op does not serve it either there: int8 wide steps are a choice of their own)
         self.down = make_linear(w["down"], None, pack, quantization, dtype, "fp32" if wide == "int8" else wide,
-                                int4_rows, "" if wide == "int8" else "down")
+                                int4_rows, "" if wide == "int8" else "down", bf16_from)
         self.register_buffer("input_norm", w["input_norm"])
         self.register_buffer("post_norm", w["post_norm"])
         # float32 steps (wide) read float32 norm weights: rms_norm wants its input's dtype
@@ -491,7 +538,7 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, layers: list[dict[str, torch.Tensor]], embed: torch.Tensor, norm: torch.Tensor,
                  lm_head: torch.Tensor | None, max_positions: int | None = None, pack: bool = True,
                  quantization: str = "none", wide_above: int | str | None = "auto", wide_linears: str = "auto",
-                 int4_rows: int | None = None):
+                 int4_rows: int | None = None, int4_wide: str | None = None, int4_bf16_from: int | None = None):
         super().__init__()
         self.arch = arch
         self.quantization = quantization
@@ -511,8 +558,13 @@ class LlamaModel(nn.Module):
         self.wide_linears = wide = wide_linears if self.wide_above is not None else None
         # the LM head (and the embedding it may share) stays in the run dtype: GGUFs keep it at 6-8 bits
         int4_rows = INT4_KERNEL_ROWS if int4_rows is None else int4_rows
-        self.layers = nn.ModuleList(LlamaLayer(arch, w, pack, quantization, embed.dtype, wide, int4_rows)
-                                    for w in layers)
+        # int4 steps that stay in bfloat16 (no float32 wide steps): from how many rows a dense bf16 copy serves them
+        self.int4_bf16_from = None
+        if (quantization == "int4" and wide is None and embed.dtype == torch.bfloat16
+                and int4_wide_choice(int4_wide) == "bf16"):
+            self.int4_bf16_from = INT4_BF16_FROM_ROWS if int4_bf16_from is None else int4_bf16_from
+        self.layers = nn.ModuleList(LlamaLayer(arch, w, pack, quantization, embed.dtype, wide, int4_rows,
+                                               self.int4_bf16_from) for w in layers)
         self.norm32 = norm.float() if wide else None
         self.register_buffer("embed", embed)
         self.register_buffer("norm", norm)
@@ -575,7 +627,8 @@ class LlamaModel(nn.Module):
                      dtype: torch.dtype = torch.float32, max_positions: int | None = None,
                      pack: bool = True, quantization: str = "none",
                      wide_above: int | str | None = "auto", wide_linears: str = "auto",
-                     int4_rows: int | None = None) -> "LlamaModel":
+                     int4_rows: int | None = None, int4_wide: str | None = None,
+                     int4_bf16_from: int | None = None) -> "LlamaModel":
         """Build from Hugging Face-named tensors; a missing tensor is a ValueError naming it.
 
         pack=False keeps plain F.linear weights (no oneDNN prepacking). quantization="int4" holds the layers'
@@ -585,7 +638,11 @@ class LlamaModel(nn.Module):
         wide_above: steps with more tokens than this run in float32 ("auto": WIDE_ABOVE for a bfloat16/float16
         model on a CPU without native bf16 math, else never; None: never). wide_linears: what those steps' linears
         run, "fp32" (float32 copies of the weights) or "int8" (Int8Linear, where torch has the x86 quantized
-        engine); "auto": AUTO_WIDE_LINEARS."""
+        engine); "auto": AUTO_WIDE_LINEARS.
+
+        int4_wide: "auto", "bf16" or "w4a8" (None: PACELINE_INT4_WIDE, else auto; see int4_wide_choice): whether
+        an int4 model's bfloat16 steps of at least int4_bf16_from rows (None: INT4_BF16_FROM_ROWS) run a dense
+        bf16 copy."""
         rope_inv_freq(arch)  # reject unsupported rope scaling before any work
         if quantization not in ("none", "int4"):
             raise ValueError(f"quantization must be 'none' or 'int4', got {quantization!r}")
@@ -630,7 +687,7 @@ class LlamaModel(nn.Module):
         else:
             lm_head = put(weights["lm_head.weight"])
         return cls(arch, layers, embed, put(get("model.norm.weight")), lm_head, max_positions, pack, quantization,
-                   wide_above, wide_linears, int4_rows)
+                   wide_above, wide_linears, int4_rows, int4_wide, int4_bf16_from)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:

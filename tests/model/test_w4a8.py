@@ -190,6 +190,7 @@ def test_bundled_model_with_the_op_stays_close_to_float32(monkeypatch):
     from paceline.model.loader import load_checkpoint
 
     monkeypatch.setenv("PACELINE_W4A8_LINEARS", "all")
+    monkeypatch.setenv("PACELINE_INT4_WIDE", "w4a8")  # not a bf16 copy for the wide step (test_int4_bf16_wide.py)
     ckpt = load_checkpoint(None, "float32")
     ids = ckpt.tokenizer.encode("The history of the printing press begins in East Asia, where woodblock "
                                 "printing spread long before movable type reached Europe. In the fifteenth century")
