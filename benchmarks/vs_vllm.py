@@ -30,6 +30,7 @@ Timings are absolute figures from a shared 2-core machine: only ratios from one 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import signal
 import statistics
@@ -109,10 +110,39 @@ def probe_prefill(ep: Endpoint, prompts: Prompts, repeats: int = 3) -> dict:
     return {"ttft_s": ttft, "prefill_tok_s": LONG_PROMPT / ttft, "ttfts_s": ttfts}
 
 
+class GcWatch:
+    """This (the client's) process's garbage collections while a probe runs, on the monotonic clock: a full
+    collection stops the client's event loop, and every token read after it starts looks late. The client holds
+    ~180,000 tracked objects (httpx, numpy, the tokenizer), whose full collection took 153 ms (2026-11-24 05:49 UTC,
+    one `flock -s` run of gc.collect(2) after the imports and the tokenizer's load)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float, int]] = []  # (start, end, generation)
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.spans.append((self._start, time.perf_counter(), info.get("generation", -1)))
+
+    def __enter__(self) -> "GcWatch":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def within(self, a: float, b: float, min_ms: float = 1.0) -> list[list[float]]:
+        """Collections of at least min_ms overlapping [a, b]: [start, end, generation] each."""
+        return [[s, e, g] for s, e, g in self.spans if s <= b and e >= a and (e - s) * 1e3 >= min_ms]
+
+
 def probe_stall(ep: Endpoint, prompts: Prompts, arrive_s: float = 1.5) -> dict:
     """6 streams start together; the long prompt arrives once they decode. The largest gap of the 6 after it."""
     specs = [RequestSpec(i, 0.0, 100, 160) for i in range(6)] + [RequestSpec(6, arrive_s, LONG_PROMPT, 1)]
-    res = run_requests(ep, specs, [prompts(s.prompt_tokens) for s in specs])
+    with GcWatch() as watch:
+        res = run_requests(ep, specs, [prompts(s.prompt_tokens) for s in specs])
     streams, long = res.records[:6], res.records[6]
     gaps_after = [t1 - t0 for r in streams for t0, t1 in zip(r.token_times, r.token_times[1:]) if t1 >= long.sent_s]
     still = all(r.token_times[-1] >= long.token_times[0] for r in streams)  # did the streams outlast the prefill?
@@ -131,8 +161,14 @@ def probe_stall(ep: Endpoint, prompts: Prompts, arrive_s: float = 1.5) -> dict:
         # the others saw the same gap (a step) or not (one stream's delivery)
         a, b = window[1:3]
         out["max_gap_stream"] = window[3]
+        # the client's own collections in the gap: a pause of the reader, not of the server (ms from the gap's start)
+        out["client_gc_in_gap_ms"] = [[round(1e3 * (s - a), 1), round(1e3 * (e - a), 1), g] for s, e, g in watch.within(a, b)]
         out["tokens_near_gap_ms"] = [[round(1e3 * (t0 + t - a), 1) for t in r.token_times if a - 0.3 <= t0 + t <= b + 0.1]
                                      for r in streams]
+    # every collection of 5 ms or more during the probe: [start in s after the long prompt was sent, ms, generation]
+    sent = t0 + long.sent_s
+    out["client_gc_pauses"] = [[round(s - sent, 3), round(1e3 * (e - s), 1), g] for s, e, g in watch.spans
+                               if (e - s) * 1e3 >= 5]
     return out
 
 
@@ -249,6 +285,9 @@ def explain_gap(stall: dict, gap: dict) -> str:
                              f"{pct([r['pred_ms'] for r in part], 0.5):5.1f} ms, x{pct(ratio, 0.5):.2f}, "
                              f"{pct([r['prefill'] for r in part], 0.5):3.0f} tokens; longest "
                              f"{max(r['dur_ms'] for r in part):.1f} ms")
+    lines.append(f"  the client's own garbage collections in the gap (start / end ms, generation): "
+                 f"{stall.get('client_gc_in_gap_ms') or 'none'}; of 5 ms or more during the probe (s after the long "
+                 f"prompt was sent, ms, generation): {stall.get('client_gc_pauses') or 'none'}")
     lines.append("  client token times near it, ms from the gap's start, per stream:")
     for i, ts in enumerate(stall.get("tokens_near_gap_ms") or []):
         lines.append(f"    s{i}: " + " ".join(f"{t:+.0f}" for t in ts))
