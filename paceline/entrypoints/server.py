@@ -842,7 +842,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("max_step_ms", "stall-free: cut prompt chunks so each step's predicted time stays under this; set it "
          "below your TBT SLO (0: off)", type=float)
     flag("short_step_ms", "stall-free: the step target for a chunk whose prompt costs more per token it can bring "
-         "than a decode costs now (0: off; default 0.45 x the target derived from --tbt-goal-ms)", type=float)
+         "than a decode costs now (0: off; default 0.35 x the target derived from --tbt-goal-ms)", type=float)
     flag("time_slice_tokens", "preempt a decoding request after this many output tokens (doubling per demotion) "
          "when queued work waits for its seat (0: off)", type=int)
     flag("time_slice_ms", "the same in ms of residency (0: off)", type=float)
