@@ -611,7 +611,10 @@ class OpenAIServing:
                     yield sse({**chunk, "choices": [{"index": i, "text": echo[prompt_of[i]],
                                                      "logprobs": self._echo_logprobs(out.request),
                                                      "finish_reason": None}], **extra})
-                if not (out.new_text or out.finished or (logprobs is not None and out.new_logprobs)):
+                # a token whose text is held back (an incomplete UTF-8 sequence, a possible stop string) still gets
+                # its chunk, with empty text, as vLLM sends it: a client that counts tokens by chunk (the benchmark's)
+                # otherwise sees that stream's gap span two steps (issue 13's stall probe, 2026-11-24)
+                if not (out.new_text or out.new_token_ids or out.finished or (logprobs is not None and out.new_logprobs)):
                     continue
                 lp = None
                 if logprobs is not None and out.new_logprobs:
