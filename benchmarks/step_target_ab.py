@@ -10,7 +10,10 @@ the default did before the short target; `@DIR` before the flags freezes the cod
 the checkout, so editing it while a long run waits for the lock changes nothing.)
 
 Probes (comma-separated): `tput` = (a) 32 streams and (d) a lone 1,500-token prompt (median of 2); `stall` = (e) 6
-streams, then a 1,500-token prompt, on a server with `--max-num-batched-tokens 64` added (as vs_vllm.py runs it);
+streams, then a 1,500-token prompt, on a server with `--max-num-batched-tokens 64` added (as vs_vllm.py runs it),
+after a short warm-up or, with `--stall-after tput`, after the 32-stream probe on the same server (vs_vllm.py's
+order; the warm-up order runs while the KV pool's prefault still runs, whose steps the step-time target does not
+learn from); its largest gap is printed beside the steps around it (vs_vllm.explain_gap);
 `chat` = vs_vllm.py's chat probe (`paceline bench serve --workload chat --rate 0.5 --duration 90 ...`, ~2 min).
 Each --config is extra `paceline serve` flags (default: one config, no flags: the serving defaults), optionally
 after `@DIR`: that checkout's paceline (e.g. an exported older commit) instead of this one. For each

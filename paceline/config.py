@@ -21,10 +21,9 @@ STEP_TARGET_FRACTION = 0.75
 # The shorter target a step holds to when its prompt chunk is worth less than the decode time it costs (a long
 # prompt with little output beside running streams; Scheduler.step_target_ms), as a fraction of max_step_ms: 52.5 ms
 # under the 150 ms default. Issue 13's stall probe wants a stream's gap <= 0.10 s; its step log (2026-11-24) showed
-# that gap is a step near this target plus what the host adds: a lone step up to +49 ms, or one stream's token
-# delivered 40-70 ms late just after the long prompt arrives. At 0.45 (67.5 ms) the engine's part of the gap was
-# 59-101 ms in six runs, at 0.35 50-61 ms in four; prompts that pay for the time keep the full target, so the
-# 32-stream probe ran the same steps at both (docs/scheduling.md)
+# that gap is a step near this target plus what the host adds (one step ran +49 ms over its neighbours). At 0.45
+# (67.5 ms) the engine's part of the gap was 59-101 ms in six runs, at 0.35 50-61 ms in four; prompts that pay for
+# the time keep the full target, so the 32-stream probe ran the same steps at both (docs/scheduling.md)
 SHORT_STEP_FRACTION = 0.35
 
 
