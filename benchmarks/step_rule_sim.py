@@ -10,7 +10,7 @@ Probes, as benchmarks/vs_vllm.py sends them (the client's max_tokens = the outpu
 Rules (--rules, comma-separated):
   full      every chunk may fill max_step_ms (short_step_ms 0; the rule before 2026-11-24)
   value     the default: a chunk whose prompt costs more per token it can bring than a decode costs now is held to
-            short_step_ms (Scheduler.step_target_ms)
+            short_step_ms (Scheduler.step_target_ms); valueF: the same with short_step_ms at F x max_step_ms
   shortN    every chunk held to N ms (max_step_ms N): a smaller TBT goal
 The cost model is a step-time profile (default: the newest one the engine cached at start-up) times --speed (this
 host's steps run slower than a profile taken on an idle machine: the served steps' p98 over the prediction).
@@ -47,9 +47,10 @@ class Scaled:
 def config_for(rule: str, budget: int, max_step_ms: float) -> SchedulerConfig:
     if rule == "full":
         return SchedulerConfig(max_num_batched_tokens=budget, max_step_ms=max_step_ms, short_step_ms=0.0)
-    if rule == "value":
+    if rule.startswith("value"):  # valueF: the short target at fraction F of the full one (default the serving one)
+        fraction = float(rule[5:]) if rule[5:] else SHORT_STEP_FRACTION
         return SchedulerConfig(max_num_batched_tokens=budget, max_step_ms=max_step_ms,
-                               short_step_ms=max_step_ms * SHORT_STEP_FRACTION)
+                               short_step_ms=max_step_ms * fraction)
     if rule.startswith("short"):
         return SchedulerConfig(max_num_batched_tokens=budget, max_step_ms=float(rule[5:]), short_step_ms=0.0)
     raise SystemExit(f"unknown rule {rule!r}")

@@ -10,7 +10,10 @@ the default did before the short target; `@DIR` before the flags freezes the cod
 the checkout, so editing it while a long run waits for the lock changes nothing.)
 
 Probes (comma-separated): `tput` = (a) 32 streams and (d) a lone 1,500-token prompt (median of 2); `stall` = (e) 6
-streams, then a 1,500-token prompt, on a server with `--max-num-batched-tokens 64` added (as vs_vllm.py runs it);
+streams, then a 1,500-token prompt, on a server with `--max-num-batched-tokens 64` added (as vs_vllm.py runs it),
+after a short warm-up or, with `--stall-after tput`, after the 32-stream probe on the same server (vs_vllm.py's
+order; the warm-up order runs while the KV pool's prefault still runs, whose steps the step-time target does not
+learn from); its largest gap is printed beside the steps around it (vs_vllm.explain_gap);
 `chat` = vs_vllm.py's chat probe (`paceline bench serve --workload chat --rate 0.5 --duration 90 ...`, ~2 min).
 Each --config is extra `paceline serve` flags (default: one config, no flags: the serving defaults), optionally
 after `@DIR`: that checkout's paceline (e.g. an exported older commit) instead of this one. For each
@@ -24,7 +27,6 @@ import argparse
 import json
 import shlex
 import signal
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -38,76 +40,14 @@ from paceline.bench.peers import paceline_system  # noqa: E402
 from paceline.bench.prompts import PromptSource, bundled_gguf, load_tokenizer  # noqa: E402
 
 
-def steps_since(url: str, n0: int) -> list[dict]:
-    return [s for s in httpx.get(url + "/dashboard/steps").json()["models"][0]["steps"] if s["seq"] > n0]
-
-
-def num_steps(url: str) -> int:
-    return httpx.get(url + "/dashboard/steps").json()["models"][0]["num_steps"]
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-def analyse(steps: list[dict], target_ms: float | None) -> dict:
-    """Where a probe's time went, from the step log ("t": when a step was recorded, after it ran)."""
-    if not steps:
-        return {}
-    busy = sum(s["dur"] for s in steps)
-    span = steps[-1]["t"] - steps[0]["t"] + steps[0]["dur"]
-    between = [b["t"] - b["dur"] - a["t"] for a, b in zip(steps, steps[1:])]  # from one step's end to the next's start
-    mixed = [s for s in steps if s["decode"] and s["prefill"]]  # the steps the step-time target sizes
-    ratio = [s["dur"] / s["pred"] for s in mixed if s["pred"]]
-    out = {"steps": len(steps), "span_s": span, "outside_execute_pct": 100 * (1 - busy / span),
-           "rows_mean": statistics.mean(s["decode"] + s["prefill"] for s in steps),
-           "between_ms_p50": 1e3 * pct(between, 0.5), "between_ms_max": 1e3 * max(between, default=0.0),
-           "mixed_steps": len(mixed), "decode_only_steps": sum(1 for s in steps if s["decode"] and not s["prefill"]),
-           "prefill_only_steps": sum(1 for s in steps if s["prefill"] and not s["decode"])}
-    if mixed:
-        durs = [1e3 * s["dur"] for s in mixed]
-        out.update(mixed_dur_ms_p50=pct(durs, 0.5), mixed_dur_ms_p90=pct(durs, 0.9), mixed_dur_ms_max=max(durs),
-                   mixed_pred_ms_p50=1e3 * pct([s["pred"] for s in mixed], 0.5),
-                   mixed_prefill_tokens_mean=statistics.mean(s["prefill"] for s in mixed),
-                   measured_over_predicted_p50=pct(ratio, 0.5), measured_over_predicted_p98=pct(ratio, 0.98))
-        if target_ms:
-            out["mixed_dur_over_target_pct"] = 100 * sum(d > target_ms for d in durs) / len(durs)
-    return out
-
-
-def steps_around(steps: list[dict], stall: dict) -> dict:
-    """The steps the stall probe's largest gap spans (its ends on the monotonic clock the step log also uses), and
-    the longest interval between two decode-carrying steps' ends after the long prompt arrived: the gap as the
-    engine made it. The client's gap less that interval is what HTTP, the client and the GIL added."""
-    at, sent = stall.get("max_gap_at"), stall.get("long_sent_at")
-    if not at or sent is None:
-        return {}
-    a, b = at
-    # "t" is stamped after the step's update and metrics; a step ran from about t - dur
-    inside = [s for s in steps if s["t"] >= a - 0.02 and s["t"] - s["dur"] <= b + 0.02]
-    rows = [{"end_ms": round(1e3 * (s["t"] - a), 1), "dur_ms": round(1e3 * s["dur"], 1),
-             "pred_ms": round(1e3 * s["pred"], 1), "decode": s["decode"], "prefill": s["prefill"],
-             "running": s["running"], "waiting": s["waiting"]} for s in inside]
-    dec = [s for s in steps if s["decode"] and s["t"] >= sent]
-    intervals = [(b_["t"] - a_["t"], a_, b_) for a_, b_ in zip(dec, dec[1:])]
-    out = {"gap_ms": round(1e3 * (b - a), 1), "gap_start_after_long_sent_ms": round(1e3 * (a - sent), 1),
-           "steps_in_gap": rows}
-    if intervals:
-        iv, s0, s1 = max(intervals, key=lambda x: x[0])
-        out.update(engine_interval_max_ms=round(1e3 * iv, 1), engine_interval_step_dur_ms=round(1e3 * s1["dur"], 1),
-                   engine_interval_step=(s1["decode"], s1["prefill"]),
-                   engine_interval_at_after_long_sent_ms=round(1e3 * (s0["t"] - sent), 1))
-    return out
-
-
 def print_steps(steps: list[dict], every: int = 0) -> None:
     every = every or max(1, len(steps) // 30)
     for s in steps[::every]:
         print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items() if k not in ("t", "model")})
 
 
-def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, verbose: bool) -> dict:
+def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, verbose: bool,
+               stall_after: str = "warm") -> dict:
     flags = shlex.split(config)
     checkout = flags.pop(0)[1:] if flags and flags[0].startswith("@") else None
     row: dict = {"flags": config}
@@ -124,35 +64,35 @@ def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, v
         try:
             ep = sysm.endpoint(srv.url)
             target = httpx.get(srv.url + "/dashboard/steps").json()["models"][0]["info"].get("max_step_ms")
-            n0 = num_steps(srv.url)
+            n0 = V.num_steps(srv.url)
             if probe == "tput":
                 row["throughput"] = V.probe_throughput(ep, prompts)
-                st = steps_since(srv.url, n0)
-                row["throughput_steps"] = analyse(st, target)
+                st = V.steps_since(srv.url, n0)
+                row["throughput_steps"] = V.analyse(st, target)
                 if verbose:
                     print_steps(st)
-                n0 = num_steps(srv.url)
+                n0 = V.num_steps(srv.url)
                 row["prefill"] = V.probe_prefill(ep, prompts, repeats=2)
-                row["prefill_steps"] = analyse(steps_since(srv.url, n0), target)
+                row["prefill_steps"] = V.analyse(V.steps_since(srv.url, n0), target)
             elif probe == "chat":  # the issue's chat command against this server (vs_vllm.py's probe)
                 row["chat"] = V.probe_chat(srv.url, "paceline", Path(tempfile.mkdtemp(prefix="step-ab-chat-")),
                                            sysm.send_priority)
-                row["chat_steps"] = analyse(steps_since(srv.url, n0), target)
+                row["chat_steps"] = V.analyse(V.steps_since(srv.url, n0), target)
             else:
-                # warm it first, as vs_vllm.py does (its budget-64 server runs the 32-stream probe before this one):
-                # the first seconds after a start are slower than the rest (engine._warming_up)
-                V.run_requests(ep, [V.RequestSpec(i, 0.0, 100, 24) for i in range(8)], [prompts(100) for _ in range(8)])
-                n0 = num_steps(srv.url)
-                row["stall"] = V.probe_stall(ep, prompts)
-                st = steps_since(srv.url, n0)
-                row["stall_steps"] = analyse(st, target)
-                row["stall_longest_steps"] = sorted(st, key=lambda s: -s["dur"])[:5]
-                row["stall_gap"] = steps_around(st, row["stall"])
+                # warm it first: the first seconds after a start are slower than the rest (engine._warming_up).
+                # --stall-after tput: vs_vllm.py's order, the 32-stream probe on the same budget-64 server first
+                if stall_after == "tput":
+                    row["throughput_small"] = V.probe_throughput(ep, prompts)
+                else:
+                    V.run_requests(ep, [V.RequestSpec(i, 0.0, 100, 24) for i in range(8)],
+                                   [prompts(100) for _ in range(8)])
+                row["stall"], extra = V.stall_with_steps(ep, srv.url, prompts)
+                row.update(extra)
                 if verbose:
-                    print_steps(st)
+                    print_steps(extra.get("stall_step_log", []))
         finally:
             srv.stop()
-        print(json.dumps({k: v for k, v in row.items() if k != "flags"}, default=float), flush=True)
+        print(json.dumps({k: v for k, v in V.brief(row).items() if k != "flags"}, default=float), flush=True)
     return row
 
 
@@ -163,13 +103,19 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true", help="print every n-th step of the log")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the configurations this many times, alternating (A B A B): the host drifts within a run")
+    ap.add_argument("--stall-after", choices=("warm", "tput"), default="warm",
+                    help="what the stall probe's server runs first: a short warm-up (8 requests), or vs_vllm.py's "
+                         "32-stream probe on the same budget-64 server (its order)")
+    ap.add_argument("--json", default=None, help="write every row (step logs included) to this file")
     args = ap.parse_args()
     # killed by a timeout: unwind, so the finally blocks stop the server in flight
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = bundled_gguf()
     prompts = V.Prompts(PromptSource(load_tokenizer(model)), 0)
-    rows = [run_config(c, args.probes.split(","), prompts, model, args.verbose)
+    rows = [run_config(c, args.probes.split(","), prompts, model, args.verbose, args.stall_after)
             for _ in range(args.rounds) for c in (args.config or [""])]
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1, default=float))
     print("\n| config | 32 streams tok/s | p99 TBT ms | steps | lone 1,500 TTFT ms | stall gap ms | engine's part ms "
           "| chat TTFT p50 / p99 ms | chat TBT p99 / max ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

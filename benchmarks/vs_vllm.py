@@ -30,6 +30,7 @@ Timings are absolute figures from a shared 2-core machine: only ratios from one 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import signal
 import statistics
@@ -109,22 +110,203 @@ def probe_prefill(ep: Endpoint, prompts: Prompts, repeats: int = 3) -> dict:
     return {"ttft_s": ttft, "prefill_tok_s": LONG_PROMPT / ttft, "ttfts_s": ttfts}
 
 
+class GcWatch:
+    """This (the client's) process's garbage collections while a probe runs, on the monotonic clock: a full
+    collection stops the client's event loop, and every token read after it starts looks late. The client holds
+    ~180,000 tracked objects (httpx, numpy, the tokenizer), whose full collection took 153 ms (2026-11-24 05:49 UTC,
+    one `flock -s` run of gc.collect(2) after the imports and the tokenizer's load)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float, int]] = []  # (start, end, generation)
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.spans.append((self._start, time.perf_counter(), info.get("generation", -1)))
+
+    def __enter__(self) -> "GcWatch":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def within(self, a: float, b: float, min_ms: float = 1.0) -> list[list[float]]:
+        """Collections of at least min_ms overlapping [a, b]: [start, end, generation] each."""
+        return [[s, e, g] for s, e, g in self.spans if s <= b and e >= a and (e - s) * 1e3 >= min_ms]
+
+
 def probe_stall(ep: Endpoint, prompts: Prompts, arrive_s: float = 1.5) -> dict:
     """6 streams start together; the long prompt arrives once they decode. The largest gap of the 6 after it."""
     specs = [RequestSpec(i, 0.0, 100, 160) for i in range(6)] + [RequestSpec(6, arrive_s, LONG_PROMPT, 1)]
-    res = run_requests(ep, specs, [prompts(s.prompt_tokens) for s in specs])
+    with GcWatch() as watch:
+        res = run_requests(ep, specs, [prompts(s.prompt_tokens) for s in specs])
     streams, long = res.records[:6], res.records[6]
     gaps_after = [t1 - t0 for r in streams for t0, t1 in zip(r.token_times, r.token_times[1:]) if t1 >= long.sent_s]
     still = all(r.token_times[-1] >= long.token_times[0] for r in streams)  # did the streams outlast the prefill?
     # where the largest gap lies on the machine's monotonic clock (perf_counter is CLOCK_MONOTONIC on Linux, as a
-    # server's time.monotonic()), so a server's step log can be laid beside it (benchmarks/step_target_ab.py)
+    # server's time.monotonic()), so a server's step log can be laid beside it (stall_steps below)
     t0 = res.started_at - (time.time() - time.perf_counter())
-    window = max(((t1 - t0_, t0 + t0_, t0 + t1) for r in streams for t0_, t1 in zip(r.token_times, r.token_times[1:])
-                  if t1 >= long.sent_s), default=None)
-    return {"max_gap_s": max(gaps_after) if gaps_after else None, "max_gap_any_s": max(g for r in streams for g in r.gaps),
-            "long_ttft_s": long.ttft, "streams_outlasted_prefill": still,
-            "max_gap_at": list(window[1:]) if window else None, "long_sent_at": t0 + long.sent_s,
-            "long_first_token_at": t0 + long.token_times[0] if long.token_times else None}
+    window = max(((t1 - t0_, t0 + t0_, t0 + t1, i) for i, r in enumerate(streams)
+                  for t0_, t1 in zip(r.token_times, r.token_times[1:]) if t1 >= long.sent_s), default=None)
+    out = {"max_gap_s": max(gaps_after) if gaps_after else None,
+           "max_gap_any_s": max(g for r in streams for g in r.gaps),
+           "long_ttft_s": long.ttft, "streams_outlasted_prefill": still,
+           "max_gap_at": list(window[1:3]) if window else None, "long_sent_at": t0 + long.sent_s,
+           "long_first_token_at": t0 + long.token_times[0] if long.token_times else None}
+    if window:
+        # every stream's token times from 0.3 s before the gap to 0.1 s after it, in ms from the gap's start: whether
+        # the others saw the same gap (a step) or not (one stream's delivery)
+        a, b = window[1:3]
+        out["max_gap_stream"] = window[3]
+        # the client's own collections in the gap: a pause of the reader, not of the server (ms from the gap's start)
+        out["client_gc_in_gap_ms"] = [[round(1e3 * (s - a), 1), round(1e3 * (e - a), 1), g] for s, e, g in watch.within(a, b)]
+        out["tokens_near_gap_ms"] = [[round(1e3 * (t0 + t - a), 1) for t in r.token_times if a - 0.3 <= t0 + t <= b + 0.1]
+                                     for r in streams]
+    # every collection of 5 ms or more during the probe: [start in s after the long prompt was sent, ms, generation]
+    sent = t0 + long.sent_s
+    out["client_gc_pauses"] = [[round(s - sent, 3), round(1e3 * (e - s), 1), g] for s, e, g in watch.spans
+                               if (e - s) * 1e3 >= 5]
+    return out
+
+
+# ---- the paceline server's step log (GET /dashboard/steps, the dashboard's ring buffer), laid beside a probe ----
+
+def server_steps(url: str) -> dict | None:
+    """The first model's step log: {"info", "num_steps", "steps"}; None for a server without one (vLLM, llama)."""
+    try:
+        r = httpx.get(url + "/dashboard/steps", timeout=30.0)
+        return r.json()["models"][0] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+def steps_since(url: str, n0: int) -> list[dict]:
+    log = server_steps(url)
+    return [s for s in log["steps"] if s["seq"] > n0] if log else []
+
+
+def num_steps(url: str) -> int | None:
+    log = server_steps(url)
+    return log["num_steps"] if log else None
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def analyse(steps: list[dict], target_ms: float | None) -> dict:
+    """Where a probe's time went, from the step log ("t": when a step was recorded, after it ran)."""
+    if not steps:
+        return {}
+    busy = sum(s["dur"] for s in steps)
+    span = steps[-1]["t"] - steps[0]["t"] + steps[0]["dur"]
+    between = [b["t"] - b["dur"] - a["t"] for a, b in zip(steps, steps[1:])]  # from one step's end to the next's start
+    mixed = [s for s in steps if s["decode"] and s["prefill"]]  # the steps the step-time target sizes
+    ratio = [s["dur"] / s["pred"] for s in mixed if s["pred"]]
+    out = {"steps": len(steps), "span_s": span, "outside_execute_pct": 100 * (1 - busy / span),
+           "rows_mean": statistics.mean(s["decode"] + s["prefill"] for s in steps),
+           "between_ms_p50": 1e3 * pct(between, 0.5), "between_ms_max": 1e3 * max(between, default=0.0),
+           "mixed_steps": len(mixed), "decode_only_steps": sum(1 for s in steps if s["decode"] and not s["prefill"]),
+           "prefill_only_steps": sum(1 for s in steps if s["prefill"] and not s["decode"])}
+    if mixed:
+        durs = [1e3 * s["dur"] for s in mixed]
+        out.update(mixed_dur_ms_p50=pct(durs, 0.5), mixed_dur_ms_p90=pct(durs, 0.9), mixed_dur_ms_max=max(durs),
+                   mixed_pred_ms_p50=1e3 * pct([s["pred"] for s in mixed], 0.5),
+                   mixed_prefill_tokens_mean=statistics.mean(s["prefill"] for s in mixed),
+                   measured_over_predicted_p50=pct(ratio, 0.5), measured_over_predicted_p98=pct(ratio, 0.98))
+        if target_ms:
+            out["mixed_dur_over_target_pct"] = 100 * sum(d > target_ms for d in durs) / len(durs)
+    return out
+
+
+def step_row(s: dict, origin: float) -> dict:
+    """One step record for a report: its end in ms from `origin`, measured / predicted ms, composition, context."""
+    return {"end_ms": round(1e3 * (s["t"] - origin), 1), "dur_ms": round(1e3 * s["dur"], 1),
+            "pred_ms": round(1e3 * s["pred"], 1), "decode": s["decode"], "prefill": s["prefill"],
+            "ctx": s.get("ctx", 0), "dctx": s.get("dctx", 0), "target_ms": s.get("target", 0.0),
+            "scale": round(s.get("scale", 0.0), 3), "running": s["running"], "waiting": s["waiting"]}
+
+
+def steps_around(steps: list[dict], stall: dict) -> dict:
+    """The steps the stall probe's largest gap spans (its ends on the monotonic clock the step log also uses), and
+    the longest interval between two decode-carrying steps' ends after the long prompt arrived: the gap as the
+    engine made it. The client's gap less that interval is what HTTP, the client and the GIL added."""
+    at, sent = stall.get("max_gap_at"), stall.get("long_sent_at")
+    if not at or sent is None:
+        return {}
+    a, b = at
+    # "t" is stamped after the step's update and metrics; a step ran from about t - dur. The step before the gap
+    # (which delivered its first token) and the one after it come along
+    inside = [s for s in steps if s["t"] >= a - 0.15 and s["t"] - s["dur"] <= b + 0.02]
+    dec = [s for s in steps if s["decode"] and s["t"] >= sent]
+    intervals = [(b_["t"] - a_["t"], a_, b_) for a_, b_ in zip(dec, dec[1:])]
+    prefill = [s for s in steps if s["prefill"] and sent <= s["t"] <= (stall.get("long_first_token_at") or 1e18)]
+    out = {"gap_ms": round(1e3 * (b - a), 1), "gap_start_after_long_sent_ms": round(1e3 * (a - sent), 1),
+           "steps_in_gap": [step_row(s, a) for s in inside],
+           # the steps that carried the long prompt's chunks: how deep each was and how well it was predicted
+           "long_prefill_steps": [step_row(s, sent) for s in prefill]}
+    if stall.get("long_first_token_at") is not None:
+        out["gap_start_before_long_first_token_ms"] = round(1e3 * (stall["long_first_token_at"] - a), 1)
+    if intervals:
+        iv, s0, s1 = max(intervals, key=lambda x: x[0])
+        out.update(engine_interval_max_ms=round(1e3 * iv, 1), engine_interval_step_dur_ms=round(1e3 * s1["dur"], 1),
+                   engine_interval_step=(s1["decode"], s1["prefill"]),
+                   engine_interval_at_after_long_sent_ms=round(1e3 * (s0["t"] - sent), 1))
+    return out
+
+
+def explain_gap(stall: dict, gap: dict) -> str:
+    """Where the stall probe's largest gap lies: the client's token times beside the server's steps."""
+    if not gap:
+        return "  (no step log: not a paceline server, or the gap was not found)"
+    lines = [f"  largest gap {gap['gap_ms']:.0f} ms (stream {stall.get('max_gap_stream')}), "
+             f"{gap['gap_start_after_long_sent_ms'] / 1e3:.2f} s after the long prompt was sent"
+             + (f", {gap['gap_start_before_long_first_token_ms'] / 1e3:.2f} s before its first token"
+                if "gap_start_before_long_first_token_ms" in gap else "")
+             + f"; the engine's longest interval between decode steps: {fmt(gap.get('engine_interval_max_ms'), '.1f')} ms",
+             "  steps around it (end ms from the gap's start; measured / predicted ms; decodes + prompt tokens; "
+             "prompt context; decode context; target ms; scale):"]
+    for r in gap["steps_in_gap"]:
+        lines.append(f"    {r['end_ms']:+8.1f}  {r['dur_ms']:6.1f} / {r['pred_ms']:6.1f}  {r['decode']:2d} + {r['prefill']:3d}"
+                     f"  ctx {r['ctx']:5d}  dctx {r['dctx']:5d}  target {r['target_ms']:5.1f}  scale {r['scale']:.3f}")
+    chunks = gap.get("long_prefill_steps") or []
+    if chunks:
+        lines.append("  the long prompt's mixed steps by the depth their chunk ends at (count; median measured / predicted "
+                     "ms, measured over predicted, prompt tokens; the longest):")
+        for lo in range(0, LONG_PROMPT, 500):
+            part = [r for r in chunks if r["decode"] and lo < r["ctx"] <= lo + 500]
+            if part:
+                ratio = [r["dur_ms"] / r["pred_ms"] for r in part if r["pred_ms"]]
+                lines.append(f"    ctx {lo:4d}-{lo + 500:4d}: {len(part):3d} steps, {pct([r['dur_ms'] for r in part], 0.5):5.1f} / "
+                             f"{pct([r['pred_ms'] for r in part], 0.5):5.1f} ms, x{pct(ratio, 0.5):.2f}, "
+                             f"{pct([r['prefill'] for r in part], 0.5):3.0f} tokens; longest "
+                             f"{max(r['dur_ms'] for r in part):.1f} ms")
+    lines.append(f"  the client's own garbage collections in the gap (start / end ms, generation): "
+                 f"{stall.get('client_gc_in_gap_ms') or 'none'}; of 5 ms or more during the probe (s after the long "
+                 f"prompt was sent, ms, generation): {stall.get('client_gc_pauses') or 'none'}")
+    lines.append("  client token times near it, ms from the gap's start, per stream:")
+    for i, ts in enumerate(stall.get("tokens_near_gap_ms") or []):
+        lines.append(f"    s{i}: " + " ".join(f"{t:+.0f}" for t in ts))
+    return "\n".join(lines)
+
+
+def stall_with_steps(ep: Endpoint, url: str, prompts: Prompts) -> tuple[dict, dict]:
+    """The stall probe, and for a paceline server its step log read back around the largest gap (printed)."""
+    n0 = num_steps(url)
+    stall = probe_stall(ep, prompts)
+    if n0 is None:
+        return stall, {}
+    log = server_steps(url) or {}
+    steps = [s for s in log.get("steps", []) if s["seq"] > n0]
+    target = (log.get("info") or {}).get("max_step_ms")
+    extra = {"stall_steps": analyse(steps, target), "stall_gap": steps_around(steps, stall),
+             "stall_longest_steps": sorted(steps, key=lambda s: -s["dur"])[:5], "stall_step_log": steps}
+    print(explain_gap(stall, extra["stall_gap"]), flush=True)
+    return stall, extra
 
 
 def scrape(url: str) -> dict[str, float] | None:
@@ -206,12 +388,17 @@ def measure(name: str, small: System | None, default: System | None, prompts: Pr
         srv, row["startup_small_s"] = start(small, out_dir / f"{name}-small.log")  # also warms compile caches
         try:
             ep = small.endpoint(srv.url)
+            n0 = num_steps(srv.url)
             row["throughput_small"] = probe_throughput(ep, prompts)
-            row["stall"] = probe_stall(ep, prompts)
+            if n0 is not None:
+                target = ((server_steps(srv.url) or {}).get("info") or {}).get("max_step_ms")
+                row["throughput_small_steps"] = analyse(steps_since(srv.url, n0), target)
+            row["stall"], extra = stall_with_steps(ep, srv.url, prompts)
+            row.update(extra)
         finally:
             srv.stop()
     if default is None:
-        print(f"[{name}] {json.dumps(row, default=float)}", flush=True)
+        print(f"[{name}] {json.dumps(brief(row), default=float)}", flush=True)
         return row
     print(f"[{name}] defaults: {' '.join(default.argv)}", flush=True)
     srv, row["startup_s"] = start(default, out_dir / f"{name}-default.log")
@@ -228,8 +415,13 @@ def measure(name: str, small: System | None, default: System | None, prompts: Pr
                 print(f"[{name}] chat probe failed: {e}", flush=True)
     finally:
         srv.stop()
-    print(f"[{name}] {json.dumps(row, default=float)}", flush=True)
+    print(f"[{name}] {json.dumps(brief(row), default=float)}", flush=True)
     return row
+
+
+def brief(row: dict) -> dict:
+    """A row as printed: without the step records (they stay in the JSON file)."""
+    return {k: v for k, v in row.items() if k not in ("stall_step_log", "stall_gap", "stall_longest_steps")}
 
 
 def fmt(x, spec: str = ".0f", scale: float = 1.0) -> str:

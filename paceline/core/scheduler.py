@@ -51,6 +51,14 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # the last step scheduled, for the step log (engine/step_log.py), which records stats() after each step: the
+    # KV rows its prompt chunks read (one chunk: the depth it ends at), the context its decodes read, the smallest
+    # step-time target a chunk of it was held to (ms; 0: none was sized), and the measured / predicted scale the
+    # target was divided by. Under max_step_ms only (0 otherwise): they explain a long step (the stall probe's gap)
+    last_step_context: int = 0
+    last_step_decode_context: int = 0
+    last_step_target_ms: float = 0.0
+    last_step_scale: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -68,6 +76,7 @@ class Step:
     resumed: set[str] = field(default_factory=set)  # admitted or swapped in now: not preempted again this step
     preempted: set[str] = field(default_factory=set)  # preempted now: not admitted or swapped in again this step
     shape: BatchShape | None = None  # what the step-time model sees of the step so far (max_step_ms only)
+    target_ms: float = 0.0  # the smallest step-time target a chunk of this step was sized to (0: none was)
 
     @property
     def budget(self) -> int:
@@ -116,6 +125,9 @@ class Scheduler:
         # it (the engine: a high quantile of measured / predicted; a profile taken on an idle machine reads low)
         self.step_time = step_time
         self.step_time_scale = 1.0
+        self.last_shape: BatchShape | None = None  # the last scheduled step's, under max_step_ms (see stats())
+        self.last_target_ms = 0.0
+        self.last_scale = 0.0  # step_time_scale as that step was sized (the engine moves it after the step ran)
         self.spec = speculative
         self.speculator = Speculator(speculative, step_time) if speculative else None
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted = 0
@@ -214,7 +226,11 @@ class Scheduler:
             num_cached_blocks=len(pool.cached), num_evictions=pool.num_evictions, num_steps=self.num_steps,
             spec_decode_num_drafts=self.spec_num_drafts, spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_num_accepted,
-            spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos))
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos),
+            last_step_context=shape.prefill_kv_tokens if (shape := self.last_shape) is not None else 0,
+            last_step_decode_context=shape.decode_context if shape is not None else 0,
+            last_step_target_ms=self.last_target_ms,
+            last_step_scale=self.last_scale)
 
     # ---- one step ----
     def schedule(self, now: float) -> SchedulerOutput:
@@ -236,6 +252,7 @@ class Scheduler:
             if step.shape is not None:
                 step.shape.num_swapped_blocks = len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
                 out.predicted_step_s = self.step_time(step.shape)
+                self.last_shape, self.last_target_ms, self.last_scale = step.shape, step.target_ms, self.step_time_scale
         return out
 
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
@@ -370,7 +387,9 @@ class Scheduler:
         # step decodes in the next, which the limit bounds again)
         if shape is None or n <= 0 or shape.num_decodes == 0:
             return n
-        limit = self.step_target_ms(shape, request, start) / 1000.0 / self.step_time_scale
+        target_ms = self.step_target_ms(shape, request, start)
+        step.target_ms = min(step.target_ms or target_ms, target_ms)
+        limit = target_ms / 1000.0 / self.step_time_scale
 
         out = step.out
         # the block copies planned so far, and this request's own if it is coming back from host memory

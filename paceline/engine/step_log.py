@@ -23,8 +23,13 @@ TTFT_EDGES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 TBT_EDGES = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 
 # one step record: a plain tuple on the hot path, a dict (these keys, plus "model") for the page
+# ctx / dctx: KV rows the step's prompt chunks / decodes read (one chunk: the depth it ends at); target: the
+# smallest step-time target (ms) a chunk was sized to, 0 if none; scale: the measured / predicted factor the target
+# was divided by (pred already includes it). The last four are read from the scheduler's stats (0 without
+# max_step_ms): with them a long step can be explained from the log alone (benchmarks/vs_vllm.py's stall probe)
 STEP_FIELDS = ("seq", "t", "dur", "pred", "decode", "prefill", "reqs", "running", "waiting", "swapped",
-               "kv_used", "kv_cached", "kv_free", "preempted", "swapped_out", "stalls")
+               "kv_used", "kv_cached", "kv_free", "preempted", "swapped_out", "stalls", "ctx", "dctx", "target",
+               "scale")
 
 
 @dataclass
@@ -99,7 +104,9 @@ class StepLog:
                            step.num_decode_tokens, step.num_prefill_tokens, getattr(step, "num_requests", 0),
                            stats.num_running, stats.num_waiting, getattr(stats, "num_swapped", 0),
                            stats.num_used_blocks, num_cached, num_free,
-                           getattr(step, "num_preempted", 0), getattr(step, "num_swapped_out", 0), num_stalls))
+                           getattr(step, "num_preempted", 0), getattr(step, "num_swapped_out", 0), num_stalls,
+                           getattr(stats, "last_step_context", 0), getattr(stats, "last_step_decode_context", 0),
+                           getattr(stats, "last_step_target_ms", 0.0), getattr(stats, "last_step_scale", 0.0)))
 
     def observe_ttft(self, value: float, t: float) -> None:
         self.ttft.add((value,), t)

@@ -611,7 +611,10 @@ class OpenAIServing:
                     yield sse({**chunk, "choices": [{"index": i, "text": echo[prompt_of[i]],
                                                      "logprobs": self._echo_logprobs(out.request),
                                                      "finish_reason": None}], **extra})
-                if not (out.new_text or out.finished or (logprobs is not None and out.new_logprobs)):
+                # a token whose text is held back (an incomplete UTF-8 sequence, a possible stop string) still gets
+                # its chunk, with empty text, as vLLM sends it: a client that counts tokens by chunk (the benchmark's)
+                # otherwise sees that stream's gap span two steps (issue 13's stall probe, 2026-11-24)
+                if not (out.new_text or out.new_token_ids or out.finished or (logprobs is not None and out.new_logprobs)):
                     continue
                 lp = None
                 if logprobs is not None and out.new_logprobs:
@@ -842,7 +845,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     flag("max_step_ms", "stall-free: cut prompt chunks so each step's predicted time stays under this; set it "
          "below your TBT SLO (0: off)", type=float)
     flag("short_step_ms", "stall-free: the step target for a chunk whose prompt costs more per token it can bring "
-         "than a decode costs now (0: off; default 0.45 x the target derived from --tbt-goal-ms)", type=float)
+         "than a decode costs now (0: off; default 0.35 x the target derived from --tbt-goal-ms)", type=float)
     flag("time_slice_tokens", "preempt a decoding request after this many output tokens (doubling per demotion) "
          "when queued work waits for its seat (0: off)", type=int)
     flag("time_slice_ms", "the same in ms of residency (0: off)", type=float)

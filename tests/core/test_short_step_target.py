@@ -105,3 +105,29 @@ def test_the_serving_default_derives_the_short_target_and_a_named_target_stays_e
     assert SchedulerConfig().short_step_ms == 0
     with pytest.raises(ValueError, match="short_step_ms"):
         SchedulerConfig(short_step_ms=-1)
+
+
+def test_stats_describe_the_last_step_for_the_step_log() -> None:
+    # the step log records stats() after each step: the chunk's depth, the decodes' context, the target and scale
+    sched = scheduler(75)
+    t = streams(sched, 6)
+    sched.step_time_scale = 1.25
+    sched.add_request(make_request("long", 1500, max_tokens=1, arrival=t))
+    v = step(sched, t + 1)
+    n = dict(v.batch)["long"]
+    st = sched.stats()
+    assert st.last_step_context == n  # one chunk from 0: the depth it ends at
+    assert st.last_step_decode_context == sum(len(r.token_ids) - 1 for r in sched.running if r.request_id != "long")
+    assert st.last_step_target_ms == 75 and st.last_step_scale == 1.25
+    v = step(sched, t + 2)
+    assert sched.stats().last_step_context == n + dict(v.batch)["long"]
+    # a step with no chunk sized (decodes only): no target
+    while "long" in sched.requests:
+        t += 1
+        step(sched, t + 2)
+    step(sched, t + 3)
+    assert sched.stats().last_step_target_ms == 0 and sched.stats().last_step_context == 0
+    plain = make_scheduler("stall-free")  # no max_step_ms: nothing to report
+    plain.add_request(make_request("a", 8))
+    step(plain, 1.0)
+    assert plain.stats().last_step_context == 0 and plain.stats().last_step_scale == 0

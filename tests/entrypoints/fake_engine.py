@@ -43,6 +43,9 @@ class FakeEngine:
         self.running: list[Request] = []
         self.aborted: list[Request] = []
         self.texts: dict[str, str] = {}
+        # tokens whose text comes only with the next token (as an incomplete UTF-8 sequence's does)
+        self.hold_back: set[int] = set()
+        self._held: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, client_id: str = "") -> Request:
@@ -114,8 +117,10 @@ class FakeEngine:
                                      for t in r.prompt_token_ids[1:]]
             tok = ord("a") + ((sp.seed or 0) + r.num_output_tokens) % 26
             r.append_token(tok, now)
-            new_text = chr(tok)
+            new_text = self._held.pop(r.request_id, "") + chr(tok)
             reason = r.check_stop()
+            if tok in self.hold_back and not reason:
+                self._held[r.request_id], new_text = new_text, ""
             text = self.texts[r.request_id] + new_text
             stop = next((s for s in sp.stop if s in text), None)
             if stop is not None:

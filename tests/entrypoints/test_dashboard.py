@@ -200,7 +200,18 @@ def test_step_log_ring_wraps_and_resumes_from_a_seq():
     s = log.steps_since(9)[0]
     assert s == {"model": "m", "seq": 10, "t": 9.0, "dur": 0.01, "pred": 0.02, "decode": 1, "prefill": 9, "reqs": 1,
                  "running": 1, "waiting": 0, "swapped": 0, "kv_used": 3, "kv_cached": 2, "kv_free": 7,
-                 "preempted": 0, "swapped_out": 0, "stalls": 0}
+                 "preempted": 0, "swapped_out": 0, "stalls": 0, "ctx": 0, "dctx": 0, "target": 0.0, "scale": 0.0}
+
+
+def test_step_log_records_what_explains_a_step():
+    # the scheduler's stats after a step name its chunk's depth, the decodes' context, the target and the scale
+    log = StepLog("m")
+    stats = SimpleNamespace(num_running=7, num_waiting=0, num_swapped=0, num_used_blocks=3, num_blocks=10,
+                            num_free_blocks=7, num_cached_blocks=2, last_step_context=1216,
+                            last_step_decode_context=1400, last_step_target_ms=67.5, last_step_scale=1.1)
+    log.record(StepStats(6, 16, 7, 0.07, predicted_s=0.066), stats, 0, 1.0)
+    s = log.steps_since(0)[0]
+    assert (s["ctx"], s["dctx"], s["target"], s["scale"]) == (1216, 1400, 67.5, 1.1)
 
 
 def test_latency_bins_keep_only_the_last_minute():

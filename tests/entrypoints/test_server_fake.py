@@ -78,6 +78,16 @@ def test_stream_matches_non_stream_with_usage(client):
     assert all(e["usage"] is None for e in events[:-1])
 
 
+def test_a_token_whose_text_is_held_back_still_gets_its_chunk():
+    # as vLLM streams it: a client counting tokens by chunk sees every step (the stall probe's gap), the text is whole
+    engine = FakeEngine()
+    engine.hold_back = {ord("e")}
+    with make_client(engine) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "seed": 3, "stream": True})
+    texts = [ch["text"] for e in sse_events(r.text) for ch in e["choices"]]
+    assert texts == ["d", "", "ef", "g"]
+
+
 def test_chat_and_chat_stream(client):
     req = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4}
     body = client.post("/v1/chat/completions", json=req).json()
