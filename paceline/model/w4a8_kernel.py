@@ -270,8 +270,9 @@ __attribute__((noinline)) void tile_rows(const int8_t* xq, int64_t K, const floa
 // 4 products added into each int32 lane) per step and row in place of vpmaddubsw + vpaddw, and the block's
 // vpmaddwd gone. A step's 16 columns fill one zmm (lane j = column j), so the per-block float32 work runs once per
 // row on 16 lanes instead of twice on 8, and the 32 vector registers hold every sum (integer and float32) of up
-// to 6 rows. The integer block sums are exact in both builds and the float32 operations, lane by lane, are the
-// AVX2 path's in the same order, so the two builds give the same bits (tests/model/test_w4a8.py).
+// to 12 rows (MAX_ROWS; 12 measured best: BEST_ROWS). The integer block sums are exact in both builds and the
+// float32 operations, lane by lane, are the AVX2 path's in the same order, so the two builds give the same bits
+// (tests/model/test_w4a8.py).
 template <bool NIB>
 inline __m512i step_codes(const uint8_t* blk, int st, __m512i nibshift, __m512i low) {
   if (NIB) {  // 8 columns' low nibbles in the low half, the other 8's high nibbles in the high half
