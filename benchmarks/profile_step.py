@@ -183,7 +183,9 @@ def _with_kernels_at(rev: str, build):
     from benchmarks.int4_linear import kernel_module_at
     old_w4a8, old_attn = kernel_module_at(rev, "w4a8_kernel"), kernel_module_at(rev, "attention_kernel")
     swaps = [(w4a8_kernel, "op", old_w4a8.op), (w4a8_kernel, "load", old_w4a8.load),
-             (w4a8_kernel, "pack", old_w4a8.pack), (attention_kernel, "load", old_attn.load)]
+             (w4a8_kernel, "pack", old_w4a8.pack), (attention_kernel, "load", old_attn.load),
+             # llama.py passes MAX_R to the op: an older op takes 1-6 only (before "0: the build's best")
+             (w4a8_kernel, "MAX_R", getattr(old_w4a8, "MAX_R", 4))]
 
     def swapped(fn):
         def call(*a, **kw):

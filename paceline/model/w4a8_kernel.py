@@ -1,4 +1,4 @@
-"""An int4-weight x int8-activation matmul for CPU steps of many rows (AVX2), built once and cached like the int4 op.
+"""An int4-weight x int8-activation matmul for CPU steps of many rows (AVX2, or AVX512-VNNI), built once and cached.
 
 Why: on this kind of CPU (AVX2, no VNNI, no AVX-512) the many-row steps of an int4 model were float32 FMA-bound:
 int4_kernel.py's GEMM dequantizes the codes and runs at the two cores' float32 peak. `vpmaddubsw` multiplies 32
@@ -33,7 +33,17 @@ The micro-kernel holds R rows x 16 columns of int16 accumulators over a block, t
 taken-out element: its 16 codes picked from the block with a shift, dequantized, one more FMA. Rows are
 cut into chunks of 128 whose int8 activations stay in L2 while every tile of weights runs over them.
 
-Built with int4_kernel.load_op (same cache, lock and fallback). `PACELINE_W4A8_KERNEL=0` switches it off (the
+Two builds of this one source, picked at build time from what the CPU reports (isa()): "avx2" (-mavx2 -mfma
+-mf16c, the kernel above) and, where /proc/cpuinfo lists avx512f, avx512bw, avx512vl and avx512_vnni, "vnni"
+(those flags added): `vpdpbusd` multiplies the unsigned codes by the signed activations and adds 4 products into
+each int32 lane in one instruction (in place of vpmaddubsw + vpaddw, and no vpmaddwd per block), a step's 16
+columns fill one zmm, the 32 registers hold every sum of up to 12 rows a pass (its best, 0 in max_rows), and the
+activation quantizer searches each block with vector reductions instead of a compare and a branch per value. The
+integer block sums are exact in both and the float32 operations are the same, lane by lane and in the same order,
+so the two builds give the same bits (tests/model/test_w4a8.py checks it). Zen 4 runs a zmm instruction as two
+256-bit halves; zmm still beat ymm VNNI here (fewer instructions a step: one code vector, one broadcast per row).
+`PACELINE_W4A8_ISA=avx2` forces the AVX2 build (A/B runs, tests); the key of a build hashes its flags, so the two
+never share a file. Built with int4_kernel.load_op (same cache, lock and fallback). `PACELINE_W4A8_KERNEL=0` switches it off (the
 model then serves those steps as before; PACELINE_W4A8_LINEARS, llama.py, picks the linears). CUDA never builds it (Int4Linear is CPU only).
 """
 from __future__ import annotations
@@ -48,7 +58,7 @@ from paceline.model import int4_kernel
 
 GROUP = 32  # inputs per scale/minimum pair (llama.INT4_GROUP, Q4_1's block)
 TILE = 16  # output columns per tile
-MAX_R = 4  # default rows per pass of the micro-kernel (the op takes 1-6)
+MAX_R = 0  # rows per pass of the micro-kernel: 0 lets the build pick its best (4 AVX2, 12 VNNI; it takes 1-6 / 1-12)
 
 
 def block_bytes(nibbles: bool) -> int:
@@ -128,6 +138,47 @@ void quantize_rows(const float* x, int64_t ldx, int M, int K, int8_t* xq, float*
       s[int64_t(m) * G + g] = scale * float(hsum8i(_mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3))));
     }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+// quantize_rows for the VNNI build, the same bits without the scalar search: with the tile kernel's int8 work 1.4x
+// faster, the AVX2 build's element-by-element search for the block's largest |x| (a compare and a branch each)
+// took 13 % of a 512-row linear's time (perf, 2026-11-24). Here the largest |x| of a block's 32 values is one
+// vector reduction, its first index the lowest set bit of an equality mask (the first of equal ones, as above),
+// the rest's maximum a second reduction; max and the integer sum do not depend on their order, and each value's
+// rounding is the same multiply and conversion, so every output equals the AVX2 build's.
+void quantize_rows_avx512(const float* x, int64_t ldx, int M, int K, int8_t* xq, float* a, float* s, int32_t* top,
+                          float* xo, int nthreads) {
+  const int G = K / GROUP;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < G; ++g) {
+      const float* blk = x + int64_t(m) * ldx + g * GROUP;
+      __m512 v0 = _mm512_loadu_ps(blk), v1 = _mm512_loadu_ps(blk + 16);
+      const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
+      const __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(a0, a1)));
+      const uint32_t eq = uint32_t(_mm512_cmp_ps_mask(a0, tv, _CMP_EQ_OQ)) |
+                          (uint32_t(_mm512_cmp_ps_mask(a1, tv, _CMP_EQ_OQ)) << 16);
+      const int ti = eq ? __builtin_ctz(eq) : 0;  // eq == 0 only for NaNs
+      top[int64_t(m) * G + g] = ti;
+      xo[int64_t(m) * G + g] = blk[ti];
+      const __mmask16 k0 = ti < 16 ? __mmask16(1u << ti) : 0, k1 = ti >= 16 ? __mmask16(1u << (ti - 16)) : 0;
+      v0 = _mm512_mask_mov_ps(v0, k0, _mm512_setzero_ps());
+      v1 = _mm512_mask_mov_ps(v1, k1, _mm512_setzero_ps());
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      int8_t* out = xq + int64_t(m) * K + g * GROUP;  // |q| <= 127: the narrowing never saturates
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(q1));
+      const float scale = amax / 127.0f;
+      a[int64_t(m) * G + g] = scale;
+      s[int64_t(m) * G + g] = scale * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    }
+}
+#define QUANTIZE_ROWS quantize_rows_avx512
+#else
+#define QUANTIZE_ROWS quantize_rows
+#endif
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -214,6 +265,75 @@ __attribute__((noinline)) void tile_rows(const int8_t* xq, int64_t K, const floa
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+// The VNNI build (w4a8_kernel.isa() == "vnni"): the same sums, one `vpdpbusd` (unsigned codes x signed activations,
+// 4 products added into each int32 lane) per step and row in place of vpmaddubsw + vpaddw, and the block's
+// vpmaddwd gone. A step's 16 columns fill one zmm (lane j = column j), so the per-block float32 work runs once per
+// row on 16 lanes instead of twice on 8, and the 32 vector registers hold every sum (integer and float32) of up
+// to 12 rows (MAX_ROWS; 12 measured best: BEST_ROWS). The integer block sums are exact in both builds and the
+// float32 operations, lane by lane, are the AVX2 path's in the same order, so the two builds give the same bits
+// (tests/model/test_w4a8.py).
+template <bool NIB>
+inline __m512i step_codes(const uint8_t* blk, int st, __m512i nibshift, __m512i low) {
+  if (NIB) {  // 8 columns' low nibbles in the low half, the other 8's high nibbles in the high half
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * st)));
+    return _mm512_and_si512(_mm512_srlv_epi64(v, nibshift), low);
+  }
+  return _mm512_loadu_si512(blk + 64 * st);
+}
+
+template <int R, bool NIB>
+__attribute__((noinline)) void tile_rows_vnni(const int8_t* xq, int64_t K, const float* a, const float* s,
+                                              const int32_t* top, const float* xo, int G, const uint8_t* tile,
+                                              const float* b, float* y, int64_t ldy, int nn, float*) {
+  const __m512i low = _mm512_set1_epi8(0x0F), lowd = _mm512_set1_epi32(0x0F);
+  const __m512i nibshift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+  // the block's codes as bytes, one step of 4 inputs x 16 columns per 64 bytes, and 64 bytes of slack: an
+  // unaligned load at 64 * (t / 4) + t % 4 puts input t's code of column j in the low byte of lane j
+  alignas(64) uint8_t steps[NIB ? (STEPS + 1) * 64 : 64];
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    const uint8_t* blk = tile + size_t(g) * block_bytes<NIB>();
+    const uint8_t* codes = NIB ? steps : blk;  // bytes: the pack's own steps (the scales follow the last one)
+    const int8_t* xg = xq + g * GROUP;
+    __m512i c[R];
+    for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int st = 0; st < STEPS; ++st) {
+      const __m512i w = step_codes<NIB>(blk, st, nibshift, low);
+      if (NIB) _mm512_store_si512(steps + 64 * st, w);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xg + r * K + 4 * st, 4);
+        c[r] = _mm512_dpbusd_epi32(c[r], w, _mm512_set1_epi32(x4));
+      }
+    }
+    const float* sc = reinterpret_cast<const float*>(blk + code_bytes<NIB>());
+    const __m512 d = _mm512_loadu_ps(sc), m = _mm512_loadu_ps(sc + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 ar = _mm512_set1_ps(a[r * G + g]), sr = _mm512_set1_ps(s[r * G + g]);
+      f[r] = _mm512_fmadd_ps(m, sr, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c[r]), d), ar, f[r]));
+      const int ti = top[r * G + g];  // the taken-out element: its 16 codes, w = d * q + m, times it
+      const __m512i q = _mm512_and_si512(_mm512_loadu_si512(codes + 64 * (ti >> 2) + (ti & 3)), lowd);
+      f[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m), _mm512_set1_ps(xo[r * G + g]), f[r]);
+    }
+  }
+  const __m512 bv = _mm512_loadu_ps(b);
+  const __mmask16 keep = __mmask16((1u << nn) - 1);  // the last tile of an output size not a multiple of 16
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, _mm512_add_ps(f[r], bv));
+}
+#define TILE_ROWS tile_rows_vnni
+#define MAX_ROWS 12
+#define BEST_ROWS 12  // rows per pass when the caller says 0: measured, see the module's docstring
+#else
+#define TILE_ROWS tile_rows
+#define MAX_ROWS 6
+#define BEST_ROWS 4
+#endif
+
 template <bool NIB>
 void run(const int8_t* xq, const float* a, const float* s, const int32_t* top, const float* xo, int M, int K,
          const uint8_t* w, int64_t N, const float* b, float* y, int nthreads, int max_r) {
@@ -234,12 +354,13 @@ void run(const int8_t* xq, const float* a, const float* s, const int32_t* top, c
         const int32_t* tr = top + int64_t(m0) * G;
         float* yr = y + int64_t(m0) * N + n0;
         switch (R) {
-          case 1: tile_rows<1, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
-          case 2: tile_rows<2, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
-          case 3: tile_rows<3, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
-          case 4: tile_rows<4, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
-          case 5: tile_rows<5, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
-          default: tile_rows<6, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
+#define W4A8_CASE(n) case n: TILE_ROWS<n, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
+          W4A8_CASE(1) W4A8_CASE(2) W4A8_CASE(3) W4A8_CASE(4) W4A8_CASE(5)
+#if MAX_ROWS > 6
+          W4A8_CASE(6) W4A8_CASE(7) W4A8_CASE(8) W4A8_CASE(9) W4A8_CASE(10) W4A8_CASE(11)
+#endif
+          default: TILE_ROWS<MAX_ROWS, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
+#undef W4A8_CASE
         }
         m0 += R;
       }
@@ -266,20 +387,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> w4a8_quan
   auto top = at::empty({M, K / GROUP}, x.options().dtype(at::kInt));
   auto xo = at::empty({M, K / GROUP}, x.options());
   if (M > 0)
-    quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(),
+    QUANTIZE_ROWS(x.data_ptr<float>(), x.stride(0), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(),
                   s.data_ptr<float>(), top.data_ptr<int32_t>(), xo.data_ptr<float>(),
                   std::max(1, std::min(at::get_num_threads(), M)));
   return {xq, a, s, top, xo};
 }
 
 // x [M, K] float32 or bfloat16 (any row stride), w the packed uint8 [tiles, K / 32, block], n outputs, bias [n] or
-// None -> [M, n] in x's dtype. nibbles: w holds 4-bit codes (else bytes). max_rows: rows per micro-kernel pass, 1-6.
+// None -> [M, n] in x's dtype. nibbles: w holds 4-bit codes (else bytes). max_rows: rows per micro-kernel pass,
+// 1-MAX_ROWS (6 AVX2, 12 VNNI), or 0: this build's BEST_ROWS.
 at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
                    bool nibbles, int64_t max_rows) {
   const at::Tensor x = as_float_rows(x_in);
   const int M = int(x.size(0)), K = int(x.size(1)), G = K / GROUP, T_ = int((n + TILE - 1) / TILE);
   const int bb = nibbles ? block_bytes<true>() : block_bytes<false>();
-  TORCH_CHECK(n > 0 && max_rows >= 1 && max_rows <= 6, "n must be positive and max_rows 1-6");
+  TORCH_CHECK(n > 0 && max_rows >= 0 && max_rows <= MAX_ROWS, "n must be positive and max_rows 0-", MAX_ROWS);
+  if (max_rows == 0) max_rows = BEST_ROWS;
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == T_ &&
               w.size(1) == G && w.size(2) == bb, "w must be the packed [tiles, K / 32, block] uint8 weight");
   std::vector<float> b(size_t(TILE) * T_, 0.0f);
@@ -294,7 +417,7 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const
   std::vector<int8_t> xq(size_t(M) * K);
   std::vector<float> a(size_t(M) * G), s(size_t(M) * G), xo(size_t(M) * G);
   std::vector<int32_t> top(size_t(M) * G);
-  quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, xq.data(), a.data(), s.data(), top.data(), xo.data(),
+  QUANTIZE_ROWS(x.data_ptr<float>(), x.stride(0), M, K, xq.data(), a.data(), s.data(), top.data(), xo.data(),
                 std::min(nthreads, M));
   const int workers = std::min(nthreads, T_);
   if (nibbles) run<true>(xq.data(), a.data(), s.data(), top.data(), xo.data(), M, K, w.data_ptr<uint8_t>(), n,
@@ -307,7 +430,7 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const
 }  // namespace
 
 TORCH_LIBRARY(NAMESPACE, m) {
-  m.def("w4a8_mm(Tensor x, Tensor w, int n, Tensor? bias, bool nibbles, int max_rows=4) -> Tensor");
+  m.def("w4a8_mm(Tensor x, Tensor w, int n, Tensor? bias, bool nibbles, int max_rows=0) -> Tensor");
   m.def("w4a8_quantize(Tensor x) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) {
@@ -343,15 +466,70 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, nibbles: bo
     return torch.cat([c, per_tile(scale), per_tile(lo)], -1).contiguous()
 
 
-def _library():
-    flags = int4_kernel._flags()
-    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16]
+ISAS = ("avx2", "vnni")
+# what the VNNI build needs from the CPU (/proc/cpuinfo's names): vpdpbusd on 512-bit registers (avx512_vnni with
+# avx512f) and on 256-bit ones (avx512vl), byte and word ops on them (avx512bw)
+VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def has_vnni() -> bool:
+    """Whether this CPU runs the VNNI build: torch sees AVX-512 and /proc/cpuinfo lists VNNI_CPU_FLAGS."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and all(f in _cpu_flags() for f in VNNI_CPU_FLAGS)
+
+
+def isa() -> str:
+    """The build this CPU runs: "vnni" where it reports AVX512-VNNI (with F, BW and VL), else "avx2".
+    `PACELINE_W4A8_ISA=avx2` forces the AVX2 build (A/B runs, tests); asking for "vnni" on a CPU without it is an
+    error rather than an illegal instruction later."""
+    want = os.environ.get("PACELINE_W4A8_ISA", "").strip().lower()
+    if want not in ("", *ISAS):
+        raise ValueError(f"PACELINE_W4A8_ISA must be one of {', '.join(ISAS)}, got {want!r}")
+    if want == "vnni" and not has_vnni():
+        raise ValueError("PACELINE_W4A8_ISA=vnni but this CPU does not report " + ", ".join(VNNI_CPU_FLAGS))
+    return want or ("vnni" if has_vnni() else "avx2")
+
+
+def build_flags(which: str) -> list[str]:
+    """The compiler flags of a build: the int4 op's (AVX2, FMA, F16C), plus AVX-512 F/BW/VL/VNNI for "vnni"."""
+    if which not in ISAS:
+        raise ValueError(f"unknown w4a8 build {which!r}")
+    extra = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if which == "vnni" else []
+    return int4_kernel._flags() + extra
+
+
+def _library(which: str | None = None):
+    """(path, namespace, flags) of a build, `which` by default the one isa() picks; the key hashes the flags, so
+    the AVX2 and the VNNI builds never share a file or a namespace."""
+    fl = build_flags(which or isa())
+    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *fl]).encode()).hexdigest()[:16]
     from paceline.model.cache_dir import cache_root
-    return cache_root() / "kernels" / f"w4a8_mm-{key}.so", f"paceline_w4a8_{key}", flags
+    return cache_root() / "kernels" / f"w4a8_mm-{key}.so", f"paceline_w4a8_{key}", fl
+
+
+def op_for(which: str) -> Callable | None:
+    """The op of one build, whatever isa() says (tests and A/B runs in one process); None where it cannot be built
+    or run. Asking for "vnni" on a CPU without it is a ValueError, not a crash."""
+    if which == "vnni" and not has_vnni():
+        raise ValueError("this CPU has no AVX512-VNNI")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    path, namespace, fl = _library(which)
+    return int4_kernel.load_op(path, namespace, fl, SOURCE, "w4a8_mm", f"CPU w4a8 matmul kernel ({which}) unavailable")
 
 
 def load() -> Callable | None:
-    """The op `(x, packed, n, bias, nibbles, max_rows=4) -> y`, building it first if needed; None when switched off
+    """The op `(x, packed, n, bias, nibbles, max_rows=0) -> y`, building it first if needed; None when switched off
     or it cannot be built or run here (the reason is logged once)."""
     if not enabled():
         return None
@@ -377,9 +555,12 @@ def op() -> Callable | None:
     return _op[0]
 
 
-def load_quantize() -> Callable | None:
-    """The op's activation quantizer `x -> (xq, a, s)` (same library), for tests and emulations."""
+def load_quantize(which: str | None = None) -> Callable | None:
+    """The activation quantizer `x -> (xq, a, s, top, xo)` of a build (by default isa()'s), from the same library,
+    for tests and emulations."""
     if load() is None:
         return None
-    _, namespace, _ = _library()
+    if which is not None and op_for(which) is None:
+        return None
+    _, namespace, _ = _library(which)
     return getattr(torch.ops, namespace).w4a8_quantize

@@ -13,6 +13,10 @@ from paceline.model.llama import INT4_GROUP, W4A8_FROM_ROWS, Int4Linear, LlamaMo
 
 pytestmark = pytest.mark.skipif(w4a8_kernel.load() is None, reason="the C++ w4a8 kernel is not available here")
 
+HAS_VNNI = w4a8_kernel.has_vnni()
+# every build this CPU can run: the AVX2 one everywhere, the VNNI one where the CPU has it (isa() picks it then)
+BUILDS = ["avx2", pytest.param("vnni", marks=pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX512-VNNI"))]
+
 
 def _quantize(x: torch.Tensor):
     """The op's activation quantization in torch: per row and block of 32, the largest |x| (first of equals) taken
@@ -48,8 +52,9 @@ def _weight(n: int, k: int, seed: int):
     return int4_codes(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
 
 
-def test_quantizer_equals_the_emulation_exactly():
-    quantize = w4a8_kernel.load_quantize()
+@pytest.mark.parametrize("build", BUILDS)
+def test_quantizer_equals_the_emulation_exactly(build):
+    quantize = w4a8_kernel.load_quantize(build)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 288, generator=g) * 4
     x[3, :32] = 0  # an all-zero block: scale 0, codes 0
@@ -66,9 +71,11 @@ def test_quantizer_equals_the_emulation_exactly():
 
 @pytest.mark.parametrize("n,k", [(16, 32), (45, 288), (160, 576), (37, 1536)])
 @pytest.mark.parametrize("nibbles", [True, False])
-def test_op_equals_the_integer_emulation(n, k, nibbles):
-    """45 and 37 outputs end in a partial tile; 300 rows span three row chunks of 128; every pass width 1-6."""
-    op = w4a8_kernel.load()
+@pytest.mark.parametrize("build", BUILDS)
+def test_op_equals_the_integer_emulation(n, k, nibbles, build):
+    """45 and 37 outputs end in a partial tile; 300 rows span three row chunks of 128; pass widths 1-6 (and the
+    VNNI build's 12), and 0: the build's own choice."""
+    op = w4a8_kernel.op_for(build)
     codes, scale, lo = _weight(n, k, n * k)
     packed = w4a8_kernel.pack(codes, scale, lo, nibbles)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
@@ -76,7 +83,7 @@ def test_op_equals_the_integer_emulation(n, k, nibbles):
     for m in (1, 3, 7, 33, 300):
         x = torch.randn(m, k, generator=g) * 3
         want = _emulate(x, codes, scale, lo, bias)
-        for r in (1, 4, 6) if m < 300 else (4,):
+        for r in ((1, 4, 6) + ((12,) if build == "vnni" else ()) if m < 300 else (0,)):
             got = op(x, packed, n, bias, nibbles, r)
             assert got.dtype == torch.float32 and got.shape == (m, n)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -113,7 +120,59 @@ def test_bad_packs_and_inputs_are_plain_errors():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(torch.randn(2, 48), packed, 32, None, True, 4)
     with pytest.raises(RuntimeError, match="max_rows"):
-        op(torch.randn(2, 64), packed, 32, None, True, 7)
+        w4a8_kernel.op_for("avx2")(torch.randn(2, 64), packed, 32, None, True, 7)
+    with pytest.raises(RuntimeError, match="max_rows"):
+        op(torch.randn(2, 64), packed, 32, None, True, -1)
+    if HAS_VNNI:
+        with pytest.raises(RuntimeError, match="max_rows"):
+            w4a8_kernel.op_for("vnni")(torch.randn(2, 64), packed, 32, None, True, 13)
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("nibbles", [True, False])
+def test_vnni_build_gives_the_avx2_builds_bits(nibbles):
+    """The same integer block sums and the same float32 operations lane by lane, in the same order: every output
+    bit equal at any pass width, partial tiles, row chunks, outliers and all-zero blocks; and the quantizers too."""
+    avx2, vnni = w4a8_kernel.op_for("avx2"), w4a8_kernel.op_for("vnni")
+    g = torch.Generator().manual_seed(11)
+    for n, k in ((16, 32), (45, 288), (160, 576), (37, 1536)):
+        codes, scale, lo = _weight(n, k, n + k)
+        packed, bias = w4a8_kernel.pack(codes, scale, lo, nibbles), torch.randn(n, generator=g)
+        for m in (1, 5, 13, 130):
+            x = torch.randn(m, k, generator=g) * 3
+            x[0, :32] = 0
+            x[-1, k - 1] = -1e4
+            x[m // 2, 3:5] = 9.0  # a tie for the block's largest: the first is taken out in both
+            want = avx2(x, packed, n, bias, nibbles, 4)
+            for r in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12):
+                assert torch.equal(vnni(x, packed, n, bias, nibbles, r), want), (n, k, m, r)
+    x = torch.randn(77, 1536, generator=g) * 5
+    x[3, 100] = 1e4
+    for got, want in zip(w4a8_kernel.load_quantize("vnni")(x), w4a8_kernel.load_quantize("avx2")(x)):
+        assert torch.equal(got, want)
+
+
+def test_isa_choice_and_switch(monkeypatch):
+    """vnni only where /proc/cpuinfo says so; PACELINE_W4A8_ISA=avx2 forces the AVX2 build; the two builds never
+    share a file or a namespace; bad values and a VNNI build on a CPU without it are plain errors."""
+    monkeypatch.delenv("PACELINE_W4A8_ISA", raising=False)
+    assert w4a8_kernel.isa() == ("vnni" if HAS_VNNI else "avx2")
+    monkeypatch.setenv("PACELINE_W4A8_ISA", "avx2")
+    assert w4a8_kernel.isa() == "avx2"
+    assert w4a8_kernel._library()[1] == w4a8_kernel._library("avx2")[1] != w4a8_kernel._library("vnni")[1]
+    assert "-mavx512vnni" in w4a8_kernel.build_flags("vnni") and not any("512" in f for f in w4a8_kernel.build_flags("avx2"))
+    monkeypatch.setenv("PACELINE_W4A8_ISA", "avx512")
+    with pytest.raises(ValueError, match="PACELINE_W4A8_ISA"):
+        w4a8_kernel.isa()
+    monkeypatch.setattr(w4a8_kernel, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})
+    assert not w4a8_kernel.has_vnni()
+    monkeypatch.delenv("PACELINE_W4A8_ISA")
+    assert w4a8_kernel.isa() == "avx2"  # an AVX-512 CPU without VNNI (e.g. Skylake-X) runs the AVX2 build
+    monkeypatch.setenv("PACELINE_W4A8_ISA", "vnni")
+    with pytest.raises(ValueError, match="does not report"):
+        w4a8_kernel.isa()
+    with pytest.raises(ValueError, match="no AVX512-VNNI"):
+        w4a8_kernel.op_for("vnni")
 
 
 def test_int4_linear_serves_every_row_count_with_the_op_and_no_dense_copy(monkeypatch):
