@@ -308,6 +308,19 @@ def w4a8_linears() -> tuple[str, ...]:
 # 512-token windows: top-1 97.70 % of fp32's, perplexity +0.06 %, against 97.82 % / +0.18 % for the w4a8 op with
 # the same bf16 activations; the 99 % top-1 bar needs float32 activations (benchmarks/summaries/quality.md).
 INT4_BF16_FROM_ROWS = 12
+# Beside the w4a8 op's AVX512-VNNI build (w4a8_kernel.isa() == "vnni") the op keeps up longer: whole steps, one
+# process, the VNNI op vs the bf16 copy from 12 rows (`benchmarks/profile_step.py --modes int4 --compare
+# "int4_wide=w4a8,int4_wide=bf16" --only "b=32,chunk 64,prefill 512,in 512,rows 12,rows 24,probe32" --repeats 3`,
+# 2026-11-24 06:39 UTC, ms): 12 rows 18.8 vs 21.1, 24 rows 28.6 vs 28.8, 32 decodes 39.2 vs 43.8, a 64-token chunk
+# + 6 decodes (70 rows) 66.1 vs 72.7, but a 48-token chunk + 32 decodes (80 rows) 83.4 vs 76.5, 128 rows 106.9 vs
+# 96.0, a 512-token prefill 423.3 vs 379.5. The lines cross between 70 and 80 rows, so there the copy starts.
+INT4_BF16_FROM_ROWS_VNNI = 72
+
+
+def int4_bf16_from_rows() -> int:
+    """From how many rows an int4 model's bf16 steps run the dense bf16 copy: where the w4a8 op's VNNI build serves
+    the rows below, later (INT4_BF16_FROM_ROWS_VNNI), else INT4_BF16_FROM_ROWS."""
+    return INT4_BF16_FROM_ROWS_VNNI if w4a8_kernel.isa() == "vnni" else INT4_BF16_FROM_ROWS
 # what an int4 model's bfloat16 steps of many rows run: "bf16" (the dense bfloat16 copy from INT4_BF16_FROM_ROWS
 # rows), "w4a8" (the int4 x int8 op from W4A8_FROM_ROWS rows as before, no dense copy); "auto": bf16 where the CPU
 # has native bf16 math, else w4a8 (without it a bf16 matmul converts inside every call, WIDE_ABOVE's comment, and
@@ -562,7 +575,7 @@ class LlamaModel(nn.Module):
         self.int4_bf16_from = None
         if (quantization == "int4" and wide is None and embed.dtype == torch.bfloat16
                 and int4_wide_choice(int4_wide) == "bf16"):
-            self.int4_bf16_from = INT4_BF16_FROM_ROWS if int4_bf16_from is None else int4_bf16_from
+            self.int4_bf16_from = int4_bf16_from_rows() if int4_bf16_from is None else int4_bf16_from
         self.layers = nn.ModuleList(LlamaLayer(arch, w, pack, quantization, embed.dtype, wide, int4_rows,
                                                self.int4_bf16_from) for w in layers)
         self.norm32 = norm.float() if wide else None
@@ -641,7 +654,7 @@ class LlamaModel(nn.Module):
         engine); "auto": AUTO_WIDE_LINEARS.
 
         int4_wide: "auto", "bf16" or "w4a8" (None: PACELINE_INT4_WIDE, else auto; see int4_wide_choice): whether
-        an int4 model's bfloat16 steps of at least int4_bf16_from rows (None: INT4_BF16_FROM_ROWS) run a dense
+        an int4 model's bfloat16 steps of at least int4_bf16_from rows (None: int4_bf16_from_rows()) run a dense
         bf16 copy."""
         rope_inv_freq(arch)  # reject unsupported rope scaling before any work
         if quantization not in ("none", "int4"):
