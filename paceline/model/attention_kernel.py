@@ -309,32 +309,117 @@ inline void tile_pv(const float* pt, int ld, const float* const* v, int n, int c
     for (int r = 0; r < RV; ++r) vstore(ot + size_t(c0 + u) * ld + r * VW, a[u][r]);
 }
 
+#if defined(__AVX512BF16__)
+#define PL_BF16_DOT 1
+// bfloat16 pair dot products (vdpbf16ps: 16 lanes, each a += x[2l] y[2l] + x[2l+1] y[2l+1], products exact in
+// float32) for a bfloat16 cache when the item's queries are bfloat16 values (a bfloat16 model's, widened): twice
+// the multiply-adds per instruction of float32 FMAs. Scores are exact products of the stored values; P is rounded
+// to bfloat16 for P.V (the same rounding torch's bfloat16 SDPA makes), its sum stays float32.
+// q^T as pairs: qp[i/2][r] = (q[r][i], q[r][i+1]); keys read in place, each dword one pair of a key row
+template <int RV, int JB>
+inline void dot_scores(const uint32_t* qp, int ld, const uint32_t* const* k, int d2, float* st) {
+  vf a[JB][RV];
+  for (int u = 0; u < JB; ++u)
+    for (int r = 0; r < RV; ++r) a[u][r] = vzero();
+  for (int i = 0; i < d2; ++i) {
+    __m512bh qv[RV];
+    for (int r = 0; r < RV; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(qp + size_t(i) * ld + r * VW);
+    for (int u = 0; u < JB; ++u) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(int(k[u][i]));
+      for (int r = 0; r < RV; ++r) a[u][r] = _mm512_dpbf16_ps(a[u][r], kb, qv[r]);
+    }
+  }
+  for (int u = 0; u < JB; ++u)
+    for (int r = 0; r < RV; ++r) vstore(st + size_t(u) * ld + r * VW, a[u][r]);
+}
+
+// ot[c0 + u][.] = alpha * ot[c0 + u][.] + sum over position pairs of (v[j][c], v[j+1][c]) . (p[j][.], p[j+1][.]);
+// pp[j/2][r] and vp[j/2][c] hold the pairs
+template <int RV, int CB>
+inline void dot_pv(const uint32_t* pp, int ld, const uint32_t* vp, int d, int n2, int c0, const vf* alpha, float* ot) {
+  vf a[CB][RV];
+  for (int u = 0; u < CB; ++u)
+    for (int r = 0; r < RV; ++r) a[u][r] = vmul(alpha[r], vload(ot + size_t(c0 + u) * ld + r * VW));
+  for (int j = 0; j < n2; ++j) {
+    __m512bh pv[RV];
+    for (int r = 0; r < RV; ++r) pv[r] = (__m512bh)_mm512_loadu_si512(pp + size_t(j) * ld + r * VW);
+    for (int u = 0; u < CB; ++u) {
+      const __m512bh vb = (__m512bh)_mm512_set1_epi32(int(vp[size_t(j) * d + c0 + u]));
+      for (int r = 0; r < RV; ++r) a[u][r] = _mm512_dpbf16_ps(a[u][r], vb, pv[r]);
+    }
+  }
+  for (int u = 0; u < CB; ++u)
+    for (int r = 0; r < RV; ++r) vstore(ot + size_t(c0 + u) * ld + r * VW, a[u][r]);
+}
+
+// vp[c] = (a[c], b[c]) for c < d (d a multiple of 32): two V rows interleaved into pairs
+inline void pair_rows(const uint16_t* a, const uint16_t* b, uint32_t* vp, int d) {
+  alignas(64) static const uint16_t lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                              24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo), ih = _mm512_load_si512(hi);
+  for (int c = 0; c < d; c += 32) {
+    const __m512i x = _mm512_loadu_si512(a + c), y = _mm512_loadu_si512(b + c);
+    _mm512_storeu_si512(vp + c, _mm512_permutex2var_epi16(x, il, y));
+    _mm512_storeu_si512(vp + c + 16, _mm512_permutex2var_epi16(x, ih, y));
+  }
+}
+
+// whether every query value of an item is a bfloat16 (its low 16 bits zero)
+inline bool queries_are_bf16(const float* q, int64_t q_stride, int row0, int ntok, int64_t col0, int width) {
+  for (int t = 0; t < ntok; ++t) {
+    const uint32_t* s = reinterpret_cast<const uint32_t*>(q + (int64_t(row0) + t) * q_stride + col0);
+    uint32_t any = 0;
+    for (int i = 0; i < width; ++i) any |= s[i] & 0xffffu;
+    if (any) return false;
+  }
+  return true;
+}
+#endif
+
+// The float32 operands of one chunk for tile_panel, or (bf16) its bfloat16 pairs
+struct TileChunk {
+  const float* const* k;  // n key rows, then zero rows up to a whole score block
+  const float* const* v;  // n value rows
+  const uint32_t* qp = nullptr;  // bf16: q^T pairs [d/2][ld] (unscaled), else null
+  const uint32_t* const* kd = nullptr;  // bf16: key rows as pairs, padded like k
+  const uint32_t* vp = nullptr;  // bf16: value pairs [(n+1)/2][d]
+  uint32_t* pp = nullptr;  // bf16: room for P pairs [(n+1)/2][ld]
+};
+
 // One panel (RV row vectors, starting at row vector rv0) of one chunk of n positions c0..c0+n-1: scores, online
-// softmax, P.V. k[] holds n key rows padded with zero rows to a multiple of JB; pos[r] is row r's last visible
-// position (rows past the item's are +inf), diag whether any row of the item may not see the whole chunk.
+// softmax, P.V. pos[r] is row r's last visible position (rows past the item's are +inf), diag whether any row of
+// the item may not see the whole chunk; sc scales the scores (1 when q^T holds scaled queries).
 template <int RV>
-void tile_panel(float* qt, float* st, float* ot, float* m, float* l, const float* pos, int ld, int rv0,
-                const float* const* k, const float* const* v, int n, int d, int c0, bool diag) {
+void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const float* pos, int ld, int rv0,
+                const TileChunk& ch, int n, int d, int c0, bool diag, float sc) {
   constexpr int JB = jb_for(RV), CB = cb_for(RV);
-  qt += rv0 * VW; st += rv0 * VW; ot += rv0 * VW; m += rv0 * VW; l += rv0 * VW; pos += rv0 * VW;
-  for (int j = 0; j < n; j += JB) tile_scores<RV, JB>(qt, ld, k + j, d, st + size_t(j) * ld);
+  const int o = rv0 * VW;
+  st += o; ot += o; m += o; l += o; pos += o;
+#ifdef PL_BF16_DOT
+  if (ch.qp) {
+    for (int j = 0; j < n; j += JB) dot_scores<RV, JB>(ch.qp + o, ld, ch.kd + j, d / 2, st + size_t(j) * ld);
+  } else
+#endif
+    for (int j = 0; j < n; j += JB) tile_scores<RV, JB>(qt + o, ld, ch.k + j, d, st + size_t(j) * ld);
   vf alpha[RV];
-  const vf ninf = vset1(-std::numeric_limits<float>::infinity()), zero = vzero();
+  const vf ninf = vset1(-std::numeric_limits<float>::infinity()), zero = vzero(), scv = vset1(sc);
   for (int r = 0; r < RV; ++r) {
     const vf lim = vload(pos + r * VW), m0 = vload(m + r * VW);
     vf mx = m0;
     for (int j = 0; j < n; ++j) {
-      vf s = vload(st + size_t(j) * ld + r * VW);
+      vf s = vmul(vload(st + size_t(j) * ld + r * VW), scv);
       if (diag) s = vsel_le(vset1(float(c0 + j)), lim, s, ninf);
       mx = vmax(mx, s);
     }
-    // a row that sees nothing yet keeps m = -inf: shift by 0 there so that exp never sees inf - inf
+    // a row that sees nothing yet keeps m = -inf: shift it by 0 so that exp never sees inf - inf
     const vf safe = vsel_le(mx, ninf, zero, mx);
     alpha[r] = vexp(vsub(m0, safe));
     vf sum = zero;
     for (int j = 0; j < n; ++j) {
       float* sp = st + size_t(j) * ld + r * VW;
-      vf p = vexp(vsub(vload(sp), safe));
+      vf p = vexp(vsub(vmul(vload(sp), scv), safe));
       if (diag) p = vsel_le(vset1(float(c0 + j)), lim, p, zero);
       vstore(sp, p);
       sum = vadd(sum, p);
@@ -342,9 +427,25 @@ void tile_panel(float* qt, float* st, float* ot, float* m, float* l, const float
     vstore(l + r * VW, vfma(vload(l + r * VW), alpha[r], sum));
     vstore(m + r * VW, mx);
   }
+#ifdef PL_BF16_DOT
+  if (ch.qp) {
+    const int n2 = (n + 1) / 2;
+    for (int j2 = 0; j2 < n2; ++j2)
+      for (int r = 0; r < RV; ++r) {
+        const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(vload(st + size_t(2 * j2) * ld + r * VW)));
+        const vf pb = 2 * j2 + 1 < n ? vload(st + size_t(2 * j2 + 1) * ld + r * VW) : zero;
+        const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(pb));
+        _mm512_storeu_si512(ch.pp + size_t(j2) * ld + o + r * VW, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+      }
+    int c = 0;
+    for (; c + CB <= d; c += CB) dot_pv<RV, CB>(ch.pp + o, ld, ch.vp, d, n2, c, alpha, ot);
+    for (; c < d; ++c) dot_pv<RV, 1>(ch.pp + o, ld, ch.vp, d, n2, c, alpha, ot);
+    return;
+  }
+#endif
   int c = 0;
-  for (; c + CB <= d; c += CB) tile_pv<RV, CB>(st, ld, v, n, c, alpha, ot);
-  for (; c < d; ++c) tile_pv<RV, 1>(st, ld, v, n, c, alpha, ot);
+  for (; c + CB <= d; c += CB) tile_pv<RV, CB>(st, ld, ch.v, n, c, alpha, ot);
+  for (; c < d; ++c) tile_pv<RV, 1>(st, ld, ch.v, n, c, alpha, ot);
 }
 
 // A work item of ntok tokens and one KV head h0, as attend() computes it, in transposed row tiles.
@@ -354,8 +455,14 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
                   int start, int ntok, float scale) {
   constexpr int JB_MAX = jb_for(1) > jb_for(2) ? jb_for(1) : jb_for(2);
   const int R = ntok * G, nrv = (R + VW - 1) / VW, ld = nrv * VW;
+  bool bf = false;
+#ifdef PL_BF16_DOT
+  if constexpr (std::is_same<T, c10::BFloat16>::value)
+    bf = d % 32 == 0 && queries_are_bf16(q, q_stride, row0, ntok, int64_t(h0) * G * d, G * d);
+#endif
   thread_local std::vector<float> buf;
-  const size_t need = size_t(ld) * (2 * d + KC + JB_MAX + 3) + size_t(2 * KC + 1) * d;
+  const size_t need = size_t(ld) * (2 * d + KC + JB_MAX + 3) + size_t(2 * KC + 1) * d +
+                      (bf ? size_t(ld) * (d / 2 + KC / 2 + 1) + size_t(KC / 2 + 1) * d : 0);
   if (buf.size() < need) buf.resize(need);
   float* qt = buf.data();
   float* ot = qt + size_t(ld) * d;
@@ -365,6 +472,9 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
   float* pos = l + ld;
   float* conv = pos + ld;  // K then V rows of one chunk widened to float (half-precision caches)
   float* zrow = conv + size_t(2 * KC) * d;  // the zero key that pads a chunk to whole score blocks
+  uint32_t* qp = reinterpret_cast<uint32_t*>(zrow + d);  // bf16 only: q^T pairs, P pairs, V pairs
+  uint32_t* pp = qp + size_t(ld) * (d / 2);
+  uint32_t* vp = pp + size_t(ld) * (KC / 2 + 1);
   std::fill(qt, qt + size_t(ld) * d, 0.0f);
   std::fill(ot, ot + size_t(ld) * d, 0.0f);
   std::fill(zrow, zrow + d, 0.0f);
@@ -379,8 +489,20 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
       const int r = t * G + g;
       for (int i = 0; i < d; ++i) qt[size_t(i) * ld + r] = src[i] * scale;
     }
+  if (bf) {  // the pairs of the unscaled queries (exact: they are bfloat16 values); padded rows zero
+    std::fill(qp, qp + size_t(ld) * (d / 2), 0u);
+    for (int t = 0; t < ntok; ++t)
+      for (int g = 0; g < G; ++g) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(q + (int64_t(row0) + t) * q_stride + (int64_t(h0) * G + g) * d);
+        const int r = t * G + g;
+        for (int i = 0; i < d; i += 2) qp[size_t(i / 2) * ld + r] = (src[i] >> 16) | (src[i + 1] & 0xffff0000u);
+      }
+  }
   const float* krow[KC + JB_MAX];
   const float* vrow[KC];
+  const uint32_t* kdrow[KC + JB_MAX];
+  TileChunk ch{krow, vrow};
+  if (bf) { ch.qp = qp; ch.kd = kdrow; ch.vp = vp; ch.pp = pp; }
   const int end = start + ntok;
   for (int c0 = 0; c0 < end; c0 += KC) {
     const int n = std::min(KC, end - c0);
@@ -391,21 +513,33 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
         krow[j] = kc + off;
         vrow[j] = vc + off;
       } else {
+        if (bf) {  // keys read in place; value rows paired below
+          kdrow[j] = reinterpret_cast<const uint32_t*>(kc + off);
+          vrow[j] = reinterpret_cast<const float*>(vc + off);
+          continue;
+        }
         to_float(kc + off, conv + size_t(j) * d, d);
         to_float(vc + off, conv + size_t(KC + j) * d, d);
         krow[j] = conv + size_t(j) * d;
         vrow[j] = conv + size_t(KC + j) * d;
       }
     }
-    for (int j = n; j < KC + JB_MAX; ++j) krow[j] = zrow;
+    for (int j = n; j < KC + JB_MAX; ++j) { krow[j] = zrow; kdrow[j] = reinterpret_cast<const uint32_t*>(zrow); }
+#ifdef PL_BF16_DOT
+    if (bf)
+      for (int j = 0; j < n; j += 2)
+        pair_rows(reinterpret_cast<const uint16_t*>(vrow[j]),
+                  reinterpret_cast<const uint16_t*>(j + 1 < n ? vrow[j + 1] : zrow), vp + size_t(j / 2) * d, d);
+#endif
     const bool diag = c0 + n - 1 > start;  // the first token cannot see the chunk's last position
+    const float sc = bf ? scale : 1.0f;
     for (int rv0 = 0; rv0 < nrv;) {
       const int rv = std::min(RV_MAX, nrv - rv0);
       switch (rv) {
-        case 1: tile_panel<1>(qt, st, ot, m, l, pos, ld, rv0, krow, vrow, n, d, c0, diag); break;
-        case 2: tile_panel<2>(qt, st, ot, m, l, pos, ld, rv0, krow, vrow, n, d, c0, diag); break;
-        case 3: tile_panel<3>(qt, st, ot, m, l, pos, ld, rv0, krow, vrow, n, d, c0, diag); break;
-        default: tile_panel<4>(qt, st, ot, m, l, pos, ld, rv0, krow, vrow, n, d, c0, diag);
+        case 1: tile_panel<1>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc); break;
+        case 2: tile_panel<2>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc); break;
+        case 3: tile_panel<3>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc); break;
+        default: tile_panel<4>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc);
       }
       rv0 += rv;
     }
@@ -734,22 +868,25 @@ def _flags(target: str) -> list[str]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if target == "avx512":  # the prompt-chunk tiles in zmm registers (decodes keep their AVX2 loops)
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
+        if "avx512_bf16" in _cpu_flags():  # bfloat16 pair dot products for a bfloat16 cache's prompt chunks
+            flags += ["-mavx512bf16"]
     return flags
 
 
 def _library_path() -> tuple[Path, str, list[str]]:
-    return _library_path_for(isa())
-
-
-@functools.cache  # once per ISA: load() runs every step, and hashing the source costs ~20 us
-def _library_path_for(target: str) -> tuple[Path, str, list[str]]:
     from paceline.model.cache_dir import cache_root
-    flags = _flags(target)
-    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16]
+    target = isa()
+    key, flags = _key(target)
     # the ISA in the file name and the namespace: AVX2 and AVX-512 builds never collide, and both load in one
     # process (an A/B run switches PACELINE_ATTN_ISA between calls)
     return (cache_root() / "kernels" / f"paged_attention-{target}-{key}.so", f"paceline_attn_{target}_{key}",
             flags)
+
+
+@functools.cache  # once per ISA: load() runs every step, and hashing the source costs ~20 us
+def _key(target: str) -> tuple[str, list[str]]:
+    flags = _flags(target)
+    return hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16], flags
 
 
 def enabled() -> bool:
