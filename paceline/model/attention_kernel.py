@@ -7,7 +7,17 @@ straight from the cache through the block table, shares each KV head between the
 and runs the whole flat batch (prompt chunks and decodes) in one call per layer, with a flash-style online
 softmax in float32 over chunks of 64 positions that stay in L1.
 
-The build: the source below is compiled with g++/c++ into `<cache>/kernels/paged_attention-<key>.so` (the key
+Prompt chunks (work items of more than FEW_TOKENS tokens, one KV head) take a second loop nest, `attend_tiles`:
+the item's query rows (tokens x GQA group, 48 for SmolLM2's 16-token items) are kept transposed, so scores and
+P.V are small register-blocked GEMMs (a broadcast key/value element times vectors of rows, up to 24 accumulators)
+and the online softmax runs along the rows in whole vectors; the decode loops reduce each score horizontally and
+reuse a key over at most 3 rows. Built for AVX-512 where /proc/cpuinfo lists avx512f/bw/vl (16-float vectors, 32
+registers), and with AVX512_BF16 a bfloat16 cache's chunks whose queries are bfloat16 values (a bfloat16 model's)
+use pair dot products (vdpbf16ps), twice float32's multiply-adds per instruction; P is then rounded to bfloat16
+for P.V, as torch's bfloat16 SDPA does. Decodes keep the AVX2 loops in every build. `PACELINE_ATTN_ISA=avx2`
+forces the AVX2 build (what AVX2-only machines run; tests and A/B runs); the ISA is part of the library's name.
+
+The build: the source below is compiled with g++/c++ into `<cache>/kernels/paged_attention-<isa>-<key>.so` (the key
 hashes the source, the flags and torch's version), under a file lock, the first time a process needs it; later
 starts only load the library (milliseconds). With no compiler, a failed build or an unsupported shape, callers
 get None and use the eager path. `PACELINE_ATTN_KERNEL=0` switches it off (for A/B runs).
