@@ -48,6 +48,7 @@ LAYER_SHAPES = {
     "512 at 1,000": [(1000, 512)],
     "64 at 1,000 + 6 decodes": [(1000, 64)] + [(c - 1, 1) for c in (150, 250, 350, 450, 500, 1900)],
     "32 decodes at 100-200": [(100 + 3 * i - 1, 1) for i in range(32)],
+    "fresh 48 + 32 decodes": [(0, 48)] + [(100 + 3 * i - 1, 1) for i in range(32)],
     "6 decodes at 1,900": [(1899, 1)] * 6,
 }
 
