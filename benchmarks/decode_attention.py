@@ -3,10 +3,12 @@ gathers + SDPA per decode group (the eager path) and the C++ paged-attention op 
 Prints, per batch, the median step ms and the median ms spent in attention (all layers) for each.
 
     flock -x /tmp/paceline-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/decode_attention.py --repeats 5
-    flock -x /tmp/paceline-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/decode_attention.py --layer
+    flock -x /tmp/paceline-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/decode_attention.py --layer \
+        --variants rev=0695ec0,avx2,avx512
 
---layer times one layer's `paged_attention` alone (SmolLM2-135M's shapes, random float32 K/V in scattered
-blocks), best of --repeats (default there 15), and the largest difference between the two outputs.
+--layer times one layer's `paged_attention` alone (SmolLM2-135M's shapes, random K/V in scattered blocks, float32
+and bfloat16), best of --repeats (default there 15), per --variants: eager (gathers + SDPA), this tree's op built
+for an ISA (auto, avx2, avx512) or the op at a git revision (rev=REV), and the largest difference from the first.
 
 Shapes: decode batches at one context length and mixed ones, and prompt chunks over earlier context with and
 without decodes. (The workspace and decode-group figures in attention.py came from this script's earlier
@@ -41,33 +43,67 @@ SHAPES = {
 VARIANTS = {"gather + SDPA": "0", "C++ op": "1"}
 
 
-def one_layer(repeats: int, only: list[str]) -> None:
+LAYER_SHAPES = {
+    "fresh 512": [(0, 512)],
+    "512 at 1,000": [(1000, 512)],
+    "64 at 1,000 + 6 decodes": [(1000, 64)] + [(c - 1, 1) for c in (150, 250, 350, 450, 500, 1900)],
+    "32 decodes at 100-200": [(100 + 3 * i - 1, 1) for i in range(32)],
+    "fresh 48 + 32 decodes": [(0, 48)] + [(100 + 3 * i - 1, 1) for i in range(32)],
+    "6 decodes at 1,900": [(1899, 1)] * 6,
+}
+
+
+def _layer_variant(name: str):
+    """(kernel argument of build_metadata, environment, attention_kernel.load to use) for one --variants entry:
+    eager (gathers + SDPA), avx2 / avx512 / auto (this tree's op built for that ISA), rev=REV (the op at a git
+    revision, built under its own name)."""
+    if name == "eager":
+        return False, {}, None
+    if name.startswith("rev="):
+        from benchmarks.int4_linear import kernel_module_at
+        return True, {}, kernel_module_at(name[4:], "attention_kernel").load
+    return True, {"PACELINE_ATTN_ISA": name}, None
+
+
+def one_layer(repeats: int, only: list[str], variants: list[str], dtypes: list[str]) -> None:
+    from unittest.mock import patch
+
+    from paceline.model import attention_kernel
+
     h, kvh, d, bs = 9, 3, 64, 16
-    ws = GatherWorkspace(bs * kvh * d, torch.float32, "cpu")
     g = torch.Generator().manual_seed(0)
-    print(f"one layer, {h} query / {kvh} KV heads, head_dim {d}, float32; best of {repeats}")
-    for name, point in SHAPES.items():
-        if only and not any(o in name for o in only):
-            continue
-        shape = [(s, c) for s, c, _ in point.chunks] + [(ctx - 1, 1) for ctx in point.decode_contexts]
-        nb = sum(-(-(s + n) // bs) for s, n in shape) + 1
-        free = torch.randperm(nb, generator=g).tolist()  # scattered blocks, as after a while of serving
-        seqs = [SeqSlice(s, n, [free.pop() for _ in range(-(-(s + n) // bs))]) for s, n in shape]
-        kc, vc = torch.randn(nb, bs, kvh, d, generator=g), torch.randn(nb, bs, kvh, d, generator=g)
-        t = sum(n for _, n in shape)
-        q, k, v = torch.randn(t, h, d, generator=g), torch.randn(t, kvh, d, generator=g), torch.randn(t, kvh, d, generator=g)
-        best, outs = {}, {}
-        for kernel in (False, True):
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                meta = build_metadata(seqs, bs, workspace=ws, kernel=kernel)
-                outs[kernel] = paged_attention(q, k, v, kc, vc, meta, d ** -0.5)
-                times.append((time.perf_counter() - t0) * 1e3)
-            best[kernel] = min(times)
-        err = (outs[True] - outs[False]).abs().max().item()
-        print(f"{name:30s} gather + SDPA {best[False]:8.3f} ms   C++ op {best[True]:8.3f} ms   "
-              f"{best[False] / best[True]:5.2f}x   max |diff| {err:.1e}", flush=True)
+    print(f"one layer, {h} query / {kvh} KV heads, head_dim {d}; best of {repeats} ms (speed-up over the first "
+          f"variant, max |diff| from it); bfloat16: cache and queries in bfloat16")
+    setups = {v: _layer_variant(v) for v in variants}
+    for dname in dtypes:
+        dt = getattr(torch, dname)
+        ws = GatherWorkspace(bs * kvh * d, dt, "cpu")
+        for name, shape in LAYER_SHAPES.items():
+            if only and not any(o in name for o in only):
+                continue
+            nb = sum(-(-(s + n) // bs) for s, n in shape) + 1
+            free = torch.randperm(nb, generator=g).tolist()  # scattered blocks, as after a while of serving
+            seqs = [SeqSlice(s, n, [free.pop() for _ in range(-(-(s + n) // bs))]) for s, n in shape]
+            kc = torch.randn(nb, bs, kvh, d, generator=g).to(dt)
+            vc = torch.randn(nb, bs, kvh, d, generator=g).to(dt)
+            t = sum(n for _, n in shape)
+            q, k, v = (torch.randn(t, h, d, generator=g).to(dt), torch.randn(t, kvh, d, generator=g).to(dt),
+                       torch.randn(t, kvh, d, generator=g).to(dt))
+            best, outs = {}, {}
+            for var, (kernel, env, load) in setups.items():
+                with patch.dict(os.environ, env), patch.object(attention_kernel, "load",
+                                                               load or attention_kernel.load):
+                    times = []
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        meta = build_metadata(seqs, bs, workspace=ws, kernel=kernel)
+                        outs[var] = paged_attention(q, k, v, kc, vc, meta, d ** -0.5).float()
+                        times.append((time.perf_counter() - t0) * 1e3)
+                best[var] = min(times)
+            first = variants[0]
+            cells = "  ".join(f"{var} {best[var]:7.3f} ({best[first] / best[var]:4.2f}x, "
+                              f"{(outs[var] - outs[first]).abs().max().item():.1e})" for var in variants)
+            print(f"{dname:9s} {name:24s} {cells}", flush=True)
 
 
 def main() -> None:
@@ -77,10 +113,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="engine dtype (auto picks int4 for the bundled GGUF)")
     ap.add_argument("--only", default="", help="comma-separated substrings of shape names")
     ap.add_argument("--layer", action="store_true", help="time one layer's attention alone")
+    ap.add_argument("--variants", default="eager,auto", help="with --layer: eager, auto, avx2, avx512, rev=REV")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="with --layer: cache/query dtypes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.layer:
-        one_layer(max(args.repeats, 15), [s for s in args.only.split(",") if s])
+        one_layer(max(args.repeats, 15), [s for s in args.only.split(",") if s], args.variants.split(","),
+                  args.dtypes.split(","))
         return
     engine = Engine(EngineConfig(dtype=args.dtype))
     runner = engine.runner

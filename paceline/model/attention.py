@@ -10,8 +10,18 @@ flash-style softmax in float32. Why: the gathers copied every context position o
 again, in a handful of ops per decode group; one layer of SmolLM2-135M (9 query / 3 KV heads, head_dim 64,
 float32), best of 15 in one process: 32 decodes at 100-200 tokens 1.35 -> 0.38 ms, 6 decodes at 1,900 tokens
 2.78 -> 0.79 ms, a 64-token chunk at 1,000 + 6 decodes 2.81 -> 1.71 ms, a fresh 512-token prompt 4.95 -> 3.02 ms,
-a 512-token chunk at 1,000 15.2 -> 14.3 ms (benchmarks/summaries/attention.md). Elsewhere (CUDA, no compiler,
-`PACELINE_ATTN_KERNEL=0`) the eager path below runs.
+a 512-token chunk at 1,000 15.2 -> 14.3 ms (benchmarks/summaries/attention.md; the AVX2 machine). Elsewhere (CUDA,
+no compiler, `PACELINE_ATTN_KERNEL=0`) the eager path below runs.
+
+Prompt chunks run in the op's row tiles (query rows transposed, scores and P.V as register-blocked GEMMs), built for
+AVX-512 where the CPU has it and, for a bfloat16 cache with a bfloat16 model's queries, with bfloat16 pair dot
+products (vdpbf16ps). Why: long chunks are compute-bound, and on the AVX-512 machine attention was 644 of 1,555 ms
+of a 1,500-token prompt (bf16, 512-token chunks). Torch's SDPA (flash, bf16 native) was no way out: it lost to the
+op on every shape. One layer, best of 15, 2026-11-24 06:25 UTC, `benchmarks/decode_attention.py --layer --variants
+rev=0695ec0,avx2,avx512,eager`: a 512-token chunk at 1,000 11.14 -> 5.24 ms (bf16; SDPA 14.36), 10.95 -> 7.99 ms
+(float32), a fresh 512-token prompt 2.56 -> 1.43 ms (bf16), decodes unchanged; whole bf16 model
+(`profile_step.py --compare kernels=0695ec0,kernels=b3e1ac8`): the 1,500-token prompt in 512-token chunks
+1,484.6 -> 1,165.7 ms. `PACELINE_ATTN_ISA=avx2` forces the AVX2 build (attention_kernel.py).
 
 The eager path:
 

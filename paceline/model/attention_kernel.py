@@ -7,13 +7,24 @@ straight from the cache through the block table, shares each KV head between the
 and runs the whole flat batch (prompt chunks and decodes) in one call per layer, with a flash-style online
 softmax in float32 over chunks of 64 positions that stay in L1.
 
-The build: the source below is compiled with g++/c++ into `<cache>/kernels/paged_attention-<key>.so` (the key
+Prompt chunks (work items of more than FEW_TOKENS tokens, one KV head) take a second loop nest, `attend_tiles`:
+the item's query rows (tokens x GQA group, 48 for SmolLM2's 16-token items) are kept transposed, so scores and
+P.V are small register-blocked GEMMs (a broadcast key/value element times vectors of rows, up to 24 accumulators)
+and the online softmax runs along the rows in whole vectors; the decode loops reduce each score horizontally and
+reuse a key over at most 3 rows. Built for AVX-512 where /proc/cpuinfo lists avx512f/bw/vl (16-float vectors, 32
+registers), and with AVX512_BF16 a bfloat16 cache's chunks whose queries are bfloat16 values (a bfloat16 model's)
+use pair dot products (vdpbf16ps), twice float32's multiply-adds per instruction; P is then rounded to bfloat16
+for P.V, as torch's bfloat16 SDPA does. Decodes keep the AVX2 loops in every build. `PACELINE_ATTN_ISA=avx2`
+forces the AVX2 build (what AVX2-only machines run; tests and A/B runs); the ISA is part of the library's name.
+
+The build: the source below is compiled with g++/c++ into `<cache>/kernels/paged_attention-<isa>-<key>.so` (the key
 hashes the source, the flags and torch's version), under a file lock, the first time a process needs it; later
 starts only load the library (milliseconds). With no compiler, a failed build or an unsupported shape, callers
 get None and use the eager path. `PACELINE_ATTN_KERNEL=0` switches it off (for A/B runs).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -204,6 +215,352 @@ inline void pv(const float* const* p, const float* const* v, int n, int d, const
   for (; c + 8 * W <= d; c += 8 * W) pv_slab<NR, W>(p, v, n, c, alpha, acc);
   for (; c + 16 <= d; c += 16) pv_slab<NR, 2>(p, v, n, c, alpha, acc);
   if (c < d) pv_slab<NR, 1>(p, v, n, c, alpha, acc);
+}
+#endif
+
+// ---- prompt chunks: row-vectorised tiles (AVX-512 where built with it, else AVX2) ----
+//
+// A work item of several tokens (a prompt chunk's slice of up to TQ tokens, one KV head) keeps its R = tokens x
+// group query rows TRANSPOSED: q^T [d][R], scores^T [positions][R], out^T [d][R], so every step runs along the
+// rows in whole vectors. Scores are a small GEMM: for each of JB keys, one broadcast key element times RV vectors
+// of query rows, JB x RV independent accumulators in registers, each key row read once for all R rows (the
+// dot-product loops above reduce every score horizontally and reuse a key over 3 rows only). P.V likewise: one
+// broadcast V element times RV vectors of probabilities. The online softmax (max, exp, sum, rescale) is then
+// vectorised over rows too, and the causal mask is a compare per position on the diagonal chunks only.
+#if defined(__AVX512F__)
+#define PL_TILE 1
+using vf = __m512;
+constexpr int VW = 16;
+constexpr int RV_MAX = 4;  // row vectors per panel: JB x RV accumulators + RV loads within 32 registers
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+// a where pos <= lim, else b
+inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pos, lim, _CMP_LE_OQ), b, a); }
+// e^x as exp8 below, 16 lanes; 2^n applied with scalef
+inline vf vexp(vf x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  vf p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+// keys per score block and V columns per P.V block, by row vectors per panel: at most 24 accumulators
+constexpr int jb_for(int rv) { return rv <= 2 ? 12 : rv == 3 ? 8 : 6; }
+constexpr int cb_for(int rv) { return rv <= 3 ? 8 : 4; }
+#elif defined(__AVX2__)
+#define PL_TILE 1
+using vf = __m256;
+constexpr int VW = 8;
+constexpr int RV_MAX = 2;  // 16 registers: JB x RV accumulators + RV loads + a broadcast
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(pos, lim, _CMP_LE_OQ)); }
+inline vf vexp(vf x) { return exp8(x); }
+constexpr int jb_for(int rv) { return rv == 1 ? 10 : 6; }
+constexpr int cb_for(int rv) { return rv == 1 ? 8 : 4; }
+#endif
+
+#ifdef PL_TILE
+// st[u][.] = sum_i k[u][i] * qt[i][.] for JB keys u, RV row vectors
+template <int RV, int JB>
+inline void tile_scores(const float* qt, int ld, const float* const* k, int d, float* st) {
+  vf a[JB][RV];
+  for (int u = 0; u < JB; ++u)
+    for (int r = 0; r < RV; ++r) a[u][r] = vzero();
+  for (int i = 0; i < d; ++i) {
+    vf qv[RV];
+    for (int r = 0; r < RV; ++r) qv[r] = vload(qt + size_t(i) * ld + r * VW);
+    for (int u = 0; u < JB; ++u) {
+      const vf kb = vset1(k[u][i]);
+      for (int r = 0; r < RV; ++r) a[u][r] = vfma(kb, qv[r], a[u][r]);
+    }
+  }
+  for (int u = 0; u < JB; ++u)
+    for (int r = 0; r < RV; ++r) vstore(st + size_t(u) * ld + r * VW, a[u][r]);
+}
+
+// ot[c0 + u][.] = alpha * ot[c0 + u][.] + sum_j v[j][c0 + u] * pt[j][.] for CB columns u, RV row vectors
+template <int RV, int CB>
+inline void tile_pv(const float* pt, int ld, const float* const* v, int n, int c0, const vf* alpha, float* ot) {
+  vf a[CB][RV];
+  for (int u = 0; u < CB; ++u)
+    for (int r = 0; r < RV; ++r) a[u][r] = vmul(alpha[r], vload(ot + size_t(c0 + u) * ld + r * VW));
+  for (int j = 0; j < n; ++j) {
+    vf pv[RV];
+    for (int r = 0; r < RV; ++r) pv[r] = vload(pt + size_t(j) * ld + r * VW);
+    for (int u = 0; u < CB; ++u) {
+      const vf vb = vset1(v[j][c0 + u]);
+      for (int r = 0; r < RV; ++r) a[u][r] = vfma(vb, pv[r], a[u][r]);
+    }
+  }
+  for (int u = 0; u < CB; ++u)
+    for (int r = 0; r < RV; ++r) vstore(ot + size_t(c0 + u) * ld + r * VW, a[u][r]);
+}
+
+#if defined(__AVX512BF16__)
+#define PL_BF16_DOT 1
+// bfloat16 pair dot products (vdpbf16ps: 16 lanes, each a += x[2l] y[2l] + x[2l+1] y[2l+1], products exact in
+// float32) for a bfloat16 cache when the item's queries are bfloat16 values (a bfloat16 model's, widened): twice
+// the multiply-adds per instruction of float32 FMAs. Scores are exact products of the stored values; P is rounded
+// to bfloat16 for P.V (the same rounding torch's bfloat16 SDPA makes), its sum stays float32.
+// q^T as pairs: qp[i/2][r] = (q[r][i], q[r][i+1]); keys read in place, each dword one pair of a key row
+template <int RV, int JB>
+inline void dot_scores(const uint32_t* qp, int ld, const uint32_t* const* k, int d2, float* st) {
+  vf a[JB][RV];
+  for (int u = 0; u < JB; ++u)
+    for (int r = 0; r < RV; ++r) a[u][r] = vzero();
+  for (int i = 0; i < d2; ++i) {
+    __m512bh qv[RV];
+    for (int r = 0; r < RV; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(qp + size_t(i) * ld + r * VW);
+    for (int u = 0; u < JB; ++u) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(int(k[u][i]));
+      for (int r = 0; r < RV; ++r) a[u][r] = _mm512_dpbf16_ps(a[u][r], kb, qv[r]);
+    }
+  }
+  for (int u = 0; u < JB; ++u)
+    for (int r = 0; r < RV; ++r) vstore(st + size_t(u) * ld + r * VW, a[u][r]);
+}
+
+// ot[c0 + u][.] = alpha * ot[c0 + u][.] + sum over position pairs of (v[j][c], v[j+1][c]) . (p[j][.], p[j+1][.]);
+// pp[j/2][r] and vp[j/2][c] hold the pairs
+template <int RV, int CB>
+inline void dot_pv(const uint32_t* pp, int ld, const uint32_t* vp, int d, int n2, int c0, const vf* alpha, float* ot) {
+  vf a[CB][RV];
+  for (int u = 0; u < CB; ++u)
+    for (int r = 0; r < RV; ++r) a[u][r] = vmul(alpha[r], vload(ot + size_t(c0 + u) * ld + r * VW));
+  for (int j = 0; j < n2; ++j) {
+    __m512bh pv[RV];
+    for (int r = 0; r < RV; ++r) pv[r] = (__m512bh)_mm512_loadu_si512(pp + size_t(j) * ld + r * VW);
+    for (int u = 0; u < CB; ++u) {
+      const __m512bh vb = (__m512bh)_mm512_set1_epi32(int(vp[size_t(j) * d + c0 + u]));
+      for (int r = 0; r < RV; ++r) a[u][r] = _mm512_dpbf16_ps(a[u][r], vb, pv[r]);
+    }
+  }
+  for (int u = 0; u < CB; ++u)
+    for (int r = 0; r < RV; ++r) vstore(ot + size_t(c0 + u) * ld + r * VW, a[u][r]);
+}
+
+// vp[c] = (a[c], b[c]) for c < d (d a multiple of 32): two V rows interleaved into pairs
+inline void pair_rows(const uint16_t* a, const uint16_t* b, uint32_t* vp, int d) {
+  alignas(64) static const uint16_t lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                              24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo), ih = _mm512_load_si512(hi);
+  for (int c = 0; c < d; c += 32) {
+    const __m512i x = _mm512_loadu_si512(a + c), y = _mm512_loadu_si512(b + c);
+    _mm512_storeu_si512(vp + c, _mm512_permutex2var_epi16(x, il, y));
+    _mm512_storeu_si512(vp + c + 16, _mm512_permutex2var_epi16(x, ih, y));
+  }
+}
+
+// whether every query value of an item is a bfloat16 (its low 16 bits zero)
+inline bool queries_are_bf16(const float* q, int64_t q_stride, int row0, int ntok, int64_t col0, int width) {
+  for (int t = 0; t < ntok; ++t) {
+    const uint32_t* s = reinterpret_cast<const uint32_t*>(q + (int64_t(row0) + t) * q_stride + col0);
+    uint32_t any = 0;
+    for (int i = 0; i < width; ++i) any |= s[i] & 0xffffu;
+    if (any) return false;
+  }
+  return true;
+}
+#endif
+
+// The float32 operands of one chunk for tile_panel, or (bf16) its bfloat16 pairs
+struct TileChunk {
+  const float* const* k;  // n key rows, then zero rows up to a whole score block
+  const float* const* v;  // n value rows
+  const uint32_t* qp = nullptr;  // bf16: q^T pairs [d/2][ld] (unscaled), else null
+  const uint32_t* const* kd = nullptr;  // bf16: key rows as pairs, padded like k
+  const uint32_t* vp = nullptr;  // bf16: value pairs [(n+1)/2][d]
+  uint32_t* pp = nullptr;  // bf16: room for P pairs [(n+1)/2][ld]
+};
+
+// One panel (RV row vectors, starting at row vector rv0) of one chunk of n positions c0..c0+n-1: scores, online
+// softmax, P.V. pos[r] is row r's last visible position (rows past the item's are +inf), diag whether any row of
+// the item may not see the whole chunk; sc scales the scores (1 when q^T holds scaled queries).
+template <int RV>
+void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const float* pos, int ld, int rv0,
+                const TileChunk& ch, int n, int d, int c0, bool diag, float sc) {
+  constexpr int JB = jb_for(RV), CB = cb_for(RV);
+  const int o = rv0 * VW;
+  st += o; ot += o; m += o; l += o; pos += o;
+#ifdef PL_BF16_DOT
+  if (ch.qp) {
+    for (int j = 0; j < n; j += JB) dot_scores<RV, JB>(ch.qp + o, ld, ch.kd + j, d / 2, st + size_t(j) * ld);
+  } else
+#endif
+    for (int j = 0; j < n; j += JB) tile_scores<RV, JB>(qt + o, ld, ch.k + j, d, st + size_t(j) * ld);
+  vf alpha[RV];
+  const vf ninf = vset1(-std::numeric_limits<float>::infinity()), zero = vzero(), scv = vset1(sc);
+  for (int r = 0; r < RV; ++r) {
+    const vf lim = vload(pos + r * VW), m0 = vload(m + r * VW);
+    vf mx = m0;
+    for (int j = 0; j < n; ++j) {
+      vf s = vmul(vload(st + size_t(j) * ld + r * VW), scv);
+      if (diag) s = vsel_le(vset1(float(c0 + j)), lim, s, ninf);
+      mx = vmax(mx, s);
+    }
+    // a row that sees nothing yet keeps m = -inf: shift it by 0 so that exp never sees inf - inf
+    const vf safe = vsel_le(mx, ninf, zero, mx);
+    alpha[r] = vexp(vsub(m0, safe));
+    vf sum = zero;
+    for (int j = 0; j < n; ++j) {
+      float* sp = st + size_t(j) * ld + r * VW;
+      vf p = vexp(vsub(vmul(vload(sp), scv), safe));
+      if (diag) p = vsel_le(vset1(float(c0 + j)), lim, p, zero);
+      vstore(sp, p);
+      sum = vadd(sum, p);
+    }
+    vstore(l + r * VW, vfma(vload(l + r * VW), alpha[r], sum));
+    vstore(m + r * VW, mx);
+  }
+#ifdef PL_BF16_DOT
+  if (ch.qp) {
+    const int n2 = (n + 1) / 2;
+    for (int j2 = 0; j2 < n2; ++j2)
+      for (int r = 0; r < RV; ++r) {
+        const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(vload(st + size_t(2 * j2) * ld + r * VW)));
+        const vf pb = 2 * j2 + 1 < n ? vload(st + size_t(2 * j2 + 1) * ld + r * VW) : zero;
+        const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(pb));
+        _mm512_storeu_si512(ch.pp + size_t(j2) * ld + o + r * VW, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+      }
+    int c = 0;
+    for (; c + CB <= d; c += CB) dot_pv<RV, CB>(ch.pp + o, ld, ch.vp, d, n2, c, alpha, ot);
+    for (; c < d; ++c) dot_pv<RV, 1>(ch.pp + o, ld, ch.vp, d, n2, c, alpha, ot);
+    return;
+  }
+#endif
+  int c = 0;
+  for (; c + CB <= d; c += CB) tile_pv<RV, CB>(st, ld, ch.v, n, c, alpha, ot);
+  for (; c < d; ++c) tile_pv<RV, 1>(st, ld, ch.v, n, c, alpha, ot);
+}
+
+// A work item of ntok tokens and one KV head h0, as attend() computes it, in transposed row tiles.
+template <typename T>
+void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int d, const T* kc,
+                  const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table, int row0,
+                  int start, int ntok, float scale) {
+  constexpr int JB_MAX = jb_for(1) > jb_for(2) ? jb_for(1) : jb_for(2);
+  const int R = ntok * G, nrv = (R + VW - 1) / VW, ld = nrv * VW;
+  bool bf = false;
+#ifdef PL_BF16_DOT
+  if constexpr (std::is_same<T, c10::BFloat16>::value)
+    bf = d % 32 == 0 && queries_are_bf16(q, q_stride, row0, ntok, int64_t(h0) * G * d, G * d);
+#endif
+  thread_local std::vector<float> buf;
+  const size_t need = size_t(ld) * (2 * d + KC + JB_MAX + 3) + size_t(2 * KC + 1) * d +
+                      (bf ? size_t(ld) * (d / 2 + KC / 2 + 1) + size_t(KC / 2 + 1) * d : 0);
+  if (buf.size() < need) buf.resize(need);
+  float* qt = buf.data();
+  float* ot = qt + size_t(ld) * d;
+  float* st = ot + size_t(ld) * d;
+  float* m = st + size_t(ld) * (KC + JB_MAX);
+  float* l = m + ld;
+  float* pos = l + ld;
+  float* conv = pos + ld;  // K then V rows of one chunk widened to float (half-precision caches)
+  float* zrow = conv + size_t(2 * KC) * d;  // the zero key that pads a chunk to whole score blocks
+  uint32_t* qp = reinterpret_cast<uint32_t*>(zrow + d);  // bf16 only: q^T pairs, P pairs, V pairs
+  uint32_t* pp = qp + size_t(ld) * (d / 2);
+  uint32_t* vp = pp + size_t(ld) * (KC / 2 + 1);
+  std::fill(qt, qt + size_t(ld) * d, 0.0f);
+  std::fill(ot, ot + size_t(ld) * d, 0.0f);
+  std::fill(zrow, zrow + d, 0.0f);
+  for (int r = 0; r < ld; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+    pos[r] = r < R ? float(start + r / G) : std::numeric_limits<float>::infinity();
+  }
+  for (int t = 0; t < ntok; ++t)
+    for (int g = 0; g < G; ++g) {
+      const float* src = q + (int64_t(row0) + t) * q_stride + (int64_t(h0) * G + g) * d;
+      const int r = t * G + g;
+      for (int i = 0; i < d; ++i) qt[size_t(i) * ld + r] = src[i] * scale;
+    }
+  if (bf) {  // the pairs of the unscaled queries (exact: they are bfloat16 values); padded rows zero
+    std::fill(qp, qp + size_t(ld) * (d / 2), 0u);
+    for (int t = 0; t < ntok; ++t)
+      for (int g = 0; g < G; ++g) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(q + (int64_t(row0) + t) * q_stride + (int64_t(h0) * G + g) * d);
+        const int r = t * G + g;
+        for (int i = 0; i < d; i += 2) qp[size_t(i / 2) * ld + r] = (src[i] >> 16) | (src[i + 1] & 0xffff0000u);
+      }
+  }
+  const float* krow[KC + JB_MAX];
+  const float* vrow[KC];
+  const uint32_t* kdrow[KC + JB_MAX];
+  TileChunk ch{krow, vrow};
+  if (bf) { ch.qp = qp; ch.kd = kdrow; ch.vp = vp; ch.pp = pp; }
+  const int end = start + ntok;
+  for (int c0 = 0; c0 < end; c0 += KC) {
+    const int n = std::min(KC, end - c0);
+    for (int j = 0; j < n; ++j) {
+      const int p = c0 + j;
+      const int64_t off = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h0) * d;
+      if constexpr (std::is_same<T, float>::value) {
+        krow[j] = kc + off;
+        vrow[j] = vc + off;
+      } else {
+        if (bf) {  // keys read in place; value rows paired below
+          kdrow[j] = reinterpret_cast<const uint32_t*>(kc + off);
+          vrow[j] = reinterpret_cast<const float*>(vc + off);
+          continue;
+        }
+        to_float(kc + off, conv + size_t(j) * d, d);
+        to_float(vc + off, conv + size_t(KC + j) * d, d);
+        krow[j] = conv + size_t(j) * d;
+        vrow[j] = conv + size_t(KC + j) * d;
+      }
+    }
+    for (int j = n; j < KC + JB_MAX; ++j) { krow[j] = zrow; kdrow[j] = reinterpret_cast<const uint32_t*>(zrow); }
+#ifdef PL_BF16_DOT
+    if (bf)
+      for (int j = 0; j < n; j += 2)
+        pair_rows(reinterpret_cast<const uint16_t*>(vrow[j]),
+                  reinterpret_cast<const uint16_t*>(j + 1 < n ? vrow[j + 1] : zrow), vp + size_t(j / 2) * d, d);
+#endif
+    const bool diag = c0 + n - 1 > start;  // the first token cannot see the chunk's last position
+    const float sc = bf ? scale : 1.0f;
+    for (int rv0 = 0; rv0 < nrv;) {
+      const int rv = std::min(RV_MAX, nrv - rv0);
+      switch (rv) {
+        case 1: tile_panel<1>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc); break;
+        case 2: tile_panel<2>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc); break;
+        case 3: tile_panel<3>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc); break;
+        default: tile_panel<4>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc);
+      }
+      rv0 += rv;
+    }
+  }
+  for (int t = 0; t < ntok; ++t)
+    for (int g = 0; g < G; ++g) {
+      const int r = t * G + g;
+      const float inv = 1.0f / l[r];
+      float* dst = out + ((int64_t(row0) + t) * H + int64_t(h0) * G + g) * d;
+      for (int i = 0; i < d; ++i) dst[i] = ot[size_t(i) * ld + r] * inv;
+    }
 }
 #endif
 
@@ -446,6 +803,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     for (int w = 0; w < nitems; ++w) {
       const Item& it = items[w];
       const int32_t* s = sq + 3 * it.seq;
+#ifdef PL_TILE
+      if (it.heads == 1 && it.ntok > FEW_TOKENS) {  // a prompt chunk's slice: the row tiles
+        attend_tiles(qp, q.stride(0), op, H, G, it.head0, int(d), kc, vc, blk_stride, tok_stride, int(bs),
+                     bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
+        continue;
+      }
+#endif
       attend(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride, int(bs),
              bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
     }
@@ -475,20 +839,64 @@ TORCH_LIBRARY(NAMESPACE, m) {
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("paged_attention", &paged_attention); }
 """
 
-def _flags() -> list[str]:
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+
+
+@functools.cache
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def isa() -> str:
+    """The instruction set the op is built for: "avx512" where /proc/cpuinfo lists avx512f/bw/vl (and torch runs
+    AVX2 or better), "avx2" where torch dispatches to AVX2 or AVX-512, else "generic" (plain C++ loops).
+    PACELINE_ATTN_ISA=avx2 forces the AVX2 build on an AVX-512 machine (its tests and A/B runs); asking for an ISA
+    this CPU lacks is a ValueError."""
+    want = os.environ.get("PACELINE_ATTN_ISA", "auto")
+    if want not in ("auto", "avx512", "avx2", "generic"):
+        raise ValueError(f"PACELINE_ATTN_ISA must be auto, avx512, avx2 or generic, got {want!r}")
+    avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    avx512 = avx2 and set(AVX512_FLAGS) <= _cpu_flags()
+    if want == "auto":
+        return "avx512" if avx512 else "avx2" if avx2 else "generic"
+    if (want == "avx512" and not avx512) or (want == "avx2" and not avx2):
+        raise ValueError(f"PACELINE_ATTN_ISA={want}: this CPU (or torch's dispatch) does not support it")
+    return want
+
+
+def _flags(target: str) -> list[str]:
     flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    # the AVX2 path only where torch itself dispatches to AVX2 or better (the .so is keyed by these flags)
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    if target in ("avx2", "avx512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
+    if target == "avx512":  # the prompt-chunk tiles in zmm registers (decodes keep their AVX2 loops)
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
+        if "avx512_bf16" in _cpu_flags():  # bfloat16 pair dot products for a bfloat16 cache's prompt chunks
+            flags += ["-mavx512bf16"]
     return flags
 
 
 def _library_path() -> tuple[Path, str, list[str]]:
     from paceline.model.cache_dir import cache_root
-    flags = _flags()
-    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"paged_attention-{key}.so", f"paceline_attn_{key}", flags
+    target = isa()
+    key, flags = _key(target)
+    # the ISA in the file name and the namespace: AVX2 and AVX-512 builds never collide, and both load in one
+    # process (an A/B run switches PACELINE_ATTN_ISA between calls)
+    return (cache_root() / "kernels" / f"paged_attention-{target}-{key}.so", f"paceline_attn_{target}_{key}",
+            flags)
+
+
+@functools.cache  # once per ISA: load() runs every step, and hashing the source costs ~20 us
+def _key(target: str) -> tuple[str, list[str]]:
+    flags = _flags(target)
+    return hashlib.sha256("\n".join([SOURCE, torch.__version__, *flags]).encode()).hexdigest()[:16], flags
 
 
 def enabled() -> bool:

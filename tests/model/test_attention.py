@@ -253,3 +253,80 @@ def test_kernel_many_decodes_read_all_kv_heads_at_once_and_match_dense(cache_dty
         alone, _, _ = _run([s], [k], [v], [q], kernel=True, cache_dtype=cache_dtype)
         assert torch.equal(out[row:row + s.num_tokens], alone)
         row += s.num_tokens
+
+
+def _isa_supported(isa: str) -> bool:
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PACELINE_ATTN_ISA", isa)
+            return attention_kernel.isa() == isa
+    except ValueError:
+        return False
+
+
+# the op's builds: this CPU's best (AVX-512 where it has it) and the forced AVX2 one (AVX2-only machines' path)
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not (KERNEL and _isa_supported(isa)),
+                                                   reason=f"no {isa} build of the attention kernel here"))
+        for isa in ("avx512", "avx2")]
+
+# prompt chunks of more than 4 tokens run in row tiles: fresh prompts, chunks at context (several 64-position chunks,
+# one ending mid-block), GQA groups of 1, 3 and 4 rows per token (panels of 1-4 row vectors), and mixed with decodes
+TILE_SHAPES = {
+    "fresh": [(0, 130)],
+    "at context": [(200, 77)],
+    "mixed": [(0, 5), (64, 40), (33, 17), (150, 1), (1, 1), (63, 1)],
+}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kvh,h,d", [(3, 9, 64), (2, 8, 128), (4, 4, 64), (1, 7, 40)])
+@pytest.mark.parametrize("name", list(TILE_SHAPES))
+def test_kernel_tiles_match_dense(monkeypatch, isa, kvh, h, d, name):
+    """float32 cache and queries: the row tiles (and the decodes beside them) equal the dense reference."""
+    monkeypatch.setenv("PACELINE_ATTN_ISA", isa)
+    seqs, ks, vs, qs = _random_step(TILE_SHAPES[name], kvh, h, d, 16, seed=h + d)
+    out, _, _ = _run(seqs, ks, vs, qs, kernel=True, bs=16)
+    row = 0
+    for s, k, v, q in zip(seqs, ks, vs, qs):
+        ref = dense_attention_reference(q, k, v, s.start, d ** -0.5)
+        torch.testing.assert_close(out[row:row + s.num_tokens], ref, atol=2e-5, rtol=1e-4)
+        row += s.num_tokens
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kvh,h,d", [(3, 9, 64), (2, 8, 128), (1, 7, 40)])
+@pytest.mark.parametrize("name", list(TILE_SHAPES))
+def test_kernel_tiles_bf16_cache_match_dense(monkeypatch, isa, kvh, h, d, name):
+    """A bfloat16 cache with bfloat16-valued queries (a bfloat16 model's): where the CPU has AVX512_BF16 and
+    head_dim is a multiple of 32, scores are bf16 pair dot products (exact products) and P is rounded to bfloat16
+    for P.V, so the output is within bfloat16 rounding of the reference; float32 queries (a wide step) still take
+    the float32 tiles, as exact as before."""
+    monkeypatch.setenv("PACELINE_ATTN_ISA", isa)
+    seqs, ks, vs, qs = _random_step(TILE_SHAPES[name], kvh, h, d, 16, seed=d, dtype=torch.bfloat16)
+    for queries, tol in (("bf16", 4e-3), ("fp32", 2e-5)):
+        qq = [q.to(torch.bfloat16).float() for q in qs] if queries == "bf16" else qs
+        out, _, _ = _run(seqs, ks, vs, qq, kernel=True, bs=16, cache_dtype=torch.bfloat16)
+        row = 0
+        for s, k, v, q in zip(seqs, ks, vs, qq):
+            ref = dense_attention_reference(q, k.float(), v.float(), s.start, d ** -0.5)
+            torch.testing.assert_close(out[row:row + s.num_tokens], ref, atol=tol, rtol=tol)
+            row += s.num_tokens
+
+
+def test_isa_switch_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("PACELINE_ATTN_ISA", "sse9")
+    with pytest.raises(ValueError, match="PACELINE_ATTN_ISA"):
+        attention_kernel.isa()
+
+
+@pytest.mark.skipif(not (KERNEL and _isa_supported("avx512") and _isa_supported("avx2")),
+                    reason="needs both the AVX-512 and the AVX2 builds")
+def test_isa_builds_have_their_own_libraries(monkeypatch):
+    """The ISA is part of the library's file name and namespace: both builds load side by side in one process."""
+    paths = {}
+    for isa in ("avx512", "avx2"):
+        monkeypatch.setenv("PACELINE_ATTN_ISA", isa)
+        path, namespace, flags = attention_kernel._library_path()
+        assert isa in path.name and isa in namespace and ("-mavx512f" in flags) == (isa == "avx512")
+        paths[isa] = path
+    assert paths["avx512"] != paths["avx2"]
