@@ -20,7 +20,7 @@ from paceline.core.outputs import StepResult, TokenLogprobs
 from paceline.core.scheduler import Scheduler
 from paceline.engine.faults import run_isolated
 from paceline.engine.runner import ModelRunner
-from paceline.model import llama
+from paceline.model import attention_kernel, llama, w4a8_kernel
 from paceline.model.llama import drain
 from paceline.model.loader import DTYPES, build_model, cache_root, default_model_path, load_checkpoint
 from paceline.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -246,8 +246,10 @@ class Engine:
         for part in (str(model.resolve()), stat.st_size, stat.st_mtime_ns, self.config.dtype, self.config.quantization,
                      self.config.wide_linears, self.device, self.block_size, self.num_blocks, self.max_model_len, torch.__version__,
                      torch.get_num_threads(), platform.processor(), os.cpu_count(),
-                     # the kernels' switches read from the environment (what an int4 model's steps run)
-                     ":".join(llama.w4a8_linears()), llama.int4_wide_choice()):
+                     # the kernels' switches read from the environment (what an int4 model's steps run, and which
+                     # build of the w4a8 and attention ops: an AVX2 build's steps cost more than an AVX-512 one's)
+                     ":".join(llama.w4a8_linears()), llama.int4_wide_choice(), w4a8_kernel.isa(),
+                     attention_kernel.isa()):
             h.update(f"{part}\0".encode())
         for src in sources:
             if src.exists():
