@@ -345,8 +345,8 @@ class MultiEngine:
         try:
             while True:
                 next(run.gen)
-                if first <= time.monotonic():  # the whole cost of a boundary where nothing is due: this compare
-                    now = time.monotonic()
+                now = time.monotonic()
+                if first <= now:  # the whole cost of a boundary where nothing is due: this clock read and compare
                     due = [(start_by, other) for start_by, other in watch if start_by <= now]
                     run.cpu += time.thread_time() - cpu
                     return min(due)[1]

@@ -842,18 +842,6 @@ TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("paged_attention", &paged_attenti
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 
 
-@functools.cache
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def isa() -> str:
     """The instruction set the op is built for: "avx512" where /proc/cpuinfo lists avx512f/bw/vl (and torch runs
     AVX2 or better), "avx2" where torch dispatches to AVX2 or AVX-512, else "generic" (plain C++ loops).
@@ -863,7 +851,7 @@ def isa() -> str:
     if want not in ("auto", "avx512", "avx2", "generic"):
         raise ValueError(f"PACELINE_ATTN_ISA must be auto, avx512, avx2 or generic, got {want!r}")
     avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    avx512 = avx2 and set(AVX512_FLAGS) <= _cpu_flags()
+    avx512 = avx2 and set(AVX512_FLAGS) <= int4_kernel.cpu_flags()
     if want == "auto":
         return "avx512" if avx512 else "avx2" if avx2 else "generic"
     if (want == "avx512" and not avx512) or (want == "avx2" and not avx2):
@@ -878,7 +866,7 @@ def _flags(target: str) -> list[str]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if target == "avx512":  # the prompt-chunk tiles in zmm registers (decodes keep their AVX2 loops)
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
-        if "avx512_bf16" in _cpu_flags():  # bfloat16 pair dot products for a bfloat16 cache's prompt chunks
+        if "avx512_bf16" in int4_kernel.cpu_flags():  # bfloat16 pair dot products for a bfloat16 cache's prompt chunks
             flags += ["-mavx512bf16"]
     return flags
 

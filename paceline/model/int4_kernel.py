@@ -33,6 +33,7 @@ off (for A/B runs). CUDA never builds it (Int4Linear is CPU only).
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -345,6 +346,20 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.
         return v.permute(0, 2, 1).contiguous().view(torch.uint8)
 
     return torch.cat([c, per_tile(scale), per_tile(zero)], -1).contiguous()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none): which build of an op
+    (AVX2, AVX-512, VNNI, BF16) this machine can run. Read once per process."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def _compiler() -> str | None:

@@ -321,7 +321,9 @@ def int4_bf16_from_rows() -> int:
     """From how many rows an int4 model's bf16 steps run the dense bf16 copy: where the w4a8 op's VNNI build serves
     the rows below, later (INT4_BF16_FROM_ROWS_VNNI), else INT4_BF16_FROM_ROWS."""
     return INT4_BF16_FROM_ROWS_VNNI if w4a8_kernel.isa() == "vnni" else INT4_BF16_FROM_ROWS
-# what an int4 model's bfloat16 steps of many rows run: "bf16" (the dense bfloat16 copy from INT4_BF16_FROM_ROWS
+
+
+# what an int4 model's bfloat16 steps of many rows run: "bf16" (the dense bfloat16 copy from int4_bf16_from_rows()
 # rows), "w4a8" (the int4 x int8 op from W4A8_FROM_ROWS rows as before, no dense copy); "auto": bf16 where the CPU
 # has native bf16 math, else w4a8 (without it a bf16 matmul converts inside every call, WIDE_ABOVE's comment, and
 # steps of more than 8 rows run in float32 anyway). PACELINE_INT4_WIDE=auto|bf16|w4a8 picks it for models built

@@ -472,20 +472,9 @@ ISAS = ("avx2", "vnni")
 VNNI_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def has_vnni() -> bool:
     """Whether this CPU runs the VNNI build: torch sees AVX-512 and /proc/cpuinfo lists VNNI_CPU_FLAGS."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and all(f in _cpu_flags() for f in VNNI_CPU_FLAGS)
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and all(f in int4_kernel.cpu_flags() for f in VNNI_CPU_FLAGS)
 
 
 def isa() -> str:
@@ -547,11 +536,7 @@ def op() -> Callable | None:
     the bundled model), and finding it hashes this module's source (~80 us a call measured here, 2026-11-24:
     ~10 ms of a 32-decode step)."""
     if not _op:
-        found = None
-        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-            path, namespace, flags = _library()
-            found = int4_kernel.load_op(path, namespace, flags, SOURCE, "w4a8_mm", "CPU w4a8 matmul kernel unavailable")
-        _op.append(found)
+        _op.append(op_for(isa()))
     return _op[0]
 
 

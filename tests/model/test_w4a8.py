@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paceline.engine.runner import ModelRunner
-from paceline.model import w4a8_kernel
+from paceline.model import int4_kernel, w4a8_kernel
 from paceline.model.llama import INT4_GROUP, W4A8_FROM_ROWS, Int4Linear, LlamaModel, int4_codes
 
 pytestmark = pytest.mark.skipif(w4a8_kernel.load() is None, reason="the C++ w4a8 kernel is not available here")
@@ -164,7 +164,7 @@ def test_isa_choice_and_switch(monkeypatch):
     monkeypatch.setenv("PACELINE_W4A8_ISA", "avx512")
     with pytest.raises(ValueError, match="PACELINE_W4A8_ISA"):
         w4a8_kernel.isa()
-    monkeypatch.setattr(w4a8_kernel, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})
+    monkeypatch.setattr(int4_kernel, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})
     assert not w4a8_kernel.has_vnni()
     monkeypatch.delenv("PACELINE_W4A8_ISA")
     assert w4a8_kernel.isa() == "avx2"  # an AVX-512 CPU without VNNI (e.g. Skylake-X) runs the AVX2 build
