@@ -346,10 +346,10 @@ class MultiEngine:
         stream waits for one layer of this step past its due time when a layer is longer than the time it may
         wait; a 216-token float32 prompt whole had ~9.5 ms layers, and an int4 stream due every ~6 ms got
         ~22 ms gaps (2026-11-24 08:35 UTC step log). Steps with decodes of their own are cut by the shared
-        target already (the scheduler cuts chunks around them)."""
+        target already (the scheduler cuts chunks around them). A debut's first prompt stays whole (DEBUT_DUE)."""
         own = self._budget[name]
         sched = self.engines[name].scheduler
-        if (not SLICE_PROMPT_CAP or self._step_ms[name] <= 0 or sched.step_time is None
+        if (not SLICE_PROMPT_CAP or name in self._debut or self._step_ms[name] <= 0 or sched.step_time is None
                 or not any(has_streams(self.engines[o]) for o in busy if o != name)):
             return own
         fit = prompt_tokens_within(sched.step_time, self._step_ms[name] / 1000.0 / sched.step_time_scale, own,
