@@ -327,9 +327,9 @@ class MultiEngine:
         engine = self.engines[name]
         config = engine.scheduler.config
         if sliced:
-            # Another model's streams wait for one layer of this step, not all of it (`_advance`): a step of prompts
-            # alone is no longer capped and a debut's prompt runs whole. The target stays shared: this model's own
-            # streams still wait for its own step plus the other models' steps run inside it.
+            # Another model's streams wait for a slice of this step, not all of it (`_advance`): a step of prompts
+            # alone is cut to the whole target only and a debut's prompt runs whole. The target stays shared: this
+            # model's own streams still wait for its own step plus the other models' steps run inside it.
             self._share_step_target(busy, sliced=SLICE_SHARE)
             if not config.auto_max_num_batched_tokens:  # an auto budget the scheduler sizes from the target itself
                 config.max_num_batched_tokens = self._sliced_budget(name, busy)
@@ -463,8 +463,9 @@ class MultiEngine:
         loading = 1 if self.turns.pending else 0
         shares = len(busy) + loading if any(self.engines[name].scheduler.running for name in busy) else 1
         if sliced and shares > 1:
-            # sliced, a step runs SLICE_DUE x another model's step between two of that model's steps: its wall time
-            # is (1 + 1 / SLICE_DUE) x its own per other busy model, and its own streams wait for all of it
+            # sliced, a step holds one step of each other streaming model per SLICE_DUE x that step of its own
+            # work: its wall time is about (1 + 1 / SLICE_DUE) x its own with one other model, and its own streams
+            # wait for all of it
             shares = 1 + (shares - 1) / SLICE_DUE
         for name in busy:
             config = self.engines[name].scheduler.config
