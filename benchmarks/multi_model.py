@@ -31,6 +31,10 @@ from paceline.bench.peers import free_port
 from paceline.bench.prompts import PromptSource, build_prompts, load_tokenizer
 from paceline.bench.workload import LengthDist, ModelShare, RequestSpec, generate, load_workload
 
+# seconds every server idles after it is up, before any traffic (--settle): its KV pools' prefault threads run then,
+# not beside the first requests (a server holding two 2 GiB pools had its first ~12 s of steps 3-10x slower,
+# 2026-11-24 08:20 UTC; docs in benchmarks/summaries/multi_model.md)
+SETTLE_S = 0.0
 SWITCH_SPACING_S = 6.0  # between two switches: the switched model's request ends and it unloads (keep_alive 0)
 MODELS = {"smol-fp32": ["--dtype", "float32"], "smol-int4": ["--quantization", "int4"]}
 
@@ -54,6 +58,7 @@ class Served:
                 self.stop()
                 raise RuntimeError(f"server {label} did not start; see {self.log.name}")
             time.sleep(0.2)
+        time.sleep(SETTLE_S)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -102,6 +107,11 @@ SWITCH_VARIANTS = {
     # as before 2026-11-24 03:00 UTC: the load beside the other model's steps, the first prompt whole in one step
     "before": ("smol-fp32", {"PACELINE_LOAD_TURNS": "0", "PACELINE_DEBUT_STEP": "whole"}),
     "int4-before": ("smol-int4", {"PACELINE_LOAD_TURNS": "0", "PACELINE_DEBUT_STEP": "whole"}),
+    # sliced as before 2026-11-24 08:30 UTC: due after the other's whole last step, the first boundary after it, one
+    # step-time share per busy model, prompts alone uncut, no longer wait for a debut's first step
+    "sliced-before": ("smol-fp32", {"PACELINE_SLICE_DUE": "1.0", "PACELINE_SLICE_AHEAD": "0",
+                                    "PACELINE_SLICE_SHARE": "0", "PACELINE_SLICE_PROMPT_CAP": "0",
+                                    "PACELINE_DEBUT_DUE": "1.0"}),
     # every step whole, as before 2026-11-24 05:00 UTC (multi.py's layer-sliced steps off)
     "unsliced": ("smol-fp32", {"PACELINE_SLICE": "0"}), "int4-unsliced": ("smol-int4", {"PACELINE_SLICE": "0"}),
     # the load in turns, the first prompt whole in one step
@@ -209,15 +219,19 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds each server idles once up before its traffic starts (its KV prefault runs then)")
     p.add_argument("--out", default=None, help="folder for logs and results.json (default: a temp folder)")
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
-                   help="comma-separated parts: alone, one-loop, one-loop-unsliced, two-processes (prepare: load both "
+                   help="comma-separated parts: alone, one-loop, one-loop-unsliced, one-loop-sliced-before, two-processes (prepare: load both "
                         "once, so that a switch finds their runtime "
                         "snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the order "
                         "given: switch, switch-int4, switch-before, switch-int4-before, switch-unsliced, "
-                        "switch-int4-unsliced, switch-nice19, "
+                        "switch-int4-unsliced, switch-sliced-before, switch-nice19, "
                         "switch-pack-first, switch-warm-up, switch-whole, switch-int4-whole")
     args = p.parse_args()
+    global SETTLE_S
+    SETTLE_S = args.settle
     out = Path(args.out or tempfile.mkdtemp(prefix="multi-model-"))
     out.mkdir(parents=True, exist_ok=True)
     only = set(args.only.split(","))
@@ -249,9 +263,11 @@ def main() -> None:
             finally:
                 server.stop()
             print(name, "alone", results["alone"][name], flush=True)
-    for key in [k for k in args.only.split(",") if k in ("one-loop", "one-loop-unsliced")]:
-        # one-loop-unsliced: every step whole (PACELINE_SLICE=0), the A/B of multi.py's layer-sliced steps
-        env = {"PACELINE_SLICE": "0"} if key == "one-loop-unsliced" else {}
+    for key in [k for k in args.only.split(",") if k in ("one-loop", "one-loop-unsliced", "one-loop-sliced-before")]:
+        # one-loop-unsliced: every step whole (PACELINE_SLICE=0), the A/B of multi.py's layer-sliced steps;
+        # one-loop-sliced-before: sliced as before 2026-11-24 08:30 UTC (SWITCH_VARIANTS' sliced-before)
+        env = ({"PACELINE_SLICE": "0"} if key == "one-loop-unsliced" else
+               SWITCH_VARIANTS["sliced-before"][1] if key == "one-loop-sliced-before" else {})
         server = Served(["--models-config", str(models_yaml(out / "models.yaml"))], args.threads, out, key, env)
         try:
             results[key.replace("-", "_")] = drive(Endpoint(server.url), requests, prompts_for(requests), args.seconds)

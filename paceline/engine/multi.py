@@ -11,16 +11,20 @@ share the cores badly):
    that has waited longest. With equal priorities this alternates the busy models step by step.
 
 Layer-sliced steps (the default; PACELINE_SLICE=0 turns them off): a step is a generator (Engine.step_iter) that
-yields between two layers of the model. While another model's streams wait, the running step is suspended at a
-layer boundary once they come due (waited as long as their own last step, `_advance`), that model's
-step runs whole and its tokens go out at once, and the suspended step resumes on a later call. A stream then waits
-for one layer of another model's long step (~1-6 ms for the bundled model) instead of all of it: an int4 stream's
-usual gap (~25 ms) is shorter than one float32 decode step (~41 ms, 2026-11-23), so unsliced no rotation could
-keep it. A step of prompts alone is not capped for the others' sake any more and a model loaded on demand runs its
-first prompt whole; the step-time target stays shared among the busy models (below), since a model's own streams
-still wait for its own step plus the other models' steps run inside it. Everything stays on the engine thread (a
-second Python thread would mean two OpenMP teams spinning against each other on the same cores). A suspended
-step's duration counts its own layers only (the runner's).
+yields between two layers of the model. While another model's streams wait, the running step is suspended at the
+last layer boundary before they come due (waited SLICE_DUE x their own last step, `_advance`; the next layer is
+judged by the one just run), that model's step runs whole and its tokens go out at once, and the suspended step
+resumes on a later call. A stream then waits for a bounded slice of another model's long step instead of all of
+it: an int4 stream's usual gap (~11 ms on 2 Zen 4 cores) is shorter than one float32 decode step (~27 ms), so
+unsliced no rotation could keep it. SLICE_DUE < 1 gives the model with the short steps more of the cores while
+both stream; the step-time target each model's steps are cut to counts the other models' steps run inside them
+(`_share_step_target`), so a model's own streams, which wait for all of its step, keep their gap too. A step of
+prompts alone is cut to the model's whole target while another model streams (its layers would otherwise be
+longer than the other's due interval, `_sliced_budget`), and a model loaded on demand runs its first prompt whole,
+the others due only after DEBUT_DUE x their last step meanwhile. Everything stays on the engine thread: running
+each model's steps on a thread of its own with one OpenMP thread each was measured instead (2026-11-24 08:18 UTC,
+one process, `/tmp` script): an int4 stream's gap beside float32 decodes was 18.8-24.2 ms at the median, no
+better than sliced and over int4's 1.2x-alone bound. A suspended step's duration counts its own layers only.
 
 Where slicing does not apply (PACELINE_SLICE=0, speculative decoding, a parallel runner, the fault injector's
 hooks: `sliceable`), a stream waits for a whole step of every other busy model, so while k models have
@@ -64,12 +68,31 @@ from paceline.sampling import SamplingParams
 DEBUT_STEP = os.environ.get("PACELINE_DEBUT_STEP", "fit")
 # Layer-sliced steps (see MultiEngine._advance): PACELINE_SLICE=0 runs every step whole, as before 2026-11-24 (the A/B)
 SLICE = os.environ.get("PACELINE_SLICE", "1") != "0"
-# Another model's streams are due once they have waited SLICE_DUE x that model's own last step since it ended: while
-# two models stream, the cores split about evenly in time between them, and each stream's gap is about twice its
-# own step plus one layer of the other model. (Against the median of its last decode steps instead, 2026-11-24
-# 05:56-05:59 UTC: a debut's first prompt got ~15 ms of every 70 ms int4 prompt chunk, first token 0.958 s; see
-# docs/multi-model.md.)
-SLICE_DUE = float(os.environ.get("PACELINE_SLICE_DUE", "1.0"))
+# Another model's streams are due once they have waited SLICE_DUE x that model's own last step since it ended. While
+# two models stream, a model then gets SLICE_DUE / (1 + SLICE_DUE) of the time inside the other's steps, and the one
+# with the short steps (int4, ~11 ms) waits about SLICE_DUE x its step between two of its own. (Against the median of
+# its last decode steps, 2026-11-24 05:56-05:59 UTC: a debut's first prompt got ~15 ms of every 70 ms int4 prompt
+# chunk, first token 0.958 s; see docs/multi-model.md.) 0.5 rather than 1.0: in one process, the benchmark's traffic,
+# no KV prefault (2026-11-24 08:31-08:35 UTC, /tmp script), int4 p99 gap 23.3 ms at 0.5 against 26.2 ms at 1.0
+# (31.3 ms before SLICE_AHEAD / SLICE_SHARE), float32 139.6 against 148.1 ms (run M's 0.5 alone, without the
+# shares, was worse for both: the float32 steps stretched 3x with no shorter target)
+SLICE_DUE = float(os.environ.get("PACELINE_SLICE_DUE", "0.5"))
+# Suspend a step at the last layer boundary before another model's streams come due, judging the next layer by the one
+# just run, rather than at the first boundary after (which overshot by up to one layer: ~8 ms of a 216-token float32
+# prompt chunk, 2026-11-24 08:25 UTC step log). PACELINE_SLICE_AHEAD=0: the first boundary after (the A/B)
+SLICE_AHEAD = os.environ.get("PACELINE_SLICE_AHEAD", "1") != "0"
+# While the first step of a model loaded on demand runs (its first prompt, whole), the other models' streams are due
+# only after DEBUT_DUE x their own last step: the switch's first token waits for that step and the steps run inside
+# it, and the other streams' gaps may then be a few of their own steps long (the target is their usual p99, which
+# their own prompt chunks set). At SLICE_DUE the float32 debut's 64-token prompt got half the cores beside int4
+# streams: first token 0.481-0.511 s (run L, 2026-11-24 06:25 UTC). PACELINE_DEBUT_DUE for the A/B
+DEBUT_DUE = float(os.environ.get("PACELINE_DEBUT_DUE", "4.0"))
+# Sliced, a step of prompts alone is cut to its own whole step-time target while another model streams (_sliced_budget);
+# PACELINE_SLICE_PROMPT_CAP=0: uncut, as before (the A/B)
+SLICE_PROMPT_CAP = os.environ.get("PACELINE_SLICE_PROMPT_CAP", "1") != "0"
+# Sliced, the step-time target's share counts the other models' steps run inside a step (_share_step_target);
+# PACELINE_SLICE_SHARE=0: one share per busy model, as before (the A/B)
+SLICE_SHARE = os.environ.get("PACELINE_SLICE_SHARE", "1") != "0"
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -304,18 +327,34 @@ class MultiEngine:
         engine = self.engines[name]
         config = engine.scheduler.config
         if sliced:
-            # Another model's streams wait for one layer of this step, not all of it (`_advance`): a step of prompts
-            # alone is no longer capped and a debut's prompt runs whole. The target stays shared: this model's own
-            # streams still wait for its own step plus the other models' steps run inside it.
-            self._share_step_target(busy)
+            # Another model's streams wait for a slice of this step, not all of it (`_advance`): a step of prompts
+            # alone is cut to the whole target only and a debut's prompt runs whole. The target stays shared: this
+            # model's own streams still wait for its own step plus the other models' steps run inside it.
+            self._share_step_target(busy, sliced=SLICE_SHARE)
             if not config.auto_max_num_batched_tokens:  # an auto budget the scheduler sizes from the target itself
-                config.max_num_batched_tokens = self._budget[name]
+                config.max_num_batched_tokens = self._sliced_budget(name, busy)
         else:
             self._share_budgets(name, busy)
         debut = self._debut.get(name)
         if debut is not None:
             debut.mark("first_step_start")
         return _Run(engine.step_iter(sliced=sliced), sliced, time.monotonic())
+
+    def _sliced_budget(self, name: str, busy: list[str]) -> int:
+        """Sliced, the token budget of `name`'s step: its own, but while another model streams a step of prompts
+        alone is cut to what its own whole step-time target predicts (SLICE_PROMPT_CAP). Why: another model's
+        stream waits for one layer of this step past its due time when a layer is longer than the time it may
+        wait; a 216-token float32 prompt whole had ~9.5 ms layers, and an int4 stream due every ~6 ms got
+        ~22 ms gaps (2026-11-24 08:35 UTC step log). Steps with decodes of their own are cut by the shared
+        target already (the scheduler cuts chunks around them). A debut's first prompt stays whole (DEBUT_DUE)."""
+        own = self._budget[name]
+        sched = self.engines[name].scheduler
+        if (not SLICE_PROMPT_CAP or name in self._debut or self._step_ms[name] <= 0 or sched.step_time is None
+                or not any(has_streams(self.engines[o]) for o in busy if o != name)):
+            return own
+        fit = prompt_tokens_within(sched.step_time, self._step_ms[name] / 1000.0 / sched.step_time_scale, own,
+                                   sched.block_size)
+        return min(own, max(fit, len(sched.running) + sched.block_size))
 
     def _share_budgets(self, name: str, busy: list[str]) -> None:
         """Without slicing, another model's streams wait for the whole of this step: the step-time target is
@@ -342,12 +381,17 @@ class MultiEngine:
         cpu = time.thread_time()
         watch = self._preemptors(name, busy) if run.sliced else []
         first = min((start_by for start_by, _ in watch), default=math.inf)
+        last = time.monotonic()
         try:
             while True:
                 next(run.gen)
                 now = time.monotonic()
-                if first <= now:  # the whole cost of a boundary where nothing is due: this clock read and compare
-                    due = [(start_by, other) for start_by, other in watch if start_by <= now]
+                # SLICE_AHEAD: suspend at the last boundary before the due time, not the first one after it (the
+                # layer just run stands for the next)
+                ahead = now - last if SLICE_AHEAD else 0.0
+                last = now
+                if first <= now + ahead:  # the whole cost of a boundary where nothing is due: a clock read, compares
+                    due = [(start_by, other) for start_by, other in watch if start_by <= now + ahead]
                     run.cpu += time.thread_time() - cpu
                     return min(due)[1]
         except StopIteration as done:
@@ -363,7 +407,8 @@ class MultiEngine:
             if other == name or other in self._inflight or not has_streams(engine):
                 continue
             last = engine.last_step.duration if engine.last_step is not None else 0.0
-            watch.append((self._since.get(other, 0.0) + SLICE_DUE * last, other))
+            factor = DEBUT_DUE if name in self._debut else SLICE_DUE
+            watch.append((self._since.get(other, 0.0) + factor * last, other))
         return watch
 
     def _finish(self, name: str, run: "_Run") -> list[RequestOutput]:
@@ -407,7 +452,7 @@ class MultiEngine:
             return (1, best_priority(self.engines[name]), -waited)
         return min(busy, key=key)
 
-    def _share_step_target(self, busy: list[str]) -> None:
+    def _share_step_target(self, busy: list[str], sliced: bool = False) -> None:
         # Every busy model counts, not only those with running streams: a model whose requests all still wait for
         # their first chunk takes a step in the rotation too, and with a whole target to itself that one step
         # (a prompt chunk) was what stretched the other models' gaps (p99 TBT 1.59x alone, 2026-11-23).
@@ -417,6 +462,11 @@ class MultiEngine:
         # of its load: the other models' prompt chunks shrink to their share before its first turn.
         loading = 1 if self.turns.pending else 0
         shares = len(busy) + loading if any(self.engines[name].scheduler.running for name in busy) else 1
+        if sliced and shares > 1:
+            # sliced, a step holds one step of each other streaming model per SLICE_DUE x that step of its own
+            # work: its wall time is about (1 + 1 / SLICE_DUE) x its own with one other model, and its own streams
+            # wait for all of it
+            shares = 1 + (shares - 1) / SLICE_DUE
         for name in busy:
             config = self.engines[name].scheduler.config
             if self._step_ms[name] > 0:

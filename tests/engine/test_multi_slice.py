@@ -165,3 +165,77 @@ def test_another_model_is_due_once_its_streams_waited_its_last_step(tiny_dirs, m
     assert multi._preemptors("llama", busy) == []  # qwen2 has no stream waiting
     multi._inflight["llama"] = object()  # its own step suspended: it resumes after, it does not preempt
     assert multi._preemptors("qwen2", busy) == []
+
+
+def test_a_debut_step_lets_the_other_streams_wait_debut_due_times_their_step(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 1.0)
+    monkeypatch.setattr(multi_module, "DEBUT_DUE", 4.0)
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    engines["llama"].add_request("s", "x y", GREEDY)
+    while not has_streams(engines["llama"]):
+        engines["llama"].step()
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.010)
+    multi._since = {"llama": 10.0, "qwen2": 10.0}
+    busy = ["llama", "qwen2"]
+    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.010), "llama")]
+    multi._debut["qwen2"] = multi_module.LoadTimeline(start=9.0)  # qwen2 was loaded on demand: its first step
+    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.040), "llama")]
+
+
+def test_sliced_step_targets_count_the_other_models_steps_run_inside(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    multi._step_ms = {"llama": 150.0, "qwen2": 120.0}  # each model's own target (no profile for the tiny models)
+    engines["llama"].add_request("s", "x y", GREEDY)
+    while not has_streams(engines["llama"]):
+        engines["llama"].step()
+    engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)
+    busy = ["llama", "qwen2"]
+    multi._share_step_target(busy)  # unsliced: one share per busy model
+    assert [engines[k].scheduler.config.max_step_ms for k in busy] == [pytest.approx(75.0), pytest.approx(60.0)]
+    # sliced: a step also holds one step of the other per SLICE_DUE of its own: 1 + 1 / 0.5 = 3 shares
+    multi._share_step_target(busy, sliced=True)
+    assert [engines[k].scheduler.config.max_step_ms for k in busy] == [pytest.approx(50.0), pytest.approx(40.0)]
+
+
+@pytest.mark.parametrize("ahead, layers", [(True, 1), (False, 2)])
+def test_a_step_is_suspended_at_the_last_boundary_before_the_other_is_due(tiny_dirs, monkeypatch, ahead, layers):
+    monkeypatch.setattr(multi_module, "SLICE_AHEAD", ahead)
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {k: engine(p, k) for k, p in tiny_dirs.items()})
+    ran = []
+
+    def step():  # five "layers" of 50 ms each
+        for i in range(5):
+            time.sleep(0.05)
+            ran.append(i)
+            yield
+        return []
+
+    due = time.monotonic() + 0.08  # inside the second layer
+    monkeypatch.setattr(multi, "_preemptors", lambda name, busy: [(due, "qwen2")])
+    run = multi_module._Run(step(), True, time.monotonic())
+    # ahead: the second layer would end past the due time, so the step stops after the first
+    assert multi._advance("llama", run, ["llama", "qwen2"]) == "qwen2"
+    assert len(ran) == layers
+    monkeypatch.setattr(multi, "_preemptors", lambda name, busy: [])  # nothing due: to the end
+    assert multi._advance("llama", run, ["llama", "qwen2"]) is None and len(ran) == 5
+
+
+def test_a_sliced_step_of_prompts_alone_is_cut_to_its_whole_target_while_another_model_streams(tiny_dirs):
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    sched = engines["qwen2"].scheduler
+    sched.step_time = lambda shape: 1e-3 * shape.num_prefill_tokens  # 1 ms a prompt token
+    multi._step_ms["qwen2"] = 150.0
+    multi._budget["qwen2"] = own_budget = 512
+    busy = ["llama", "qwen2"]
+    assert multi._sliced_budget("qwen2", busy) == own_budget  # no other model streams: its own budget
+    engines["llama"].add_request("s", "x y", GREEDY)
+    while not has_streams(engines["llama"]):
+        engines["llama"].step()
+    cut = multi._sliced_budget("qwen2", busy)
+    assert 150 - sched.block_size <= cut <= 150  # 1 ms a token: the whole target's tokens, not the budget
+    multi._step_ms["qwen2"] = 0.0  # no target of its own: nothing to cut to
+    assert multi._sliced_budget("qwen2", busy) == own_budget
