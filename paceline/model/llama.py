@@ -364,7 +364,13 @@ def int4_bf16_from_rows() -> int:
 INT4_WIDE_CHOICES = ("auto", "bf16", "w4a8", "int8")
 # "int8": the same steps from INT4_INT8_FROM_ROWS rows run W8A8Linear (int8 weights per output channel requantized
 # from the dequantized codes at load, int8 activations per row, an int8 GEMM: w8a8_kernel.py), in place of the
-# dense bf16 copy (1 byte a weight instead of 2); the w4a8 op serves the rows below it as with "bf16".
+# dense bf16 copy (1 byte a weight instead of 2); the w4a8 op serves the rows below it as with "bf16". Opt-in only,
+# "auto" never picks it: the linear alone is ~1.8x the prepacked bf16 copy at 512 rows and 1.53x at 32 (AMD Zen 4,
+# 2 threads, 2026-11-24 08:12 UTC), but on the held-out text (benchmarks/quality.py --modes "fp32,int4 wide
+# bf16,int4 wide int8" --whole-only, 08:14 UTC) top-1 agreement with fp32 is 91.41 % and perplexity 23.030 against
+# 97.92 % / 22.295 for the bf16 copy (fp32 22.319): per-row int8 activations and per-channel int8 weights (which
+# cannot hold Q4_1's scale per 32 inputs) each cost too much; benchmarks/summaries/w8a8.md has what was tried.
+# The threshold (32) comes from the linear alone, not yet from whole steps against the w4a8 op.
 INT4_INT8_FROM_ROWS = 32
 
 
@@ -377,6 +383,12 @@ def int4_wide_choice(choice: str | None = None) -> str:
     if choice == "auto":
         return "bf16" if cpu_has_bf16_math() else "w4a8"
     return choice
+
+
+def w8a8_build() -> str:
+    """Which build of the int8 x int8 op serves an "int8" model's many-row steps ("off": torch ops), for keys of
+    measured step times (the engine's start-up profile): the torch fallback's steps cost more."""
+    return w8a8_kernel.isa() if w8a8_kernel.enabled() else "off"
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
