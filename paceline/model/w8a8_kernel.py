@@ -287,7 +287,8 @@ def reference(x: torch.Tensor, wq: torch.Tensor, col_scale: torch.Tensor, bias: 
     reference."""
     xf = x.float() if inv_smooth is None else x.float() * inv_smooth
     amax = xf.abs().amax(1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # a true division (127 / tensor is 127 * reciprocal in torch, another rounding than the op's)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xf * inv).to(torch.int8)
     acc = torch._int_mm(xq, wq) if x.shape[0] else torch.zeros(0, wq.shape[1], dtype=torch.int32)
     y = acc.float() * (amax / 127) * col_scale

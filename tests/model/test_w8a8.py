@@ -32,7 +32,8 @@ def test_quantizer_equals_the_definition_exactly(build):
         xq, a = quantize(xin, inv)
         xf = xin.float() if inv is None else xin.float() * inv
         amax = xf.abs().amax(1, keepdim=True)
-        want = torch.round(xf * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).to(torch.int8)
+        inv_amax = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+        want = torch.round(xf * inv_amax).to(torch.int8)
         assert torch.equal(xq, want) and torch.equal(a, (amax / 127)[:, 0])
         assert int(xq.abs().max()) == 127 and not xq[5].any()
 
@@ -107,7 +108,8 @@ def test_int4_linear_routes_many_rows_to_w8a8():
         x = torch.randn(rows, 128, generator=g).to(torch.bfloat16)
         got = lin(x)
         assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
-        assert torch.equal(got, lin.dense(x)) == (rows >= 24) or rows < 24
+        if rows >= 24:  # the int8 op, exactly; fewer rows the w4a8 or the int4 op
+            assert torch.equal(got, lin.dense(x))
         assert _rel(got, x.float() @ w.T) < 0.2  # int4 codes of a random weight: coarse, but the same matrix
 
 
