@@ -55,7 +55,10 @@ MODES = {"fp32": {"dtype": "float32", "quantization": "none"},
          "int4 wide bf16": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
                             "env": {"PACELINE_INT4_WIDE": "bf16"}},
          "int4 wide w4a8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
-                            "env": {"PACELINE_INT4_WIDE": "w4a8"}}}
+                            "env": {"PACELINE_INT4_WIDE": "w4a8"}},
+         # the int8 x int8 linear (llama.W8A8Linear) from INT4_INT8_FROM_ROWS rows in place of the bf16 copy
+         "int4 wide int8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
+                            "env": {"PACELINE_INT4_WIDE": "int8"}}}
 NARROW = 8  # tokens per step of the second pass: the decode path's width
 CORPUS = ROOT / "paceline" / "bench" / "data" / "corpus.txt"
 

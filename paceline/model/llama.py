@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paceline.model import fused_kernel, int4_kernel, logits_kernel, w4a8_kernel
+from paceline.model import fused_kernel, int4_kernel, logits_kernel, w4a8_kernel, w8a8_kernel
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
@@ -200,6 +200,38 @@ class _x86_quantized_engine:
         torch.backends.quantized.engine = self.before
 
 
+class W8A8Linear:
+    """y = x W^T (+ b) for bfloat16 (or float32) x with W held as int8 per output channel and x quantized to int8
+    per row at every call, the product an int8 GEMM (w8a8_kernel.py: the numerics, and why it pays on a CPU with
+    AVX512-VNNI). Each row has its own scale, so a request's result does not depend on the other rows of its step.
+    Serves an int4 model's bfloat16 steps of many rows where int4_wide_choice() is "int8" (Int4Linear's dense).
+
+    inv_smooth [K] (optional): SmoothQuant's per-input-channel factor, applied to x inside the op; the weight's
+    columns are divided by it here, so the product is unchanged."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 inv_smooth: torch.Tensor | None = None):
+        w = weight.float()
+        if inv_smooth is not None:
+            inv_smooth = inv_smooth.float().contiguous()
+            w = w / inv_smooth
+        self.wq, self.col_scale = w8a8_kernel.quantize_weight(w)
+        self.inv_smooth = inv_smooth
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.dtype = dtype
+        self.op = w8a8_kernel.load()  # None: the same definition in torch ops (slower)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        if self.op is not None:
+            y = self.op(rows, self.wq, self.col_scale, self.bias, self.inv_smooth)
+        else:
+            y = w8a8_kernel.reference(rows, self.wq, self.col_scale, self.bias, self.inv_smooth)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 # What the wide steps' linears run (LlamaModel's wide_linears): "fp32", float32 copies of the weights; "int8",
 # Int8Linear where the x86 quantized engine exists. "auto" is AUTO_WIDE_LINEARS (benchmarks/summaries/int8_wide.md:
 # quality and speed of both).
@@ -329,11 +361,26 @@ def int4_bf16_from_rows() -> int:
 # steps of more than 8 rows run in float32 anyway). PACELINE_INT4_WIDE=auto|bf16|w4a8 picks it for models built
 # afterwards (a faster w4a8 op may take the wide steps back: compare with profile_step.py --compare
 # "int4_wide=w4a8,int4_wide=bf16"); forcing bf16 on a CPU without bf16 math is for tests.
-INT4_WIDE_CHOICES = ("auto", "bf16", "w4a8")
+INT4_WIDE_CHOICES = ("auto", "bf16", "w4a8", "int8")
+# "int8": the same steps from INT4_INT8_FROM_ROWS rows run W8A8Linear (int8 weights per output channel requantized
+# from the dequantized codes at load, int8 activations per row, an int8 GEMM: w8a8_kernel.py), in place of the
+# dense bf16 copy (1 byte a weight instead of 2); the w4a8 op serves the rows below it as with "bf16". Opt-in only,
+# "auto" never picks it: the linear alone is ~1.8x the prepacked bf16 copy at 512 rows and 1.53x at 32 (AMD Zen 4,
+# 2 threads, 2026-11-24 08:12 UTC) and whole steps gain up to 1.50x (below), but on the held-out text (benchmarks/quality.py --modes "fp32,int4 wide
+# bf16,int4 wide int8" --whole-only, 08:14 UTC) top-1 agreement with fp32 is 91.41 % and perplexity 23.030 against
+# 97.92 % / 22.295 for the bf16 copy (fp32 22.319): per-row int8 activations and per-channel int8 weights (which
+# cannot hold Q4_1's scale per 32 inputs) each cost too much; benchmarks/summaries/w8a8.md has what was tried.
+# Whole steps, one process, the bf16 default (w4a8 op below 72 rows, bf16 copy from 72) vs int8 from 16 rows
+# (`benchmarks/profile_step.py --modes int4 --compare "int4_wide=bf16,int4_wide=int8+int4_bf16_from=16" --only
+# "b=32,prefill 512,1500 in 512,rows 16,rows 24,rows 32,rows 64,rows 128,48-token" --repeats 3`, ended 09:19 UTC,
+# ms): 16 rows 18.1 vs 21.7, 24 rows 21.4 vs 24.2, 32 rows 26.1 vs 26.7, 32 decodes 37.5 vs 37.7, 64 rows 42.9 vs
+# 35.9, 80 rows (48-token chunk + 32 decodes) 68.5 vs 50.9, 128 rows 83.4 vs 56.3, a 512-token prefill 316.8 vs
+# 211.5, 1,500 tokens in 512-chunks 1091.9 vs 770.9. The w4a8 op and the int8 op meet between 32 and 64 rows.
+INT4_INT8_FROM_ROWS = 36
 
 
 def int4_wide_choice(choice: str | None = None) -> str:
-    """"bf16" or "w4a8": `choice`, else PACELINE_INT4_WIDE, else "auto", with "auto" resolved for this CPU."""
+    """"bf16", "w4a8" or "int8": `choice`, else PACELINE_INT4_WIDE, else "auto", resolved for this CPU."""
     choice = choice or os.environ.get("PACELINE_INT4_WIDE") or "auto"
     if choice not in INT4_WIDE_CHOICES:
         raise ValueError(f"PACELINE_INT4_WIDE / int4_wide must be one of {', '.join(INT4_WIDE_CHOICES)}, "
@@ -341,6 +388,12 @@ def int4_wide_choice(choice: str | None = None) -> str:
     if choice == "auto":
         return "bf16" if cpu_has_bf16_math() else "w4a8"
     return choice
+
+
+def w8a8_build() -> str:
+    """Which build of the int8 x int8 op serves an "int8" model's many-row steps ("off": torch ops), for keys of
+    measured step times (the engine's start-up profile): the torch fallback's steps cost more."""
+    return w8a8_kernel.isa() if w8a8_kernel.enabled() else "off"
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -374,7 +427,7 @@ class Int4Linear:
     DENSE_ABOVE = 8
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, wide: str | None = None,
-                 kernel_rows: int = 0, w4a8: bool = False, bf16_from: int | None = None):
+                 kernel_rows: int = 0, w4a8: bool = False, bf16_from: int | None = None, dense: str = "bf16"):
         codes, scale, lo = int4_codes(weight)
         self.kernel = int4_kernel.load()
         # rows up to which paceline's own int4 op serves any step, float32 (wide) inputs included; 0: DENSE_ABOVE
@@ -392,7 +445,8 @@ class Int4Linear:
         # was faster than the float32 copy and the int4 op at every row count measured, so with it (and float32
         # wide steps) the dense copy, 4 bytes a weight, is not built at all.
         # bf16_from (bfloat16 steps only, no float32 wide steps): steps of at least this many rows run the dense
-        # bfloat16 copy; the w4a8 op then serves only the rows between W4A8_FROM_ROWS and bf16_from, if any
+        # bfloat16 copy (dense="bf16"), or its int8 requantization (dense="int8": W8A8Linear); the w4a8 op then
+        # serves only the rows between W4A8_FROM_ROWS and bf16_from, if any
         self.bf16_from = bf16_from if bf16_from is not None and not wide and dtype == torch.bfloat16 else None
         use_w4a8 = (w4a8 and self.kernel is not None and wide != "int8"
                     and (self.bf16_from is None or self.bf16_from > W4A8_FROM_ROWS) and w4a8_kernel.load() is not None)
@@ -404,6 +458,8 @@ class Int4Linear:
         # wide: the dense copy serves the float32 steps the model runs for many rows (float32 or int8); else bf16
         if wide:
             self.dense = wide_linear(dequantized, bias, True, wide)
+        elif dense == "int8" and self.bf16_from is not None:
+            self.dense = W8A8Linear(dequantized, bias, dtype)
         else:
             self.dense = Linear(dequantized.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack=True)
 
@@ -432,15 +488,16 @@ class Int4Linear:
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, quantization: str,
                 dtype: torch.dtype, wide: str | None = None, int4_rows: int = 0, name: str = "",
-                bf16_from: int | None = None) -> "Linear | Int4Linear":
+                bf16_from: int | None = None, int4_dense: str = "bf16") -> "Linear | Int4Linear":
     """wide: None, or what serves the model's float32 (wide) steps: "fp32" or "int8" (see wide_linear). name: the
-    layer's name for it (W4A8_LINEARS). bf16_from: int4 steps of at least this many rows run a dense bf16 copy."""
+    layer's name for it (W4A8_LINEARS). bf16_from: int4 steps of at least this many rows run a dense bf16 copy,
+    or with int4_dense="int8" a W8A8Linear."""
     if quantization == "int4":
         if not Int4Linear.supports(weight, dtype):
             raise ValueError(f"int4 quantization needs a CPU, dtype bfloat16 and input sizes that are multiples "
                              f"of {INT4_GROUP}; got {weight.device.type}, {dtype} and {weight.shape[1]}")
         return Int4Linear(weight, None if bias is None else bias.to(dtype), dtype, wide, int4_rows,
-                          w4a8=name in w4a8_linears(), bf16_from=bf16_from)
+                          w4a8=name in w4a8_linears(), bf16_from=bf16_from, dense=int4_dense)
     # the wide copy comes from the checkpoint's weight, not from its rounding to the run dtype
     lin = Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack)
     if wide and dtype != torch.float32:
@@ -492,23 +549,23 @@ def _permute_heads(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tens
 class LlamaLayer(nn.Module):
     def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor], pack: bool = True, quantization: str = "none",
                  dtype: torch.dtype | None = None, wide: str | None = None, int4_rows: int = 0,
-                 bf16_from: int | None = None):
+                 bf16_from: int | None = None, int4_dense: str = "bf16"):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
         self.scale = arch.head_dim ** -0.5
         dtype = dtype or w["qkv"].dtype
         self.qkv = make_linear(w["qkv"], w.get("qkv_bias"), pack, quantization, dtype, wide, int4_rows, "qkv",
-                               bf16_from)
-        self.o = make_linear(w["o"], None, pack, quantization, dtype, wide, int4_rows, "o", bf16_from)
+                               bf16_from, int4_dense)
+        self.o = make_linear(w["o"], None, pack, quantization, dtype, wide, int4_rows, "o", bf16_from, int4_dense)
         self.gate_up = make_linear(w["gate_up"], None, pack, quantization, dtype, wide, int4_rows, "gate_up",
-                                   bf16_from)
+                                   bf16_from, int4_dense)
         # int8 wide steps keep `down` in float32: its input has outliers that belong to tokens (up to ~90x the
         # row's median), which neither smoothing nor fixed outlier channels catch; int8 there alone cost ~3 % of
         # top-1 agreement on the bundled model (benchmarks/summaries/int8_wide.md)
         # (and the int4 x int8 op does not serve it either there: int8 wide steps are a choice of their own)
         self.down = make_linear(w["down"], None, pack, quantization, dtype, "fp32" if wide == "int8" else wide,
-                                int4_rows, "" if wide == "int8" else "down", bf16_from)
+                                int4_rows, "" if wide == "int8" else "down", bf16_from, int4_dense)
         self.register_buffer("input_norm", w["input_norm"])
         self.register_buffer("post_norm", w["post_norm"])
         # float32 steps (wide) read float32 norm weights: rms_norm wants its input's dtype
@@ -574,12 +631,15 @@ class LlamaModel(nn.Module):
         # the LM head (and the embedding it may share) stays in the run dtype: GGUFs keep it at 6-8 bits
         int4_rows = INT4_KERNEL_ROWS if int4_rows is None else int4_rows
         # int4 steps that stay in bfloat16 (no float32 wide steps): from how many rows a dense bf16 copy serves them
-        self.int4_bf16_from = None
-        if (quantization == "int4" and wide is None and embed.dtype == torch.bfloat16
-                and int4_wide_choice(int4_wide) == "bf16"):
-            self.int4_bf16_from = int4_bf16_from_rows() if int4_bf16_from is None else int4_bf16_from
+        # and whether that copy is bfloat16 ("bf16") or int8 (W8A8Linear)
+        self.int4_bf16_from, self.int4_dense = None, "bf16"
+        choice = int4_wide_choice(int4_wide) if quantization == "int4" else None
+        if quantization == "int4" and wide is None and embed.dtype == torch.bfloat16 and choice in ("bf16", "int8"):
+            self.int4_dense = choice
+            default_from = int4_bf16_from_rows() if choice == "bf16" else INT4_INT8_FROM_ROWS
+            self.int4_bf16_from = default_from if int4_bf16_from is None else int4_bf16_from
         self.layers = nn.ModuleList(LlamaLayer(arch, w, pack, quantization, embed.dtype, wide, int4_rows,
-                                               self.int4_bf16_from) for w in layers)
+                                               self.int4_bf16_from, self.int4_dense) for w in layers)
         self.norm32 = norm.float() if wide else None
         self.register_buffer("embed", embed)
         self.register_buffer("norm", norm)

@@ -1,0 +1,297 @@
+"""An int8-weight x int8-activation linear for CPU steps of many rows: the activations quantized per row, oneDNN's
+int8 GEMM (torch._int_mm, s8 x s8 -> s32: AVX512-VNNI's vpdpbusd where the CPU has it), then the scales, built
+once and cached like the other ops (int4_kernel.load_op).
+
+Why: on a CPU with AVX512-VNNI an int8 GEMM does about twice the multiply-adds per cycle of oneDNN's bfloat16 one
+(AVX512-BF16's vdpbf16ps adds 2 products per 32-bit lane, vpdpbusd 4): measured here (AMD Zen 4, 2 threads,
+2026-11-24 08:08 UTC) torch._int_mm vs the prepacked bf16 linear, [576 -> 1536] at 512 rows 1.13 vs 2.25 ms, [1536
+-> 576] 1.10 vs 2.08 ms. The quantization of the activations and the scaling of the int32 sums are passes over the
+step's rows; done as torch ops (abs, amax, div, round, cast; cast, two muls, cast) they cost more than the GEMM
+saves at 512 rows (2.53 ms in all for [576 -> 1536]), so they are the two C++ loops below, one pass each.
+
+Numerics (the reference is `reference` below, torch ops on the same definition):
+- weights (at load, `quantize_weight`): per output channel, symmetric, w ~ col_scale[n] * wq[n, k] with
+  col_scale = max_k |w[n, k]| / 127 and wq = round(w / col_scale) in -127..127;
+- activations (every call): per row, symmetric, each row on its own scale, so that a request's result does not
+  depend on which other rows share its step: a[m] = max_k |x[m, k]| / 127, xq = round(x * (127 / max|x|)) (round
+  half to even; a row of zeros gives zeros), in float32 from the row's bfloat16 or float32 values;
+- y[m, n] = float(sum_k xq[m, k] wq[k, n]) * a[m] * col_scale[n] (+ bias[n]), in float32, rounded once to x's
+  dtype. The int32 sum is exact (|sum| <= 127 * 127 * K), its conversion to float32 rounds above 2^24.
+- inv_smooth (optional, [K]): x is multiplied by it channel by channel before the quantization (SmoothQuant: the
+  weight's columns were multiplied by its inverse at load, so the product is unchanged).
+
+Two builds of the one source: "avx512" (AVX-512 F/BW/VL intrinsics, 16 floats a vector and masked tails) where
+/proc/cpuinfo lists those flags, else "generic" (plain loops, the int4 op's AVX2 flags for the compiler to vectorize;
+the GEMM is oneDNN's either way). `PACELINE_W8A8_KERNEL=0` switches the op off: W8A8Linear (llama.py) then runs
+`reference` (the same definition in torch ops, slower), so a model built for int8 steps still serves them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Callable
+
+import torch
+
+from paceline.model import int4_kernel
+
+SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <omp.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// threads for a pass over `elems` values: one below ~32k (a fork costs more than the pass)
+inline int threads_for(int64_t elems) { return elems < 32768 ? 1 : std::max(1, at::get_num_threads()); }
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16 v) { return float(v); }
+inline void from_float(float* p, float v) { *p = v; }
+inline void from_float(bf16* p, float v) { *p = bf16(v); }  // round to nearest even
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load16(const bf16* p, __mmask16 k) {
+  const __m256i w = _mm256_maskz_loadu_epi16(k, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+inline void store16(bf16* p, __m512 v, __mmask16 k) {  // round to nearest even, as c10::BFloat16 does (no NaNs)
+  __m512i i = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  i = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(i));
+}
+inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+
+// one row: q = round(x * s * 127 / max|x * s|) (s = inv_smooth or 1), returns max|x * s| / 127
+template <typename T>
+inline float quantize_row(const T* x, const float* s, int64_t K, int8_t* q) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = tail(K - k);
+    __m512 v = load16(x + k, m);
+    if (s) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, s + k));
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+  }
+  const float amax = _mm512_reduce_max_ps(mx);
+  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = tail(K - k);
+    __m512 v = load16(x + k, m);
+    if (s) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, s + k));
+    // cvtps rounds half to even (the default MXCSR mode); |v * inv| <= 127, so the narrowing never saturates
+    _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv))));
+  }
+  return amax / 127.0f;
+}
+
+// one row: y = float(acc) * a * cs (+ b)
+template <typename T>
+inline void scale_row(const int32_t* acc, float a, const float* cs, const float* b, int64_t N, T* y) {
+  const __m512 av = _mm512_set1_ps(a);
+  for (int64_t n = 0; n < N; n += 16) {
+    const __mmask16 m = tail(N - n);
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + n)), av),
+                             _mm512_maskz_loadu_ps(m, cs + n));
+    if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, b + n));
+    store16(y + n, v, m);
+  }
+}
+#else
+template <typename T>
+inline float quantize_row(const T* x, const float* s, int64_t K, int8_t* q) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(s ? to_float(x[k]) * s[k] : to_float(x[k])));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t k = 0; k < K; ++k)
+    q[k] = int8_t(std::nearbyint((s ? to_float(x[k]) * s[k] : to_float(x[k])) * inv));  // half to even
+  return amax / 127.0f;
+}
+
+template <typename T>
+inline void scale_row(const int32_t* acc, float a, const float* cs, const float* b, int64_t N, T* y) {
+  for (int64_t n = 0; n < N; ++n) {
+    float v = float(acc[n]) * a * cs[n];
+    if (b) v += b[n];
+    from_float(y + n, v);
+  }
+}
+#endif
+
+void check_x(const at::Tensor& x, const c10::optional<at::Tensor>& inv_smooth) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 [M, K] tensor with unit column stride");
+  if (inv_smooth.has_value() && inv_smooth->defined())
+    TORCH_CHECK(inv_smooth->scalar_type() == at::kFloat && inv_smooth->is_contiguous() && inv_smooth->dim() == 1 &&
+                inv_smooth->size(0) == x.size(1), "inv_smooth must be a contiguous float32 [K] tensor");
+}
+
+template <typename T>
+void quantize_rows(const at::Tensor& x, const float* s, int8_t* q, float* a) {
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+#pragma omp parallel for schedule(static) num_threads(threads_for(M * K))
+  for (int64_t m = 0; m < M; ++m) a[m] = quantize_row<T>(xp + m * ld, s, K, q + m * K);
+}
+
+// x [M, K] -> (xq [M, K] int8, a [M] float32): the activations as the GEMM sees them
+std::tuple<at::Tensor, at::Tensor> w8a8_quantize(const at::Tensor& x, const c10::optional<at::Tensor>& inv_smooth) {
+  check_x(x, inv_smooth);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto a = at::empty({M}, x.options().dtype(at::kFloat));
+  const float* s = inv_smooth.has_value() && inv_smooth->defined() ? inv_smooth->data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) quantize_rows<float>(x, s, xq.data_ptr<int8_t>(), a.data_ptr<float>());
+  else quantize_rows<bf16>(x, s, xq.data_ptr<int8_t>(), a.data_ptr<float>());
+  return {xq, a};
+}
+
+template <typename T>
+void scale_rows(const at::Tensor& acc, const float* a, const float* cs, const float* b, at::Tensor& y) {
+  const int64_t M = acc.size(0), N = acc.size(1);
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+#pragma omp parallel for schedule(static) num_threads(threads_for(M * N))
+  for (int64_t m = 0; m < M; ++m) scale_row<T>(ap + m * N, a[m], cs, b, N, yp + m * N);
+}
+
+// x [M, K] float32 or bfloat16, wq [K, N] int8 (any strides torch._int_mm takes), col_scale [N] float32, bias [N]
+// or None, inv_smooth [K] or None -> [M, N] in x's dtype
+at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& col_scale,
+                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& inv_smooth) {
+  check_x(x, inv_smooth);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kChar && wq.size(0) == K, "wq must be an int8 [K, N] tensor");
+  const int64_t N = wq.size(1);
+  TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() && col_scale.numel() == N,
+              "col_scale must be a contiguous float32 [N] tensor");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must have N elements");
+  }
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  auto [xq, a] = w8a8_quantize(x, inv_smooth);
+  const at::Tensor acc = at::_int_mm(xq, wq).contiguous();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) scale_rows<float>(acc, a.data_ptr<float>(), col_scale.data_ptr<float>(), bp, y);
+  else scale_rows<bf16>(acc, a.data_ptr<float>(), col_scale.data_ptr<float>(), bp, y);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(NAMESPACE, m) {
+  m.def("w8a8_mm(Tensor x, Tensor wq, Tensor col_scale, Tensor? bias, Tensor? inv_smooth) -> Tensor");
+  m.def("w8a8_quantize(Tensor x, Tensor? inv_smooth) -> (Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) {
+  m.impl("w8a8_mm", &w8a8_mm);
+  m.impl("w8a8_quantize", &w8a8_quantize);
+}
+"""
+
+ISAS = ("generic", "avx512")
+# what the avx512 build needs (/proc/cpuinfo's names): 512-bit float and integer ops (avx512f), masked byte and
+# word loads and stores (avx512bw, with avx512vl for their 256- and 128-bit forms)
+AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+
+
+def enabled() -> bool:
+    return os.environ.get("PACELINE_W8A8_KERNEL", "1") != "0"
+
+
+def isa() -> str:
+    """The build this CPU runs: "avx512" where torch sees AVX-512 and the CPU lists AVX512_CPU_FLAGS, else
+    "generic". PACELINE_W8A8_ISA=generic forces the plain build (A/B runs, tests)."""
+    want = os.environ.get("PACELINE_W8A8_ISA", "").strip().lower()
+    if want not in ("", *ISAS):
+        raise ValueError(f"PACELINE_W8A8_ISA must be one of {', '.join(ISAS)}, got {want!r}")
+    has = (torch.backends.cpu.get_cpu_capability() == "AVX512"
+           and all(f in int4_kernel.cpu_flags() for f in AVX512_CPU_FLAGS))
+    if want == "avx512" and not has:
+        raise ValueError("PACELINE_W8A8_ISA=avx512 but this CPU does not report " + ", ".join(AVX512_CPU_FLAGS))
+    return want or ("avx512" if has else "generic")
+
+
+def build_flags(which: str) -> list[str]:
+    if which not in ISAS:
+        raise ValueError(f"unknown w8a8 build {which!r}")
+    extra = ["-mavx512f", "-mavx512bw", "-mavx512vl"] if which == "avx512" else []
+    return int4_kernel._flags() + extra
+
+
+def _library(which: str):
+    fl = build_flags(which)
+    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *fl]).encode()).hexdigest()[:16]
+    from paceline.model.cache_dir import cache_root
+    return cache_root() / "kernels" / f"w8a8_mm-{key}.so", f"paceline_w8a8_{key}", fl
+
+
+_ops: dict[str, Callable | None] = {}  # op_for's answers, found once per process per build
+
+
+def op_for(which: str) -> Callable | None:
+    """The op `(x, wq, col_scale, bias, inv_smooth) -> y` of one build, building it first if needed; None where it
+    cannot be built or run (the reason is logged once). Remembered: a many-row step asks for it 120 times, and
+    finding it hashes the source."""
+    if which not in _ops:
+        if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+            _ops[which] = None  # the generic build still compiles with the int4 op's AVX2 flags
+        else:
+            path, namespace, fl = _library(which)
+            _ops[which] = int4_kernel.load_op(path, namespace, fl, SOURCE, "w8a8_mm",
+                                              f"CPU w8a8 matmul kernel ({which}) unavailable, using torch ops")
+    return _ops[which]
+
+
+def load() -> Callable | None:
+    """This CPU's build of the op (isa()), or None when switched off or it cannot be built here."""
+    return op_for(isa()) if enabled() else None
+
+
+def load_quantize(which: str | None = None) -> Callable | None:
+    """The activation quantizer `(x, inv_smooth) -> (xq, a)` of a build, for tests."""
+    which = which or isa()
+    if op_for(which) is None:
+        return None
+    return getattr(torch.ops, _library(which)[1]).w8a8_quantize
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (any float dtype) -> (wq [K, N] int8, the transposed view of a contiguous [N, K]; col_scale [N]
+    float32): per output channel, symmetric, -127..127. A channel of zeros gets scale 1 (its codes are 0)."""
+    w = w.float()
+    amax = w.abs().amax(1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    wq = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return wq.t(), scale.contiguous()
+
+
+def reference(x: torch.Tensor, wq: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None = None,
+              inv_smooth: torch.Tensor | None = None) -> torch.Tensor:
+    """The op's definition in torch ops (module docstring): its stand-in where it cannot build, and the tests'
+    reference."""
+    xf = x.float() if inv_smooth is None else x.float() * inv_smooth
+    amax = xf.abs().amax(1, keepdim=True)
+    # a true division (127 / tensor is 127 * reciprocal in torch, another rounding than the op's)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xf * inv).to(torch.int8)
+    acc = torch._int_mm(xq, wq) if x.shape[0] else torch.zeros(0, wq.shape[1], dtype=torch.int32)
+    y = acc.float() * (amax / 127) * col_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
