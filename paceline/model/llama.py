@@ -210,8 +210,9 @@ class W8A8Linear:
     columns are divided by it here, so the product is unchanged."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 inv_smooth: torch.Tensor | None = None):
+                 inv_smooth: torch.Tensor | None = None, outliers: int = 0):
         w = weight.float()
+        self.outliers = outliers  # each row's largest |x| multiplied in float32 (w8a8_kernel.py)
         if inv_smooth is not None:
             inv_smooth = inv_smooth.float().contiguous()
             w = w / inv_smooth
@@ -226,9 +227,9 @@ class W8A8Linear:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         if self.op is not None:
-            y = self.op(rows, self.wq, self.col_scale, self.bias, self.inv_smooth)
+            y = self.op(rows, self.wq, self.col_scale, self.bias, self.inv_smooth, self.outliers)
         else:
-            y = w8a8_kernel.reference(rows, self.wq, self.col_scale, self.bias, self.inv_smooth)
+            y = w8a8_kernel.reference(rows, self.wq, self.col_scale, self.bias, self.inv_smooth, self.outliers)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -310,18 +311,24 @@ ALL_LINEARS = ("qkv", "o", "gate_up", "down")
 W4A8_LINEARS: tuple[str, ...] = ALL_LINEARS
 
 
-def w4a8_linears() -> tuple[str, ...]:
-    """W4A8_LINEARS, or the names PACELINE_W4A8_LINEARS gives (":"- or ","-separated; "all"; "" for none)."""
-    env = os.environ.get("PACELINE_W4A8_LINEARS")
+def linears_from_env(var: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    """`default`, or the linear names the environment variable `var` gives (":"- or ","-separated; "all"; "" for
+    none)."""
+    env = os.environ.get(var)
     if env is None:
-        return W4A8_LINEARS
+        return default
     names = tuple(n for n in env.replace(",", ":").split(":") if n)
     names = ALL_LINEARS if names == ("all",) else names
     unknown = set(names) - set(ALL_LINEARS)
     if unknown:
-        raise ValueError(f"PACELINE_W4A8_LINEARS: unknown linear(s) {', '.join(sorted(unknown))}; "
+        raise ValueError(f"{var}: unknown linear(s) {', '.join(sorted(unknown))}; "
                          f"use {', '.join(ALL_LINEARS)} or all")
     return names
+
+
+def w4a8_linears() -> tuple[str, ...]:
+    """W4A8_LINEARS, or the names PACELINE_W4A8_LINEARS gives."""
+    return linears_from_env("PACELINE_W4A8_LINEARS", W4A8_LINEARS)
 
 
 # int4 models on a CPU with native bf16 math (cpu_has_bf16_math): steps of at least INT4_BF16_FROM_ROWS rows run
@@ -377,6 +384,19 @@ INT4_WIDE_CHOICES = ("auto", "bf16", "w4a8", "int8")
 # 35.9, 80 rows (48-token chunk + 32 decodes) 68.5 vs 50.9, 128 rows 83.4 vs 56.3, a 512-token prefill 316.8 vs
 # 211.5, 1,500 tokens in 512-chunks 1091.9 vs 770.9. The w4a8 op and the int8 op meet between 32 and 64 rows.
 INT4_INT8_FROM_ROWS = 36
+# "int8" serves only these linears (LlamaLayer's names; the others keep the bf16 copy from int4_bf16_from_rows()),
+# each row's INT4_INT8_OUTLIERS largest activations taken out of the int8 product. Why: per-row int8 activations
+# cost most on qkv (its input, the normed residual, has a few huge channels) and down (large tokens); emulated on
+# 4 held-out windows (benchmarks/summaries/w8a8.md, 09:20 UTC) o and gate_up with 4 outliers a row gave top-1
+# 97.50 % and perplexity 21.278 (fp32 21.273), with qkv too 96.97 %. PACELINE_INT4_INT8_LINEARS=o:gate_up / "all"
+# picks them for models built afterwards.
+INT4_INT8_LINEARS: tuple[str, ...] = ("o", "gate_up")
+INT4_INT8_OUTLIERS = 4
+
+
+def int4_int8_linears() -> tuple[str, ...]:
+    """The linears an "int8" int4 model serves with W8A8Linear: INT4_INT8_LINEARS, or PACELINE_INT4_INT8_LINEARS."""
+    return linears_from_env("PACELINE_INT4_INT8_LINEARS", INT4_INT8_LINEARS)
 
 
 def int4_wide_choice(choice: str | None = None) -> str:
@@ -393,7 +413,8 @@ def int4_wide_choice(choice: str | None = None) -> str:
 def w8a8_build() -> str:
     """Which build of the int8 x int8 op serves an "int8" model's many-row steps ("off": torch ops), for keys of
     measured step times (the engine's start-up profile): the torch fallback's steps cost more."""
-    return w8a8_kernel.isa() if w8a8_kernel.enabled() else "off"
+    build = w8a8_kernel.isa() if w8a8_kernel.enabled() else "off"
+    return f"{build}:{'+'.join(int4_int8_linears())}:t{INT4_INT8_OUTLIERS}"
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -459,7 +480,7 @@ class Int4Linear:
         if wide:
             self.dense = wide_linear(dequantized, bias, True, wide)
         elif dense == "int8" and self.bf16_from is not None:
-            self.dense = W8A8Linear(dequantized, bias, dtype)
+            self.dense = W8A8Linear(dequantized, bias, dtype, outliers=INT4_INT8_OUTLIERS)
         else:
             self.dense = Linear(dequantized.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack=True)
 
@@ -496,6 +517,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, qua
         if not Int4Linear.supports(weight, dtype):
             raise ValueError(f"int4 quantization needs a CPU, dtype bfloat16 and input sizes that are multiples "
                              f"of {INT4_GROUP}; got {weight.device.type}, {dtype} and {weight.shape[1]}")
+        if int4_dense == "int8" and name not in int4_int8_linears():  # this one keeps the bf16 copy
+            int4_dense, bf16_from = "bf16", int4_bf16_from_rows() if bf16_from is not None else None
         return Int4Linear(weight, None if bias is None else bias.to(dtype), dtype, wide, int4_rows,
                           w4a8=name in w4a8_linears(), bf16_from=bf16_from, dense=int4_dense)
     # the wide copy comes from the checkpoint's weight, not from its rounding to the run dtype
