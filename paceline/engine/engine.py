@@ -417,7 +417,8 @@ class Engine:
         (before pacing, a busy server's prefault ran for its first ~8 s and nothing was learned meanwhile)."""
         prefault = getattr(self.runner, "prefault", None)
         # a paced prefault (_pace_prefault) waits while steps run: at most the chunk it was in overlaps a step
-        return prefault is not None and prefault.is_alive() and getattr(prefault, "paced_by", None) is not self.prefault_go
+        paced = getattr(prefault, "paced_by", None) is self.prefault_go
+        return prefault is not None and prefault.is_alive() and not paced
 
     def _delta(self, request: Request) -> RequestOutput:
         state = self._text[request.request_id]
