@@ -69,6 +69,7 @@ def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, v
                 row["throughput"] = V.probe_throughput(ep, prompts)
                 st = V.steps_since(srv.url, n0)
                 row["throughput_steps"] = V.analyse(st, target)
+                row["throughput_step_log"] = st  # raw, for --json: where the probe's wall time went, step by step
                 if verbose:
                     print_steps(st)
                 n0 = V.num_steps(srv.url)
@@ -77,7 +78,9 @@ def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, v
             elif probe == "chat":  # the chat command against this server (vs_vllm.py's probe)
                 row["chat"] = V.probe_chat(srv.url, "paceline", Path(tempfile.mkdtemp(prefix="step-ab-chat-")),
                                            sysm.send_priority)
-                row["chat_steps"] = V.analyse(V.steps_since(srv.url, n0), target)
+                st = V.steps_since(srv.url, n0)
+                row["chat_steps"] = V.analyse(st, target)
+                row["chat_step_log"] = st
             else:
                 # warm it first: the first seconds after a start are slower than the rest (engine._warming_up).
                 # --stall-after tput: vs_vllm.py's order, the 32-stream probe on the same budget-64 server first

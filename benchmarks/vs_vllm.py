@@ -421,7 +421,8 @@ def measure(name: str, small: System | None, default: System | None, prompts: Pr
 
 def brief(row: dict) -> dict:
     """A row as printed: without the step records (they stay in the JSON file)."""
-    return {k: v for k, v in row.items() if k not in ("stall_step_log", "stall_gap", "stall_longest_steps")}
+    return {k: v for k, v in row.items() if k not in ("stall_step_log", "stall_gap", "stall_longest_steps")
+            and not k.endswith("_step_log")}
 
 
 def fmt(x, spec: str = ".0f", scale: float = 1.0) -> str:

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Generator
@@ -19,6 +20,7 @@ from paceline.core.batch_shape import batch_shape
 from paceline.core.outputs import StepResult, TokenLogprobs
 from paceline.core.scheduler import Scheduler
 from paceline.engine.faults import run_isolated
+from paceline.engine.prefault import paced_by
 from paceline.engine.runner import ModelRunner
 from paceline.model import attention_kernel, llama, w4a8_kernel
 from paceline.model.llama import drain
@@ -147,19 +149,24 @@ class Engine:
         self.num_host_blocks = int(cache.swap_space_gb * 2**30 // block_bytes)
         self.max_model_len = min(config.scheduler.max_model_len, self.arch.max_position_embeddings)
         config.scheduler.max_model_len = self.max_model_len
-        if tp * pp > 1:
-            # the scheduler stays here; the workers load their own part of the checkpoint and only execute
-            self.runner = build_runner(ckpt.arch, ckpt.weights, model=config.model, dtype=config.dtype,
-                                       quantization=config.quantization, device=self.device, num_blocks=self.num_blocks,
-                                       block_size=cache.block_size, num_host_blocks=self.num_host_blocks,
-                                       seed=config.seed, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-        else:
-            # from the GGUF's runtime snapshot when there is one: no conversion, the tensors mapped (loader.py)
-            model = build_model(ckpt, config.model, config.dtype, config.quantization, config.wide_linears,
-                                self.device)
-            self.runner = ModelRunner(model, self.arch, self.num_blocks, cache.block_size,
-                                      num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
-                                      seed=config.seed)
+        # set while this engine has nothing to run: only then does its KV pool's prefault populate (_pace_prefault)
+        self.prefault_go = threading.Event()
+        self.prefault_go.set()
+        with paced_by(self.prefault_go):
+            if tp * pp > 1:
+                # the scheduler stays here; the workers load their own part of the checkpoint and only execute
+                self.runner = build_runner(ckpt.arch, ckpt.weights, model=config.model, dtype=config.dtype,
+                                           quantization=config.quantization, device=self.device,
+                                           num_blocks=self.num_blocks, block_size=cache.block_size,
+                                           num_host_blocks=self.num_host_blocks, seed=config.seed,
+                                           tensor_parallel_size=tp, pipeline_parallel_size=pp)
+            else:
+                # from the GGUF's runtime snapshot when there is one: no conversion, the tensors mapped (loader.py)
+                model = build_model(ckpt, config.model, config.dtype, config.quantization, config.wide_linears,
+                                    self.device)
+                self.runner = ModelRunner(model, self.arch, self.num_blocks, cache.block_size,
+                                          num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
+                                          seed=config.seed)
         del ckpt
         self.live_step_time = None  # the step-time model refitted to measured steps (core/step_time.LiveStepTime)
         self.scheduler = Scheduler(config.scheduler, cache, self.num_blocks, self.num_host_blocks,
@@ -207,6 +214,7 @@ class Engine:
                 return model
             except (OSError, ValueError, KeyError) as e:  # a torn or old file: profile again
                 log.warning("ignoring the cached step-time profile %s: %s", cached, e)
+        self.prefault_go.clear()  # the profile's timings must not share the cores with the prefault either
         try:
             model = quick_step_time_model(self.runner, self.arch.vocab_size, self.block_size, self.num_blocks,
                                           self.max_model_len, self.tokenizer)
@@ -217,6 +225,8 @@ class Engine:
             log.warning("no step-time target (the default from tbt_goal_ms=%g): %s", self.config.tbt_goal_ms, e)
             self.config.scheduler.max_step_ms = 0.0
             return None
+        finally:
+            self.prefault_go.set()
         error = model.meta["median_rel_error"]
         log.info("step-time profile for max_step_ms=%g taken in %.1f s (median error %.0f %%)",
                  self.config.scheduler.max_step_ms, time.perf_counter() - t0, 100 * error)
@@ -304,12 +314,14 @@ class Engine:
             IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens),
             StopStringMatcher(params.stop, include_stop_str_in_output=params.include_stop_str_in_output))
         self.scheduler.add_request(request)
+        self.prefault_go.clear()  # the next step runs this request: the prefault waits
         return request
 
     def abort(self, request_id: str) -> None:
         request = self.scheduler.abort_request(request_id)
         if request is not None:
             self._aborted.append(request)
+        self._pace_prefault()
 
     def has_unfinished(self) -> bool:
         return bool(self._aborted) or self.scheduler.has_unfinished()
@@ -328,6 +340,7 @@ class Engine:
         outputs = self._drain_aborted()
         sched_out = self.scheduler.schedule(time.monotonic())
         if sched_out.is_empty:
+            self._pace_prefault()
             self.last_step = None
             return outputs
         # composition is read before update(): afterwards a decode's request already holds its new token
@@ -353,6 +366,7 @@ class Engine:
                 sched.step_time_scale = track_quantile(sched.step_time_scale,
                                                        result.duration / sched_out.predicted_step_s)
         updated = self.scheduler.update(sched_out, result, time.monotonic())
+        self._pace_prefault()
         self.last_step = StepStats(num_decode, num_prefill, len(sched_out.scheduled), result.duration,
                                    len(sched_out.preempted_ids), len(sched_out.swapped_out_ids), predicted)
         if result.prompt_logprobs:
@@ -383,14 +397,28 @@ class Engine:
                 outputs.append(self._error_output(request.request_id, f"{type(e).__name__}: {e}", request))
         return outputs
 
+    def _pace_prefault(self) -> None:
+        """Let the KV pool's prefault (engine/prefault.py) run only while this engine has no step to run: beside
+        the steps it took a core and memory bandwidth from them, even at nice 19 (the 32-stream probe right after a
+        start: 380.6 tok/s with it in flight, 449.2 without; its mixed steps 0.83-1.40x their prediction). The
+        steps then fault the pages they first write themselves, which cost nothing measurable there."""
+        if not self.has_unfinished():
+            self.prefault_go.set()
+        else:
+            self.prefault_go.clear()
+
     def _warming_up(self) -> bool:
         """Whether the KV pool is still being made resident (engine/prefault.py): on a 2-core machine that thread
         takes a core from the step's two OpenMP threads. The first steps after a start ran 3-10x their later time
         on 2026-11-23 (the stall probe's 64-token steps 0.5-0.93 s, later ~0.09 s; which share of that this thread
         caused was not measured apart), and the scale rises 5 % per slow step but falls 0.1 % per fast one, so
-        such a burst held the step-time target down for hundreds of steps. Those steps are not learned from."""
+        such a burst held the step-time target down for hundreds of steps. Those steps are not learned from. A
+        prefault this engine paces does not run beside its steps, so their steps are learned from from the start
+        (before pacing, a busy server's prefault ran for its first ~8 s and nothing was learned meanwhile)."""
         prefault = getattr(self.runner, "prefault", None)
-        return prefault is not None and prefault.is_alive()
+        # a paced prefault (_pace_prefault) waits while steps run: at most the chunk it was in overlaps a step
+        paced = getattr(prefault, "paced_by", None) is self.prefault_go
+        return prefault is not None and prefault.is_alive() and not paced
 
     def _delta(self, request: Request) -> RequestOutput:
         state = self._text[request.request_id]

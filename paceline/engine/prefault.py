@@ -16,6 +16,11 @@ refit's log); pages it has not reached yet are faulted by the step that first wr
 A model loaded on demand beside other models' streams holds its pool's prefault back (`held_until`) until its
 first token: even at nice 19, zeroing 2 GiB takes memory bandwidth and a core whenever a step's threads sleep,
 and the first prompt is what a switch waits for.
+An engine paces its pool's prefault (`paced_by`): the thread populates only while the engine has nothing to run,
+one CHUNK_BYTES piece at a time. Beside a busy engine's steps even nice 19 was not enough: in the 32-stream probe
+right after a start, the prefault ran through the whole probe (~8 s), its mixed steps ran 0.83-1.40x their
+prediction and the probe made 380.6 tok/s, against 449.2 with no prefault (the steps faulting their own pages;
+`/tmp` A/B in one process, 2026-11-24 08:21-08:24 UTC, benchmarks/summaries/vs_vllm.md).
 """
 from __future__ import annotations
 
@@ -33,8 +38,10 @@ import torch
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it only from 3.14 on
-CHUNK_BYTES = 64 * 2**20  # one madvise call per chunk, so a process that exits meanwhile is not held for long
-_held = threading.local()  # .gate: the Event that prefault threads started on this thread wait for
+# one madvise call per chunk, so a process that exits meanwhile is not held for long, and a paced prefault's chunk
+# in flight when a step starts overlaps it by ~10 ms at most (2 GiB took ~2 s here)
+CHUNK_BYTES = 16 * 2**20
+_held = threading.local()  # .gate: the Event that prefault threads started on this thread wait for; .go: their pacer
 
 
 def madvise_function() -> Callable[..., int] | None:
@@ -48,9 +55,9 @@ def madvise_function() -> Callable[..., int] | None:
     return fn
 
 
-def populate(tensor: torch.Tensor) -> bool:
+def populate(tensor: torch.Tensor, go: threading.Event | None = None) -> bool:
     """Fault in every whole page of the tensor's memory, writing nothing. False where the kernel (or the device)
-    cannot; the tensor is then as it was."""
+    cannot; the tensor is then as it was. With `go`, each chunk waits until it is set (paced_by)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         return False
     madvise = madvise_function()
@@ -61,6 +68,8 @@ def populate(tensor: torch.Tensor) -> bool:
     start = (begin + page - 1) // page * page  # madvise takes page-aligned ranges; a partial page at an end
     end = (begin + tensor.numel() * tensor.element_size()) // page * page  # is a few bytes of the pool's edges
     while start < end:
+        if go is not None:
+            go.wait()
         n = min(CHUNK_BYTES, end - start)
         if madvise(start, n, MADV_POPULATE_WRITE) != 0:
             log.debug("MADV_POPULATE_WRITE failed (errno %d): the KV pool stays lazily resident", ctypes.get_errno())
@@ -88,18 +97,32 @@ def held_until(gate: threading.Event) -> Iterator[None]:
         _held.gate = before
 
 
-def _populate_niced(tensor: torch.Tensor, nice: int, gate: threading.Event | None) -> bool:
+@contextlib.contextmanager
+def paced_by(go: threading.Event) -> Iterator[None]:
+    """Prefault threads started by this thread inside the block populate only while `go` is set (checked before
+    each chunk): the engine clears it while it has work, so its steps never share the cores with the prefault."""
+    before = getattr(_held, "go", None)
+    _held.go = go
+    try:
+        yield
+    finally:
+        _held.go = before
+
+
+def _populate_niced(tensor: torch.Tensor, nice: int, gate: threading.Event | None,
+                    go: threading.Event | None = None) -> bool:
     set_nice(nice)
     if gate is not None:
         gate.wait()
-    return populate(tensor)
+    return populate(tensor, go) if go is not None else populate(tensor)
 
 
 def populate_in_background(tensor: torch.Tensor, name: str = "paceline-prefault", nice: int = 19) -> threading.Thread:
     """populate(tensor) on a daemon thread at the given nice value; the thread (started) is returned so a caller
     may join it. The thread holds a reference to the tensor until it is done. Inside held_until(gate) it waits
-    for the gate first."""
-    gate = getattr(_held, "gate", None)
-    thread = threading.Thread(target=_populate_niced, args=(tensor, nice, gate), name=name, daemon=True)
+    for the gate first; inside paced_by(go) it populates only while go is set."""
+    gate, go = getattr(_held, "gate", None), getattr(_held, "go", None)
+    thread = threading.Thread(target=_populate_niced, args=(tensor, nice, gate, go), name=name, daemon=True)
+    thread.paced_by = go  # what the engine asks to tell whether the prefault may overlap its steps
     thread.start()
     return thread

@@ -1,5 +1,6 @@
 """The engine feeds the steps it runs to its refitted step-time model (core/step_time.LiveStepTime), and steps that
-run while the KV pool is still being made resident train neither the refit nor the tail factor. Tiny random model,
+run while the KV pool is still being made resident beside them (a prefault the engine does not pace) train neither
+the refit nor the tail factor. Tiny random model,
 a profile file (no start-up profiling)."""
 from __future__ import annotations
 
@@ -71,3 +72,30 @@ def test_steps_feed_the_refit_except_while_the_kv_pool_is_made_resident(engine):
     shape = BatchShape.build([(0, 16)], [40] * 2)
     assert probe(shape) < ProfiledCostModel(PROFILE).step_time(shape) / 1.5
     assert engine.scheduler.step_time_scale < 1.0
+
+
+def test_a_prefault_the_engine_paces_waits_while_it_steps_and_its_steps_are_learned_from(engine):
+    """The engine's own prefault (started under paced_by(engine.prefault_go)) populates only while the engine is
+    idle, so steps that run while it is still alive do not share the cores with it and do train the refit."""
+    live = engine.live_step_time
+    while live.num_samples:  # a fresh window: what this test's steps add is all it holds
+        live._x.pop(), live._y.pop()
+    saw_closed = []
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, daemon=True)
+    thread.paced_by = engine.prefault_go  # as populate_in_background marks a thread started under paced_by
+    engine.runner.prefault = thread
+    thread.start()
+    try:
+        assert engine.prefault_go.is_set()  # idle: the prefault may run
+        engine.add_request("paced", "The capital of France is " * 4,
+                           SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        while engine.has_unfinished():
+            saw_closed.append(not engine.prefault_go.is_set())
+            engine.step()
+        assert saw_closed and all(saw_closed)  # held while any request was unfinished
+        assert engine.prefault_go.is_set()  # and free again once all were done
+        assert live.num_samples >= 8  # learned from although the prefault thread was alive
+    finally:
+        release.set()
+        thread.join()

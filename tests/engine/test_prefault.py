@@ -48,6 +48,24 @@ def test_populate_in_background_returns_a_thread_to_join() -> None:
     assert resident_share(t) == 1.0
 
 
+def test_a_paced_population_waits_while_its_event_is_clear_and_goes_on_when_set() -> None:
+    import threading
+
+    from paceline.engine.prefault import CHUNK_BYTES, paced_by
+
+    buf, t = fresh_pages(4 * CHUNK_BYTES)
+    go = threading.Event()
+    with paced_by(go):
+        thread = populate_in_background(t)
+    assert thread.paced_by is go
+    thread.join(timeout=0.5)
+    assert thread.is_alive() and resident_share(t) < 0.01  # held before its first chunk
+    go.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and resident_share(t) == 1.0
+    assert populate_in_background(fresh_pages(CHUNK_BYTES)[1]).paced_by is None  # outside paced_by: unpaced
+
+
 def test_populate_refuses_what_it_cannot_do() -> None:
     assert not populate(torch.empty(64, 64).t())  # not contiguous: the range would not be the tensor's
 
