@@ -14,13 +14,15 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 # The serving default's TBT goal and the step-time target derived from it. A token gap is one step plus the
 # engine's and HTTP's own work per token, and the engine tracks the 98th percentile of measured / predicted step
-# time, so the target leaves the rest of the goal as headroom (see benchmarks/summaries/vs_vllm.md). 200 ms, not
-# less: a 100 ms goal cut the 32-stream probe to 0.44x and raised chat's TTFT (docs/scheduling.md, 2026-11-23)
-DEFAULT_TBT_GOAL_MS = 200.0
+# time, so the target leaves the rest of the goal as headroom (see benchmarks/summaries/vs_vllm.md). 160 ms since
+# 2026-11-24: with the KV prefault paced, chat at 0.5 req/s held p99 TBT 98-101 ms at 160 against 121-127 ms at
+# 200 in two alternating rounds, p50 TTFT +13 % (benchmarks/summaries/vs_vllm.md, 09:10-09:30 UTC). Not 100 ms:
+# that goal cut the 32-stream probe to 0.44x and raised chat's TTFT (docs/scheduling.md, 2026-11-23)
+DEFAULT_TBT_GOAL_MS = 160.0
 STEP_TARGET_FRACTION = 0.75
 # The shorter target a step holds to when its prompt chunk is worth less than the decode time it costs (a long
-# prompt with little output beside running streams; Scheduler.step_target_ms), as a fraction of max_step_ms: 52.5 ms
-# under the 150 ms default. Issue 13's stall probe wants a stream's gap <= 0.10 s; its step log (2026-11-24) showed
+# prompt with little output beside running streams; Scheduler.step_target_ms), as a fraction of max_step_ms: 42 ms
+# under the 120 ms default (52.5 under the 150 ms one the figures below were measured at). Issue 13's stall probe wants a stream's gap <= 0.10 s; its step log (2026-11-24) showed
 # that gap is a step near this target plus what the host adds (one step ran +49 ms over its neighbours). At 0.45
 # (67.5 ms) the engine's part of the gap was 59-101 ms in six runs, at 0.35 50-61 ms in four; prompts that pay for
 # the time keep the full target, so the 32-stream probe ran the same steps at both (docs/scheduling.md)

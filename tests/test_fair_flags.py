@@ -12,7 +12,7 @@ def test_serve_takes_auto_and_level_aging():
                                                      "auto", "--level-aging-s", "2.5", "--time-slice-tokens", "16"]))
     s = cfg.scheduler
     assert s.auto_max_num_seqs and s.auto_max_num_batched_tokens and s.level_aging_s == 2.5
-    assert s.max_step_ms == 150.0  # auto follows the step-time target the TBT goal sets
+    assert s.max_step_ms == 120.0  # auto follows the step-time target the TBT goal sets
     fixed = engine_config_from_args(parser.parse_args(["serve", "--max-num-seqs", "12"])).scheduler
     assert fixed.max_num_seqs == 12 and not fixed.auto_max_num_seqs and fixed.level_aging_s == 5.0
     with pytest.raises(SystemExit):
