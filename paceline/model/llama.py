@@ -370,19 +370,18 @@ def int4_bf16_from_rows() -> int:
 # "int4_wide=w4a8,int4_wide=bf16"); forcing bf16 on a CPU without bf16 math is for tests.
 INT4_WIDE_CHOICES = ("auto", "bf16", "w4a8", "int8")
 # "int8": the same steps from INT4_INT8_FROM_ROWS rows run W8A8Linear (int8 weights per output channel requantized
-# from the dequantized codes at load, int8 activations per row, an int8 GEMM: w8a8_kernel.py), in place of the
-# dense bf16 copy (1 byte a weight instead of 2); the w4a8 op serves the rows below it as with "bf16". Opt-in only,
-# "auto" never picks it: the linear alone is ~1.8x the prepacked bf16 copy at 512 rows and 1.53x at 32 (AMD Zen 4,
-# 2 threads, 2026-11-24 08:12 UTC) and whole steps gain up to 1.50x (below), but on the held-out text (benchmarks/quality.py --modes "fp32,int4 wide
-# bf16,int4 wide int8" --whole-only, 08:14 UTC) top-1 agreement with fp32 is 91.41 % and perplexity 23.030 against
-# 97.92 % / 22.295 for the bf16 copy (fp32 22.319): per-row int8 activations and per-channel int8 weights (which
-# cannot hold Q4_1's scale per 32 inputs) each cost too much; benchmarks/summaries/w8a8.md has what was tried.
-# Whole steps, one process, the bf16 default (w4a8 op below 72 rows, bf16 copy from 72) vs int8 from 16 rows
-# (`benchmarks/profile_step.py --modes int4 --compare "int4_wide=bf16,int4_wide=int8+int4_bf16_from=16" --only
-# "b=32,prefill 512,1500 in 512,rows 16,rows 24,rows 32,rows 64,rows 128,48-token" --repeats 3`, ended 09:19 UTC,
-# ms): 16 rows 18.1 vs 21.7, 24 rows 21.4 vs 24.2, 32 rows 26.1 vs 26.7, 32 decodes 37.5 vs 37.7, 64 rows 42.9 vs
-# 35.9, 80 rows (48-token chunk + 32 decodes) 68.5 vs 50.9, 128 rows 83.4 vs 56.3, a 512-token prefill 316.8 vs
-# 211.5, 1,500 tokens in 512-chunks 1091.9 vs 770.9. The w4a8 op and the int8 op meet between 32 and 64 rows.
+# from the dequantized codes at load, int8 activations per row, an int8 GEMM: w8a8_kernel.py) on the linears
+# INT4_INT8_LINEARS names, in place of the dense bf16 copy (1 byte a weight instead of 2); the w4a8 op serves the
+# rows below it as with "bf16". "auto" picks it where int8_gemm_pays(). On every linear and without outliers (the
+# first version) it lost too much: top-1 agreement with fp32 91.41 %, perplexity 23.030 against 97.92 % / 22.295
+# for the bf16 copy (fp32 22.319); on o and gate_up with 4 outliers a row it holds 97.28 % / 22.404 and whole steps
+# gain 1.11-1.19x from 80 rows, 1.00x at 32 (benchmarks/summaries/w8a8.md, 2026-11-24 09:31-09:35 UTC).
+# The threshold: the op on every linear (first version) from 16 rows against the bf16 default (w4a8 op below 72 rows,
+# bf16 copy from 72), whole steps, one process (`benchmarks/profile_step.py --modes int4 --compare
+# "int4_wide=bf16,int4_wide=int8+int4_bf16_from=16" --only "b=32,prefill 512,1500 in 512,rows 16,rows 24,rows
+# 32,rows 64,rows 128,48-token" --repeats 3`, ended 09:19 UTC, ms): 16 rows 18.1 vs 21.7, 24 rows 21.4 vs 24.2,
+# 32 rows 26.1 vs 26.7, 32 decodes 37.5 vs 37.7, 64 rows 42.9 vs 35.9, 80 rows (48-token chunk + 32 decodes) 68.5
+# vs 50.9, 128 rows 83.4 vs 56.3. The w4a8 op and the int8 op meet between 32 and 64 rows.
 INT4_INT8_FROM_ROWS = 36
 # "int8" serves only these linears (LlamaLayer's names; the others keep the bf16 copy from int4_bf16_from_rows()),
 # each row's INT4_INT8_OUTLIERS largest activations taken out of the int8 product. Why: per-row int8 activations
