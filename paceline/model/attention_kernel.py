@@ -564,6 +564,240 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
 }
 #endif
 
+// ---- decodes (slices of up to FEW_TOKENS tokens): positions in vector lanes (AVX-512 builds) ----
+//
+// A decode has only the G query rows of a KV head (3 for SmolLM2), too few to fill a vector, so attend_rows runs
+// the context in tiles of 16 positions instead: a position's key row (d values, loaded once for all rows of the
+// head) gives one dot-product vector per row, folded 4 positions at a time into a vector whose lane u is
+// position u's score; the tile's 16 scores of a row then sit in one vector, so the mask, exp and the sum of the
+// online softmax cost one vector op per 16 positions, and the running max one horizontal max per tile (the AVX2
+// loops did a horizontal sum per score and scalar softmax bookkeeping per position). The accumulators of a
+// group of rows stay in registers through P.V. Tiles run over all of the item's KV heads before the next tile, so
+// a block's rows (all heads of a position are contiguous in the cache) are read once, in order.
+#if defined(__AVX512F__)
+#define PL_ROWS 1
+constexpr int RT = 16;  // positions per tile: one score vector per row
+
+// a K/V row of d = 16 D values as D float vectors; bfloat16 rows come out in unpack order (see col_of): the rows'
+// dot products do not care, and the output is put back in column order at the end
+template <int D> inline void load_row(const float* s, __m512* o) {
+  for (int v = 0; v < D; ++v) o[v] = _mm512_loadu_ps(s + 16 * v);
+}
+template <int D> inline void load_row(const c10::Half* s, __m512* o) {
+  for (int v = 0; v < D; ++v) o[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * v)));
+}
+template <int D> inline void load_row(const c10::BFloat16* s, __m512* o) {
+  static_assert(D % 2 == 0, "bfloat16 rows load 32 values at a time");
+  const __m512i z = _mm512_setzero_si512();
+  for (int c = 0; c < D / 2; ++c) {  // a bfloat16 shifted into the high half of a dword is that float: 2 ops / 32
+    const __m512i x = _mm512_loadu_si512(s + 32 * c);
+    o[2 * c] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x));
+    o[2 * c + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x));
+  }
+}
+// the column of the cache row that lane i (of the D vectors) holds after load_row
+template <typename T> inline int col_of(int i) {
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    const int c = i / 32, w = i % 32, l = w % 16;  // unpacklo / unpackhi take words 0-3 / 4-7 of each 128-bit lane
+    return 32 * c + 8 * (l / 4) + 4 * (w / 16) + l % 4;
+  } else {
+    return i;
+  }
+}
+
+// lane 4L+u = the part of sum(a[u]) held in 128-bit lane L
+inline __m512 fold4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 b01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 b23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b01), _mm512_castps_pd(b23))),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b01), _mm512_castps_pd(b23))));
+}
+// lane 4g+u = the sum over the 128-bit lanes L of c[g]'s lane 4L+u: four fold4 results into one score vector
+inline __m512 fold_lanes(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x44), _mm512_shuffle_f32x4(c0, c1, 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(c2, c3, 0x44), _mm512_shuffle_f32x4(c2, c3, 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// The running state of one row of attend_rows: output accumulators (load_row's lane order), max, sum per lane
+struct RowState { float* acc; float* m; float* l; };
+
+// One tile of n <= RT positions c0.. for NR rows of one KV head: qs [NR][d] scaled queries (load_row's lane order),
+// lim[r] row r's last visible position, acc [NR][d], m [NR], l [NR][16] the online softmax's state.
+template <int NR, int D, typename T>
+inline void rows_tile(const float* qs, const int* lim, float* acc, float* m, float* l, const T* const* krow,
+                      const T* const* vrow, int n, int c0) {
+  constexpr int d = 16 * D;
+  __m512 s[NR];
+  {
+    __m512 c[NR][4];
+    for (int g = 0; g < 4; ++g) {
+      if (4 * g >= n) {
+        for (int r = 0; r < NR; ++r) c[r][g] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512 a[NR][4];
+      for (int u = 0; u < 4; ++u) {
+        __m512 kv[D];
+        load_row<D>(krow[4 * g + u], kv);
+        for (int r = 0; r < NR; ++r) {
+          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qs + r * d), kv[0]);
+          for (int v = 1; v < D; ++v) x = _mm512_fmadd_ps(_mm512_loadu_ps(qs + r * d + 16 * v), kv[v], x);
+          a[r][u] = x;
+        }
+      }
+      for (int r = 0; r < NR; ++r) c[r][g] = fold4(a[r][0], a[r][1], a[r][2], a[r][3]);
+    }
+    for (int r = 0; r < NR; ++r) s[r] = fold_lanes(c[r][0], c[r][1], c[r][2], c[r][3]);
+  }
+  alignas(64) float p[NR][RT];
+  alignas(64) float mo[16] = {0}, mn[16] = {0};
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 e[NR];
+  for (int r = 0; r < NR; ++r) {
+    const int nv = std::min(n, lim[r] - c0 + 1);  // positions of the tile row r sees (causal, and the tile's end)
+    const __mmask16 k = nv <= 0 ? 0 : nv >= 16 ? __mmask16(0xffff) : __mmask16((1u << nv) - 1);
+    const float mx = _mm512_reduce_max_ps(_mm512_mask_blend_ps(k, ninf, s[r]));
+    mo[r] = m[r];
+    // every row sees position 0, so after the first tile m is finite: exp(m - mn) never meets inf - inf
+    mn[r] = std::max(m[r], mx);
+    m[r] = mn[r];
+    e[r] = _mm512_maskz_mov_ps(k, vexp(_mm512_sub_ps(s[r], _mm512_set1_ps(mn[r]))));
+    _mm512_store_ps(p[r], e[r]);
+  }
+  alignas(64) float alpha[16];
+  _mm512_store_ps(alpha, vexp(_mm512_sub_ps(_mm512_load_ps(mo), _mm512_load_ps(mn))));  // -inf - x: exp ~0
+  __m512 o[NR][D];
+  for (int r = 0; r < NR; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), al, e[r]));
+    for (int v = 0; v < D; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * d + 16 * v));
+  }
+  for (int j = 0; j < n; ++j) {
+    __m512 vv[D];
+    load_row<D>(vrow[j], vv);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 pb = _mm512_set1_ps(p[r][j]);
+      for (int v = 0; v < D; ++v) o[r][v] = _mm512_fmadd_ps(pb, vv[v], o[r][v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < D; ++v) _mm512_storeu_ps(acc + r * d + 16 * v, o[r][v]);
+}
+
+// the row group sizes rows_tile is built for: NR x D accumulators + D row vectors within 32 registers
+constexpr int rows_max(int D) { return D <= 4 ? 4 : 2; }
+
+template <int D, typename T>
+inline void rows_tile_any(int nr, const float* qs, const int* lim, float* acc, float* m, float* l,
+                          const T* const* krow, const T* const* vrow, int n, int c0) {
+  switch (nr) {
+    case 1: rows_tile<1, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break;
+    case 2: rows_tile<2, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break;
+    case 3: if constexpr (rows_max(D) >= 3) { rows_tile<3, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break; }
+    default: if constexpr (rows_max(D) >= 4) rows_tile<4, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0);
+  }
+}
+
+// whether attend_rows takes items of this head size and cache type
+template <typename T> inline bool rows_fit(int d) {
+  return d == 32 || d == 64 || d == 128;
+}
+
+// A work item of a few tokens (decodes, verifications) as attend() computes it, in tiles of RT positions.
+template <int D, typename T>
+void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int nh, const T* kc,
+                 const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table, int row0,
+                 int start, int ntok, float scale) {
+  constexpr int d = 16 * D;
+  const int R = ntok * G;  // query rows of one KV head
+  thread_local std::vector<float> buf;
+  thread_local std::vector<int> lims;
+  const size_t per_head = size_t(R) * (2 * d + 1 + 16);
+  if (buf.size() < per_head * nh) buf.resize(per_head * nh);
+  if (lims.size() < size_t(R)) lims.resize(R);
+  for (int r = 0; r < R; ++r) lims[r] = start + r / G;
+  // head hh: scaled queries [R][d] and accumulators [R][d] in load_row's lane order, max [R], sums [R][16]
+  auto qs_of = [&](int hh) { return buf.data() + per_head * hh; };
+  auto acc_of = [&](int hh) { return qs_of(hh) + size_t(R) * d; };
+  auto m_of = [&](int hh) { return acc_of(hh) + size_t(R) * d; };
+  auto l_of = [&](int hh) { return m_of(hh) + R; };
+  for (int hh = 0; hh < nh; ++hh) {
+    float* qs = qs_of(hh);
+    for (int r = 0; r < R; ++r) {
+      const float* src = q + (int64_t(row0) + r / G) * q_stride + (int64_t(h0 + hh) * G + r % G) * d;
+      for (int i = 0; i < d; ++i) qs[r * d + i] = src[col_of<T>(i)] * scale;
+    }
+    std::fill(acc_of(hh), acc_of(hh) + size_t(R) * d, 0.0f);
+    std::fill(m_of(hh), m_of(hh) + R, -std::numeric_limits<float>::infinity());
+    std::fill(l_of(hh), l_of(hh) + size_t(R) * 16, 0.0f);
+  }
+  constexpr int NRM = rows_max(D);
+  const int end = start + ntok;  // positions the last token sees
+  int64_t base[RT];
+  const T* krow[RT];
+  const T* vrow[RT];
+  for (int c0 = 0; c0 < end; c0 += RT) {
+    const int n = std::min(RT, end - c0);
+    for (int j = 0; j < RT; ++j) {
+      const int p = c0 + std::min(j, n - 1);  // past the end: a repeat of the last row (masked)
+      base[j] = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h0) * d;
+    }
+    if (c0 + RT < end) {  // the next tile's first rows: across a block boundary they lie anywhere
+      const int pf = c0 + RT;
+      const int64_t poff = int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d;
+      const char* kp = reinterpret_cast<const char*>(kc + poff);
+      const char* vp = reinterpret_cast<const char*>(vc + poff);
+      for (int64_t b = 0; b < int64_t(sizeof(T)) * nh * d; b += 64) {
+        _mm_prefetch(kp + b, _MM_HINT_T0);
+        _mm_prefetch(vp + b, _MM_HINT_T0);
+      }
+    }
+    for (int hh = 0; hh < nh; ++hh) {
+      for (int j = 0; j < RT; ++j) {
+        krow[j] = kc + base[j] + int64_t(hh) * d;
+        vrow[j] = vc + base[j] + int64_t(hh) * d;
+      }
+      float* qs = qs_of(hh);
+      float* acc = acc_of(hh);
+      float* m = m_of(hh);
+      float* l = l_of(hh);
+      for (int r0 = 0; r0 < R;) {  // rows in groups of at most NRM, balanced
+        const int groups = (R - r0 + NRM - 1) / NRM;
+        const int nr = (R - r0 + groups - 1) / groups;
+        if (lims[r0 + nr - 1] >= c0)  // the group's last row sees the tile (earlier rows see at most as much)
+          rows_tile_any<D, T>(nr, qs + r0 * d, lims.data() + r0, acc + r0 * d, m + r0, l + 16 * r0, krow, vrow, n, c0);
+        r0 += nr;
+      }
+    }
+  }
+  for (int hh = 0; hh < nh; ++hh) {
+    const float* acc = acc_of(hh);
+    const float* l = l_of(hh);
+    for (int r = 0; r < R; ++r) {
+      const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * r));
+      float* dst = out + ((int64_t(row0) + r / G) * H + int64_t(h0 + hh) * G + r % G) * d;
+      for (int i = 0; i < d; ++i) dst[col_of<T>(i)] = acc[r * d + i] * inv;
+    }
+  }
+}
+#endif
+
+// attend_rows for head sizes it is built for; false where the caller runs attend()
+template <typename T>
+bool attend_rows_fit(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int nh, int d,
+                     const T* kc, const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table,
+                     int row0, int start, int ntok, float scale) {
+#ifdef PL_ROWS
+  switch (d) {
+    case 32: attend_rows<2, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok, scale); return true;
+    case 64: attend_rows<4, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok, scale); return true;
+    case 128: attend_rows<8, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok, scale); return true;
+  }
+#endif
+  return false;
+}
+
 // plain loops: head sizes that are not a multiple of 8, and builds without AVX2 (the compiler vectorises what it can)
 inline void scores_ref(const float* q, const float* const* k, int n, int d, float* s) {
   for (int j = 0; j < n; ++j) { float a = 0; for (int i = 0; i < d; ++i) a += q[i] * k[j][i]; s[j] = a; }
@@ -810,6 +1044,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         continue;
       }
 #endif
+      if (it.ntok <= FEW_TOKENS &&
+          attend_rows_fit(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride,
+                          int(bs), bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok,
+                          float(scale)))
+        continue;
       attend(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride, int(bs),
              bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
     }
