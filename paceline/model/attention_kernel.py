@@ -578,7 +578,7 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
 #define PL_ROWS 1
 constexpr int RT = 16;  // positions per tile: one score vector per row
 
-// a K/V row of d = 16 D values as D float vectors; bfloat16 rows come out in unpack order (see col_of): the rows'
+// a K/V row of d = 16 D values as D float vectors; bfloat16 rows come out in unpack order (see to_lanes): the rows'
 // dot products do not care, and the output is put back in column order at the end
 template <int D> inline void load_row(const float* s, __m512* o) {
   for (int v = 0; v < D; ++v) o[v] = _mm512_loadu_ps(s + 16 * v);
@@ -595,13 +595,36 @@ template <int D> inline void load_row(const c10::BFloat16* s, __m512* o) {
     o[2 * c + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x));
   }
 }
-// the column of the cache row that lane i (of the D vectors) holds after load_row
-template <typename T> inline int col_of(int i) {
+// a row of d = 16 D floats into load_row's lane order, times sc (queries), and back (outputs): bfloat16 rows put
+// columns 0-3, 8-11, 16-19, 24-27 of each 32 in one vector and 4-7, 12-15, ... in the next (unpacklo / unpackhi
+// take words 0-3 / 4-7 of each 128-bit lane)
+template <int D, typename T> inline void to_lanes(const float* src, float* dst, float sc) {
+  const __m512 s = _mm512_set1_ps(sc);
   if constexpr (std::is_same<T, c10::BFloat16>::value) {
-    const int c = i / 32, w = i % 32, l = w % 16;  // unpacklo / unpackhi take words 0-3 / 4-7 of each 128-bit lane
-    return 32 * c + 8 * (l / 4) + 4 * (w / 16) + l % 4;
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+    for (int c = 0; c < D / 2; ++c) {
+      const __m512 a = _mm512_loadu_ps(src + 32 * c), b = _mm512_loadu_ps(src + 32 * c + 16);
+      _mm512_storeu_ps(dst + 32 * c, _mm512_mul_ps(s, _mm512_permutex2var_ps(a, lo, b)));
+      _mm512_storeu_ps(dst + 32 * c + 16, _mm512_mul_ps(s, _mm512_permutex2var_ps(a, hi, b)));
+    }
   } else {
-    return i;
+    for (int v = 0; v < D; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(s, _mm512_loadu_ps(src + 16 * v)));
+  }
+}
+template <int D, typename T> inline void from_lanes(const float* src, float* dst, float sc) {
+  const __m512 s = _mm512_set1_ps(sc);
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    // column w of 32 sits in vector (w / 4) % 2, lane 4 (w / 8) + w % 4
+    const __m512i a0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i a1 = _mm512_add_epi32(a0, _mm512_set1_epi32(8));
+    for (int c = 0; c < D / 2; ++c) {
+      const __m512 lo = _mm512_loadu_ps(src + 32 * c), hi = _mm512_loadu_ps(src + 32 * c + 16);
+      _mm512_storeu_ps(dst + 32 * c, _mm512_mul_ps(s, _mm512_permutex2var_ps(lo, a0, hi)));
+      _mm512_storeu_ps(dst + 32 * c + 16, _mm512_mul_ps(s, _mm512_permutex2var_ps(lo, a1, hi)));
+    }
+  } else {
+    for (int v = 0; v < D; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(s, _mm512_loadu_ps(src + 16 * v)));
   }
 }
 
@@ -685,23 +708,108 @@ inline void rows_tile(const float* qs, const int* lim, float* acc, float* m, flo
     for (int v = 0; v < D; ++v) _mm512_storeu_ps(acc + r * d + 16 * v, o[r][v]);
 }
 
+#ifdef PL_BF16_DOT
+// rows_tile for a bfloat16 cache and bfloat16-valued queries (a bfloat16 model's): scores are pair dot products
+// (vdpbf16ps) of the raw query pairs qb (row r at qb + r d, d/2 pairs) (unscaled: exact products, scaled after) with the key rows read
+// in place, and P.V pair dot products of P rounded to bfloat16 (as the prompt tiles and torch's bfloat16 SDPA do;
+// its sum l stays float32) with two value rows interleaved into column pairs; acc is in column order
+template <int NR, int D>
+inline void rows_tile_bf(const uint32_t* qb, float sc, const int* lim, float* acc, float* m, float* l,
+                         const c10::BFloat16* const* krow, const c10::BFloat16* const* vrow, int n, int c0) {
+  constexpr int d = 16 * D, P = D / 2;  // P vectors of 32 values per row
+  __m512 s[NR];
+  {
+    __m512 c[NR][4];
+    for (int g = 0; g < 4; ++g) {
+      if (4 * g >= n) {
+        for (int r = 0; r < NR; ++r) c[r][g] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512 a[NR][4];
+      for (int u = 0; u < 4; ++u) {
+        __m512bh kv[P];
+        for (int i = 0; i < P; ++i) kv[i] = (__m512bh)_mm512_loadu_si512(krow[4 * g + u] + 32 * i);
+        for (int r = 0; r < NR; ++r) {
+          __m512 x = _mm512_setzero_ps();
+          for (int i = 0; i < P; ++i)
+            x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(qb + r * d + 16 * i), kv[i]);
+          a[r][u] = x;
+        }
+      }
+      for (int r = 0; r < NR; ++r) c[r][g] = fold4(a[r][0], a[r][1], a[r][2], a[r][3]);
+    }
+    const __m512 scv = _mm512_set1_ps(sc);
+    for (int r = 0; r < NR; ++r) s[r] = _mm512_mul_ps(scv, fold_lanes(c[r][0], c[r][1], c[r][2], c[r][3]));
+  }
+  alignas(64) uint32_t pp[NR][RT / 2];  // row r's P as bfloat16 pairs of positions (2j, 2j+1)
+  alignas(64) float mo[16] = {0}, mn[16] = {0};
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 e[NR];
+  for (int r = 0; r < NR; ++r) {
+    const int nv = std::min(n, lim[r] - c0 + 1);
+    const __mmask16 k = nv <= 0 ? 0 : nv >= 16 ? __mmask16(0xffff) : __mmask16((1u << nv) - 1);
+    const float mx = _mm512_reduce_max_ps(_mm512_mask_blend_ps(k, ninf, s[r]));
+    mo[r] = m[r];
+    mn[r] = std::max(m[r], mx);
+    m[r] = mn[r];
+    e[r] = _mm512_maskz_mov_ps(k, vexp(_mm512_sub_ps(s[r], _mm512_set1_ps(mn[r]))));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(e[r]));
+  }
+  alignas(64) float alpha[16];
+  _mm512_store_ps(alpha, vexp(_mm512_sub_ps(_mm512_load_ps(mo), _mm512_load_ps(mn))));
+  __m512 o[NR][D];
+  for (int r = 0; r < NR; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), al, e[r]));
+    for (int v = 0; v < D; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * d + 16 * v));
+  }
+  const __m512i il = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006, 0x270007,
+                                       0x280008, 0x290009, 0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d, 0x2e000e, 0x2f000f);
+  const __m512i ih = _mm512_add_epi16(il, _mm512_set1_epi16(16));
+  for (int j = 0; j < n; j += 2) {  // past n: the tile's padding rows (finite values), weighted 0
+    __m512bh vv[D];
+    for (int i = 0; i < P; ++i) {
+      const __m512i x = _mm512_loadu_si512(vrow[j] + 32 * i), y = _mm512_loadu_si512(vrow[j + 1] + 32 * i);
+      vv[2 * i] = (__m512bh)_mm512_permutex2var_epi16(x, il, y);  // columns 32i.. +16 as (row j, row j+1) pairs
+      vv[2 * i + 1] = (__m512bh)_mm512_permutex2var_epi16(x, ih, y);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pp[r][j / 2]));
+      for (int v = 0; v < D; ++v) o[r][v] = _mm512_dpbf16_ps(o[r][v], pb, vv[v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < D; ++v) _mm512_storeu_ps(acc + r * d + 16 * v, o[r][v]);
+}
+#endif
+
 // the row group sizes rows_tile is built for: NR x D accumulators + D row vectors within 32 registers
 constexpr int rows_max(int D) { return D <= 4 ? 4 : 2; }
 
+// one tile for a group of nr rows (bf: rows_tile_bf, qs then holds query pairs)
 template <int D, typename T>
-inline void rows_tile_any(int nr, const float* qs, const int* lim, float* acc, float* m, float* l,
+inline void rows_tile_any(int nr, bool bf, const float* qs, float sc, const int* lim, float* acc, float* m, float* l,
                           const T* const* krow, const T* const* vrow, int n, int c0) {
+#ifdef PL_BF16_DOT
+  if constexpr (std::is_same<T, c10::BFloat16>::value && D % 2 == 0) {
+    if (bf) {
+      const uint32_t* qb = reinterpret_cast<const uint32_t*>(qs);
+      switch (nr) {
+        case 1: rows_tile_bf<1, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return;
+        case 2: rows_tile_bf<2, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return;
+        case 3: if constexpr (rows_max(D) >= 3) { rows_tile_bf<3, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return; }
+        default: if constexpr (rows_max(D) >= 4) rows_tile_bf<4, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0);
+      }
+      return;
+    }
+  }
+#endif
   switch (nr) {
     case 1: rows_tile<1, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break;
     case 2: rows_tile<2, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break;
     case 3: if constexpr (rows_max(D) >= 3) { rows_tile<3, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break; }
     default: if constexpr (rows_max(D) >= 4) rows_tile<4, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0);
   }
-}
-
-// whether attend_rows takes items of this head size and cache type
-template <typename T> inline bool rows_fit(int d) {
-  return d == 32 || d == 64 || d == 128;
 }
 
 // A work item of a few tokens (decodes, verifications) as attend() computes it, in tiles of RT positions.
@@ -711,13 +819,19 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
                  int start, int ntok, float scale) {
   constexpr int d = 16 * D;
   const int R = ntok * G;  // query rows of one KV head
+  bool bf = false;  // bfloat16 pair dot products: a bfloat16 cache and a bfloat16 model's queries
+#ifdef PL_BF16_DOT
+  if constexpr (std::is_same<T, c10::BFloat16>::value)
+    bf = queries_are_bf16(q, q_stride, row0, ntok, int64_t(h0) * G * d, nh * G * d);
+#endif
   thread_local std::vector<float> buf;
   thread_local std::vector<int> lims;
   const size_t per_head = size_t(R) * (2 * d + 1 + 16);
   if (buf.size() < per_head * nh) buf.resize(per_head * nh);
   if (lims.size() < size_t(R)) lims.resize(R);
   for (int r = 0; r < R; ++r) lims[r] = start + r / G;
-  // head hh: scaled queries [R][d] and accumulators [R][d] in load_row's lane order, max [R], sums [R][16]
+  // head hh: queries [R][d] (scaled, load_row's lane order; bf: raw bfloat16 pairs in d/2 of the d) and
+  // accumulators [R][d] in the same order (bf: column order), max [R], sums [R][16]
   auto qs_of = [&](int hh) { return buf.data() + per_head * hh; };
   auto acc_of = [&](int hh) { return qs_of(hh) + size_t(R) * d; };
   auto m_of = [&](int hh) { return acc_of(hh) + size_t(R) * d; };
@@ -726,7 +840,13 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
     float* qs = qs_of(hh);
     for (int r = 0; r < R; ++r) {
       const float* src = q + (int64_t(row0) + r / G) * q_stride + (int64_t(h0 + hh) * G + r % G) * d;
-      for (int i = 0; i < d; ++i) qs[r * d + i] = src[col_of<T>(i)] * scale;
+      if (bf) {  // exact: the queries are bfloat16 values
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(src);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(qs + r * d);
+        for (int i = 0; i < d; i += 2) dst[i / 2] = (w[i] >> 16) | (w[i + 1] & 0xffff0000u);
+      } else {
+        to_lanes<D, T>(src, qs + r * d, scale);
+      }
     }
     std::fill(acc_of(hh), acc_of(hh) + size_t(R) * d, 0.0f);
     std::fill(m_of(hh), m_of(hh) + R, -std::numeric_limits<float>::infinity());
@@ -766,7 +886,8 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
         const int groups = (R - r0 + NRM - 1) / NRM;
         const int nr = (R - r0 + groups - 1) / groups;
         if (lims[r0 + nr - 1] >= c0)  // the group's last row sees the tile (earlier rows see at most as much)
-          rows_tile_any<D, T>(nr, qs + r0 * d, lims.data() + r0, acc + r0 * d, m + r0, l + 16 * r0, krow, vrow, n, c0);
+          rows_tile_any<D, T>(nr, bf, qs + r0 * d, scale, lims.data() + r0, acc + r0 * d, m + r0, l + 16 * r0,
+                              krow, vrow, n, c0);
         r0 += nr;
       }
     }
@@ -777,7 +898,8 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
     for (int r = 0; r < R; ++r) {
       const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * r));
       float* dst = out + ((int64_t(row0) + r / G) * H + int64_t(h0 + hh) * G + r % G) * d;
-      for (int i = 0; i < d; ++i) dst[col_of<T>(i)] = acc[r * d + i] * inv;
+      if (bf) from_lanes<D, float>(acc + r * d, dst, inv);
+      else from_lanes<D, T>(acc + r * d, dst, inv);
     }
   }
 }
