@@ -14,8 +14,16 @@ and the online softmax runs along the rows in whole vectors; the decode loops re
 reuse a key over at most 3 rows. Built for AVX-512 where /proc/cpuinfo lists avx512f/bw/vl (16-float vectors, 32
 registers), and with AVX512_BF16 a bfloat16 cache's chunks whose queries are bfloat16 values (a bfloat16 model's)
 use pair dot products (vdpbf16ps), twice float32's multiply-adds per instruction; P is then rounded to bfloat16
-for P.V, as torch's bfloat16 SDPA does. Decodes keep the AVX2 loops in every build. `PACELINE_ATTN_ISA=avx2`
-forces the AVX2 build (what AVX2-only machines run; tests and A/B runs); the ISA is part of the library's name.
+for P.V, as torch's bfloat16 SDPA does.
+
+Decodes (items of up to FEW_TOKENS tokens) in the AVX-512 build take a third loop nest, `attend_rows`, where
+head_dim is 32, 64 or 128: a decode has only its GQA group's rows (3), too few for row vectors, so the context
+runs in tiles of 16 positions with the positions in the lanes: one key row loaded per position serves all rows,
+each row's 16 dot products are folded into one score vector, and mask, exp and sums cost one vector op per 16
+positions (the AVX2 loops pay a horizontal sum per score and scalar softmax bookkeeping per position; 1.6-1.9x
+on bf16 decodes). A bfloat16 cache with bfloat16 queries uses pair dot products there too. Other head sizes and
+the AVX2 build keep the AVX2 loops. `PACELINE_ATTN_ISA=avx2` forces the AVX2 build (what AVX2-only machines run;
+tests and A/B runs); the ISA is part of the library's name.
 
 The build: the source below is compiled with g++/c++ into `<cache>/kernels/paged_attention-<isa>-<key>.so` (the key
 hashes the source, the flags and torch's version), under a file lock, the first time a process needs it; later
@@ -259,6 +267,24 @@ inline vf vexp(vf x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+// vexp for finite x: no clamps (scalef takes any n: a very negative x gives 0, a large one inf, never NaN); the
+// prompt tiles' exp of s - max, where s and max are finite and lanes past the mask are dropped after
+inline vf vexp_finite(vf x) {
+  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  vf p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+// s * a - b
+inline vf vfmsub(vf s, vf a, vf b) { return _mm512_fmsub_ps(s, a, b); }
 // keys per score block and V columns per P.V block, by row vectors per panel: at most 24 accumulators
 constexpr int jb_for(int rv) { return rv <= 2 ? 12 : rv == 3 ? 8 : 6; }
 constexpr int cb_for(int rv) { return rv <= 3 ? 8 : 4; }
@@ -278,6 +304,8 @@ inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(pos, lim, _CMP_LE_OQ)); }
 inline vf vexp(vf x) { return exp8(x); }
+inline vf vexp_finite(vf x) { return exp8(x); }  // exp8 builds 2^n from exponent bits: it needs its clamps
+inline vf vfmsub(vf s, vf a, vf b) { return _mm256_fmsub_ps(s, a, b); }
 constexpr int jb_for(int rv) { return rv == 1 ? 10 : 6; }
 constexpr int cb_for(int rv) { return rv == 1 ? 8 : 4; }
 #endif
@@ -417,19 +445,31 @@ void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const
   const vf ninf = vset1(-std::numeric_limits<float>::infinity()), zero = vzero(), scv = vset1(sc);
   for (int r = 0; r < RV; ++r) {
     const vf lim = vload(pos + r * VW), m0 = vload(m + r * VW);
-    vf mx = m0;
-    for (int j = 0; j < n; ++j) {
-      vf s = vmul(vload(st + size_t(j) * ld + r * VW), scv);
-      if (diag) s = vsel_le(vset1(float(c0 + j)), lim, s, ninf);
-      mx = vmax(mx, s);
+    // the max of the unscaled scores, scaled once (sc > 0); two chains halve the wait on vmax's latency
+    vf mr0 = ninf, mr1 = ninf;
+    int j = 0;
+    for (; j + 2 <= n; j += 2) {
+      vf s0 = vload(st + size_t(j) * ld + r * VW), s1 = vload(st + size_t(j + 1) * ld + r * VW);
+      if (diag) {
+        s0 = vsel_le(vset1(float(c0 + j)), lim, s0, ninf);
+        s1 = vsel_le(vset1(float(c0 + j + 1)), lim, s1, ninf);
+      }
+      mr0 = vmax(mr0, s0);
+      mr1 = vmax(mr1, s1);
     }
+    if (j < n) {
+      vf s0 = vload(st + size_t(j) * ld + r * VW);
+      if (diag) s0 = vsel_le(vset1(float(c0 + j)), lim, s0, ninf);
+      mr0 = vmax(mr0, s0);
+    }
+    const vf mx = vmax(m0, vmul(vmax(mr0, mr1), scv));
     // a row that sees nothing yet keeps m = -inf: shift it by 0 so that exp never sees inf - inf
     const vf safe = vsel_le(mx, ninf, zero, mx);
     alpha[r] = vexp(vsub(m0, safe));
     vf sum = zero;
     for (int j = 0; j < n; ++j) {
       float* sp = st + size_t(j) * ld + r * VW;
-      vf p = vexp(vsub(vmul(vload(sp), scv), safe));
+      vf p = vexp_finite(vfmsub(vload(sp), scv, safe));
       if (diag) p = vsel_le(vset1(float(c0 + j)), lim, p, zero);
       vstore(sp, p);
       sum = vadd(sum, p);
@@ -1226,9 +1266,9 @@ def _flags(target: str) -> list[str]:
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     if target in ("avx2", "avx512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
-    if target == "avx512":  # the prompt-chunk tiles in zmm registers (decodes keep their AVX2 loops)
+    if target == "avx512":  # the prompt-chunk row tiles and the decode position tiles in zmm registers
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
-        if "avx512_bf16" in int4_kernel.cpu_flags():  # bfloat16 pair dot products for a bfloat16 cache's prompt chunks
+        if "avx512_bf16" in int4_kernel.cpu_flags():  # bfloat16 pair dot products for a bfloat16 cache
             flags += ["-mavx512bf16"]
     return flags
 
