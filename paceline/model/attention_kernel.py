@@ -903,9 +903,9 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
       const int p = c0 + std::min(j, n - 1);  // past the end: a repeat of the last row (masked)
       base[j] = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h0) * d;
     }
-    // the next tile's rows, all of them: its block lies anywhere, and 16 positions of one sequence are too few for
-    // the hardware prefetcher to catch up with
-    for (int pf = c0 + RT; pf < std::min(end, c0 + 2 * RT); ++pf) {
+    // the rows two tiles on, all of them (at the first tile: tiles 0-2): a block lies anywhere, a decode's context
+    // is a few blocks, and from memory (a whole step's K/V do not stay in cache) one tile ahead came too late
+    for (int pf = c0 == 0 ? 0 : c0 + 2 * RT; pf < std::min(end, c0 + 3 * RT); ++pf) {
       const int64_t poff = int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d;
       const char* kp = reinterpret_cast<const char*>(kc + poff);
       const char* vp = reinterpret_cast<const char*>(vc + poff);
