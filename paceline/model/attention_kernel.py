@@ -1200,24 +1200,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     for (int w = 0; w < nitems; ++w) {
       const Item& it = items[w];
       const int32_t* s = sq + 3 * it.seq;
-#ifdef PL_ROWS
-      // a decode's context is a few blocks, each read from memory in a step: start on the first rows of the item
-      // this thread likely takes next (the other thread takes w + 1) while this one runs
-      if (w + nthreads < nitems && items[w + nthreads].ntok <= FEW_TOKENS) {
-        const Item& nx = items[w + nthreads];
-        const int32_t* ns = sq + 3 * nx.seq;
-        const int32_t* table = bt + int64_t(nx.seq) * max_blocks;
-        for (int p = 0; p < std::min(ns[2] + nx.tok0 + nx.ntok, 16); ++p) {
-          const int64_t off = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(nx.head0) * d;
-          const char* kp = reinterpret_cast<const char*>(kc + off);
-          const char* vp = reinterpret_cast<const char*>(vc + off);
-          for (int64_t b = 0; b < int64_t(sizeof(*kc)) * nx.heads * d; b += 64) {
-            _mm_prefetch(kp + b, _MM_HINT_T0);
-            _mm_prefetch(vp + b, _MM_HINT_T0);
-          }
-        }
-      }
-#endif
 #ifdef PL_TILE
       if (it.heads == 1 && it.ntok > FEW_TOKENS) {  // a prompt chunk's slice: the row tiles
         attend_tiles(qp, q.stride(0), op, H, G, it.head0, int(d), kc, vc, blk_stride, tok_stride, int(bs),
