@@ -6,11 +6,12 @@ Prints, per batch, the median step ms and the median ms spent in attention (all 
     flock -x /tmp/paceline-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/decode_attention.py --layer \
         --variants rev=0695ec0,avx2,avx512
 
---layer times one layer's `paged_attention` alone, its metadata built once outside the timing as a step builds it
-once for all layers (before 2026-11-24 08:30 UTC the timing included `build_metadata`, ~0.08 ms) (SmolLM2-135M's shapes, random K/V in scattered blocks, float32
-and bfloat16), best of --repeats (default there 15; --cold: 64 MiB written before each call, so K/V come from
-memory as in a whole step), per --variants: eager (gathers + SDPA), this tree's op built
-for an ISA (auto, avx2, avx512) or the op at a git revision (rev=REV), and the largest difference from the first.
+--layer times one layer's `paged_attention` alone (its metadata built once outside the timing, as a step builds
+it once for all layers; before 2026-11-24 08:30 UTC the timing included `build_metadata`, ~0.08 ms), SmolLM2-135M's
+shapes, random K/V in scattered blocks, float32 and bfloat16, best of --repeats (default there 15; --cold: 64 MiB
+written before each call, so K/V come from memory as in a whole step), per --variants: eager (gathers + SDPA),
+this tree's op built for an ISA (auto, avx2, avx512) or the op at a git revision (rev=REV), and the largest
+difference from the first.
 
 Shapes: decode batches at one context length and mixed ones, and prompt chunks over earlier context with and
 without decodes. (The workspace and decode-group figures in attention.py came from this script's earlier

@@ -20,10 +20,10 @@ Decodes (items of up to FEW_TOKENS tokens) in the AVX-512 build take a third loo
 head_dim is 32, 64 or 128: a decode has only its GQA group's rows (3), too few for row vectors, so the context
 runs in tiles of 16 positions with the positions in the lanes: one key row loaded per position serves all rows,
 each row's 16 dot products are folded into one score vector, and mask, exp and sums cost one vector op per 16
-positions (the AVX2 loops pay a horizontal sum per score and scalar softmax bookkeeping per position; 1.6-1.9x
-on bf16 decodes). A bfloat16 cache with bfloat16 queries uses pair dot products there too. Other head sizes and
-the AVX2 build keep the AVX2 loops. `PACELINE_ATTN_ISA=avx2` forces the AVX2 build (what AVX2-only machines run;
-tests and A/B runs); the ISA is part of the library's name.
+positions (the AVX2 loops pay a horizontal sum per score and scalar softmax bookkeeping per position; 1.5-1.7x on
+bf16 decodes with K/V in cache). A bfloat16 cache with bfloat16 queries uses pair dot products there too. Other
+head sizes and the AVX2 build keep the AVX2 loops. `PACELINE_ATTN_ISA=avx2` forces the AVX2 build (what AVX2-only
+machines run; tests and A/B runs); the ISA is part of the library's name.
 
 The build: the source below is compiled with g++/c++ into `<cache>/kernels/paged_attention-<isa>-<key>.so` (the key
 hashes the source, the flags and torch's version), under a file lock, the first time a process needs it; later
@@ -750,9 +750,10 @@ inline void rows_tile(const float* qs, const int* lim, float* acc, float* m, flo
 
 #ifdef PL_BF16_DOT
 // rows_tile for a bfloat16 cache and bfloat16-valued queries (a bfloat16 model's): scores are pair dot products
-// (vdpbf16ps) of the raw query pairs qb (row r at qb + r d, d/2 pairs) (unscaled: exact products, scaled after) with the key rows read
-// in place, and P.V pair dot products of P rounded to bfloat16 (as the prompt tiles and torch's bfloat16 SDPA do;
-// its sum l stays float32) with two value rows interleaved into column pairs; acc is in column order
+// (vdpbf16ps) of the raw query pairs qb (row r at qb + r d, d/2 pairs; unscaled: exact products, scaled after)
+// with the key rows read in place, and P.V pair dot products of P rounded to bfloat16 (as the prompt tiles and
+// torch's bfloat16 SDPA do; its sum l stays float32) with two value rows interleaved into column pairs; acc is in
+// column order
 template <int NR, int D>
 inline void rows_tile_bf(const uint32_t* qb, float sc, const int* lim, float* acc, float* m, float* l,
                          const c10::BFloat16* const* krow, const c10::BFloat16* const* vrow, int n, int c0) {
@@ -837,7 +838,8 @@ inline void rows_tile_any(int nr, bool bf, const float* qs, float sc, const int*
       switch (nr) {
         case 1: rows_tile_bf<1, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return;
         case 2: rows_tile_bf<2, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return;
-        case 3: if constexpr (rows_max(D) >= 3) { rows_tile_bf<3, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return; }
+        case 3:
+          if constexpr (rows_max(D) >= 3) { rows_tile_bf<3, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return; }
         default: if constexpr (rows_max(D) >= 4) rows_tile_bf<4, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0);
       }
       return;
@@ -953,9 +955,18 @@ bool attend_rows_fit(const float* q, int64_t q_stride, float* out, int64_t H, in
                      int row0, int start, int ntok, float scale) {
 #ifdef PL_ROWS
   switch (d) {
-    case 32: attend_rows<2, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok, scale); return true;
-    case 64: attend_rows<4, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok, scale); return true;
-    case 128: attend_rows<8, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok, scale); return true;
+    case 32:
+      attend_rows<2, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
+                         scale);
+      return true;
+    case 64:
+      attend_rows<4, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
+                         scale);
+      return true;
+    case 128:
+      attend_rows<8, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
+                         scale);
+      return true;
   }
 #endif
   return false;
