@@ -6,9 +6,12 @@ Prints, per batch, the median step ms and the median ms spent in attention (all 
     flock -x /tmp/paceline-cpu.lock env PYTHONPATH=. .venv/bin/python benchmarks/decode_attention.py --layer \
         --variants rev=0695ec0,avx2,avx512
 
---layer times one layer's `paged_attention` alone (SmolLM2-135M's shapes, random K/V in scattered blocks, float32
-and bfloat16), best of --repeats (default there 15), per --variants: eager (gathers + SDPA), this tree's op built
-for an ISA (auto, avx2, avx512) or the op at a git revision (rev=REV), and the largest difference from the first.
+--layer times one layer's `paged_attention` alone (its metadata built once outside the timing, as a step builds
+it once for all layers; before 2026-11-24 08:30 UTC the timing included `build_metadata`, ~0.08 ms), SmolLM2-135M's
+shapes, random K/V in scattered blocks, float32 and bfloat16, best of --repeats (default there 15; --cold: 64 MiB
+written before each call, so K/V come from memory as in a whole step), per --variants: eager (gathers + SDPA),
+this tree's op built for an ISA (auto, avx2, avx512) or the op at a git revision (rev=REV), and the largest
+difference from the first.
 
 Shapes: decode batches at one context length and mixed ones, and prompt chunks over earlier context with and
 without decodes. (The workspace and decode-group figures in attention.py came from this script's earlier
@@ -65,7 +68,7 @@ def _layer_variant(name: str):
     return True, {"PACELINE_ATTN_ISA": name}, None
 
 
-def one_layer(repeats: int, only: list[str], variants: list[str], dtypes: list[str]) -> None:
+def one_layer(repeats: int, only: list[str], variants: list[str], dtypes: list[str], cold: bool = False) -> None:
     from unittest.mock import patch
 
     from paceline.model import attention_kernel
@@ -75,6 +78,9 @@ def one_layer(repeats: int, only: list[str], variants: list[str], dtypes: list[s
     print(f"one layer, {h} query / {kvh} KV heads, head_dim {d}; best of {repeats} ms (speed-up over the first "
           f"variant, max |diff| from it); bfloat16: cache and queries in bfloat16")
     setups = {v: _layer_variant(v) for v in variants}
+    # --cold: 64 MiB written before every call evicts the K/V from the caches, as a whole step's other 29 layers
+    # and weights do (a step of 32 decodes reads ~55 MiB of bfloat16 K/V over its 30 layers)
+    flush = torch.empty(16 << 20) if cold else None
     for dname in dtypes:
         dt = getattr(torch, dname)
         ws = GatherWorkspace(bs * kvh * d, dt, "cpu")
@@ -94,9 +100,12 @@ def one_layer(repeats: int, only: list[str], variants: list[str], dtypes: list[s
                 with patch.dict(os.environ, env), patch.object(attention_kernel, "load",
                                                                load or attention_kernel.load):
                     times = []
+                    # built once, as a step builds it once for all its layers
+                    meta = build_metadata(seqs, bs, workspace=ws, kernel=kernel)
                     for _ in range(repeats):
+                        if flush is not None:
+                            flush.fill_(1.0)
                         t0 = time.perf_counter()
-                        meta = build_metadata(seqs, bs, workspace=ws, kernel=kernel)
                         outs[var] = paged_attention(q, k, v, kc, vc, meta, d ** -0.5).float()
                         times.append((time.perf_counter() - t0) * 1e3)
                 best[var] = min(times)
@@ -115,11 +124,12 @@ def main() -> None:
     ap.add_argument("--layer", action="store_true", help="time one layer's attention alone")
     ap.add_argument("--variants", default="eager,auto", help="with --layer: eager, auto, avx2, avx512, rev=REV")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="with --layer: cache/query dtypes")
+    ap.add_argument("--cold", action="store_true", help="with --layer: evict the caches before every call")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.layer:
         one_layer(max(args.repeats, 15), [s for s in args.only.split(",") if s], args.variants.split(","),
-                  args.dtypes.split(","))
+                  args.dtypes.split(","), args.cold)
         return
     engine = Engine(EngineConfig(dtype=args.dtype))
     runner = engine.runner

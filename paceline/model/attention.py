@@ -21,7 +21,12 @@ op on every shape. One layer, best of 15, 2026-11-24 06:25 UTC, `benchmarks/deco
 rev=0695ec0,avx2,avx512,eager`: a 512-token chunk at 1,000 11.14 -> 5.24 ms (bf16; SDPA 14.36), 10.95 -> 7.99 ms
 (float32), a fresh 512-token prompt 2.56 -> 1.43 ms (bf16), decodes unchanged; whole bf16 model
 (`profile_step.py --compare kernels=0695ec0,kernels=b3e1ac8`): the 1,500-token prompt in 512-token chunks
-1,484.6 -> 1,165.7 ms. `PACELINE_ATTN_ISA=avx2` forces the AVX2 build (attention_kernel.py).
+1,484.6 -> 1,165.7 ms. Decodes (slices of up to 4 tokens) run in the op's position tiles in the AVX-512 build
+(16 context positions in the vector lanes, the GQA group's rows sharing each key row; bf16 pair dot products for a
+bf16 cache and a bf16 model's queries). Why: their per-score horizontal sums and scalar softmax dominated; one
+layer, best of 15, 08:44 UTC, `decode_attention.py --layer --variants rev=c757601,avx512,avx2`: 32 bf16 decodes at
+100-200 tokens 0.194 -> 0.124 ms, 6 at 1,900 0.477 -> 0.270 ms (float32 decodes unchanged on Zen 4).
+`PACELINE_ATTN_ISA=avx2` forces the AVX2 build (attention_kernel.py).
 
 The eager path:
 

@@ -14,8 +14,16 @@ and the online softmax runs along the rows in whole vectors; the decode loops re
 reuse a key over at most 3 rows. Built for AVX-512 where /proc/cpuinfo lists avx512f/bw/vl (16-float vectors, 32
 registers), and with AVX512_BF16 a bfloat16 cache's chunks whose queries are bfloat16 values (a bfloat16 model's)
 use pair dot products (vdpbf16ps), twice float32's multiply-adds per instruction; P is then rounded to bfloat16
-for P.V, as torch's bfloat16 SDPA does. Decodes keep the AVX2 loops in every build. `PACELINE_ATTN_ISA=avx2`
-forces the AVX2 build (what AVX2-only machines run; tests and A/B runs); the ISA is part of the library's name.
+for P.V, as torch's bfloat16 SDPA does.
+
+Decodes (items of up to FEW_TOKENS tokens) in the AVX-512 build take a third loop nest, `attend_rows`, where
+head_dim is 32, 64 or 128: a decode has only its GQA group's rows (3), too few for row vectors, so the context
+runs in tiles of 16 positions with the positions in the lanes: one key row loaded per position serves all rows,
+each row's 16 dot products are folded into one score vector, and mask, exp and sums cost one vector op per 16
+positions (the AVX2 loops pay a horizontal sum per score and scalar softmax bookkeeping per position; 1.5-1.7x on
+bf16 decodes with K/V in cache). A bfloat16 cache with bfloat16 queries uses pair dot products there too. Other
+head sizes and the AVX2 build keep the AVX2 loops. `PACELINE_ATTN_ISA=avx2` forces the AVX2 build (what AVX2-only
+machines run; tests and A/B runs); the ISA is part of the library's name.
 
 The build: the source below is compiled with g++/c++ into `<cache>/kernels/paged_attention-<isa>-<key>.so` (the key
 hashes the source, the flags and torch's version), under a file lock, the first time a process needs it; later
@@ -259,6 +267,24 @@ inline vf vexp(vf x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+// vexp for finite x: no clamps (scalef takes any n: a very negative x gives 0, a large one inf, never NaN); the
+// prompt tiles' exp of s - max, where s and max are finite and lanes past the mask are dropped after
+inline vf vexp_finite(vf x) {
+  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  vf p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+// s * a - b
+inline vf vfmsub(vf s, vf a, vf b) { return _mm512_fmsub_ps(s, a, b); }
 // keys per score block and V columns per P.V block, by row vectors per panel: at most 24 accumulators
 constexpr int jb_for(int rv) { return rv <= 2 ? 12 : rv == 3 ? 8 : 6; }
 constexpr int cb_for(int rv) { return rv <= 3 ? 8 : 4; }
@@ -278,6 +304,8 @@ inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(pos, lim, _CMP_LE_OQ)); }
 inline vf vexp(vf x) { return exp8(x); }
+inline vf vexp_finite(vf x) { return exp8(x); }  // exp8 builds 2^n from exponent bits: it needs its clamps
+inline vf vfmsub(vf s, vf a, vf b) { return _mm256_fmsub_ps(s, a, b); }
 constexpr int jb_for(int rv) { return rv == 1 ? 10 : 6; }
 constexpr int cb_for(int rv) { return rv == 1 ? 8 : 4; }
 #endif
@@ -417,19 +445,31 @@ void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const
   const vf ninf = vset1(-std::numeric_limits<float>::infinity()), zero = vzero(), scv = vset1(sc);
   for (int r = 0; r < RV; ++r) {
     const vf lim = vload(pos + r * VW), m0 = vload(m + r * VW);
-    vf mx = m0;
-    for (int j = 0; j < n; ++j) {
-      vf s = vmul(vload(st + size_t(j) * ld + r * VW), scv);
-      if (diag) s = vsel_le(vset1(float(c0 + j)), lim, s, ninf);
-      mx = vmax(mx, s);
+    // the max of the unscaled scores, scaled once (sc > 0); two chains halve the wait on vmax's latency
+    vf mr0 = ninf, mr1 = ninf;
+    int j = 0;
+    for (; j + 2 <= n; j += 2) {
+      vf s0 = vload(st + size_t(j) * ld + r * VW), s1 = vload(st + size_t(j + 1) * ld + r * VW);
+      if (diag) {
+        s0 = vsel_le(vset1(float(c0 + j)), lim, s0, ninf);
+        s1 = vsel_le(vset1(float(c0 + j + 1)), lim, s1, ninf);
+      }
+      mr0 = vmax(mr0, s0);
+      mr1 = vmax(mr1, s1);
     }
+    if (j < n) {
+      vf s0 = vload(st + size_t(j) * ld + r * VW);
+      if (diag) s0 = vsel_le(vset1(float(c0 + j)), lim, s0, ninf);
+      mr0 = vmax(mr0, s0);
+    }
+    const vf mx = vmax(m0, vmul(vmax(mr0, mr1), scv));
     // a row that sees nothing yet keeps m = -inf: shift it by 0 so that exp never sees inf - inf
     const vf safe = vsel_le(mx, ninf, zero, mx);
     alpha[r] = vexp(vsub(m0, safe));
     vf sum = zero;
     for (int j = 0; j < n; ++j) {
       float* sp = st + size_t(j) * ld + r * VW;
-      vf p = vexp(vsub(vmul(vload(sp), scv), safe));
+      vf p = vexp_finite(vfmsub(vload(sp), scv, safe));
       if (diag) p = vsel_le(vset1(float(c0 + j)), lim, p, zero);
       vstore(sp, p);
       sum = vadd(sum, p);
@@ -563,6 +603,374 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
     }
 }
 #endif
+
+// ---- decodes (slices of up to FEW_TOKENS tokens): positions in vector lanes (AVX-512 builds) ----
+//
+// A decode has only the G query rows of a KV head (3 for SmolLM2), too few to fill a vector, so attend_rows runs
+// the context in tiles of 16 positions instead: a position's key row (d values, loaded once for all rows of the
+// head) gives one dot-product vector per row, folded 4 positions at a time into a vector whose lane u is
+// position u's score; the tile's 16 scores of a row then sit in one vector, so the mask, exp and the sum of the
+// online softmax cost one vector op per 16 positions, and the running max one horizontal max per tile (the AVX2
+// loops did a horizontal sum per score and scalar softmax bookkeeping per position). The accumulators of a
+// group of rows stay in registers through P.V. Tiles run over all of the item's KV heads before the next tile, so
+// a block's rows (all heads of a position are contiguous in the cache) are read once, in order.
+#if defined(__AVX512F__)
+#define PL_ROWS 1
+constexpr int RT = 16;  // positions per tile: one score vector per row
+
+// a K/V row of d = 16 D values as D float vectors; bfloat16 rows come out in unpack order (see to_lanes): the rows'
+// dot products do not care, and the output is put back in column order at the end
+template <int D> inline void load_row(const float* s, __m512* o) {
+  for (int v = 0; v < D; ++v) o[v] = _mm512_loadu_ps(s + 16 * v);
+}
+template <int D> inline void load_row(const c10::Half* s, __m512* o) {
+  for (int v = 0; v < D; ++v) o[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * v)));
+}
+template <int D> inline void load_row(const c10::BFloat16* s, __m512* o) {
+  static_assert(D % 2 == 0, "bfloat16 rows load 32 values at a time");
+  const __m512i z = _mm512_setzero_si512();
+  for (int c = 0; c < D / 2; ++c) {  // a bfloat16 shifted into the high half of a dword is that float: 2 ops / 32
+    const __m512i x = _mm512_loadu_si512(s + 32 * c);
+    o[2 * c] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x));
+    o[2 * c + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x));
+  }
+}
+// a row of d = 16 D floats into load_row's lane order, times sc (queries), and back (outputs): bfloat16 rows put
+// columns 0-3, 8-11, 16-19, 24-27 of each 32 in one vector and 4-7, 12-15, ... in the next (unpacklo / unpackhi
+// take words 0-3 / 4-7 of each 128-bit lane)
+template <int D, typename T> inline void to_lanes(const float* src, float* dst, float sc) {
+  const __m512 s = _mm512_set1_ps(sc);
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+    for (int c = 0; c < D / 2; ++c) {
+      const __m512 a = _mm512_loadu_ps(src + 32 * c), b = _mm512_loadu_ps(src + 32 * c + 16);
+      _mm512_storeu_ps(dst + 32 * c, _mm512_mul_ps(s, _mm512_permutex2var_ps(a, lo, b)));
+      _mm512_storeu_ps(dst + 32 * c + 16, _mm512_mul_ps(s, _mm512_permutex2var_ps(a, hi, b)));
+    }
+  } else {
+    for (int v = 0; v < D; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(s, _mm512_loadu_ps(src + 16 * v)));
+  }
+}
+template <int D, typename T> inline void from_lanes(const float* src, float* dst, float sc) {
+  const __m512 s = _mm512_set1_ps(sc);
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    // column w of 32 sits in vector (w / 4) % 2, lane 4 (w / 8) + w % 4
+    const __m512i a0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i a1 = _mm512_add_epi32(a0, _mm512_set1_epi32(8));
+    for (int c = 0; c < D / 2; ++c) {
+      const __m512 lo = _mm512_loadu_ps(src + 32 * c), hi = _mm512_loadu_ps(src + 32 * c + 16);
+      _mm512_storeu_ps(dst + 32 * c, _mm512_mul_ps(s, _mm512_permutex2var_ps(lo, a0, hi)));
+      _mm512_storeu_ps(dst + 32 * c + 16, _mm512_mul_ps(s, _mm512_permutex2var_ps(lo, a1, hi)));
+    }
+  } else {
+    for (int v = 0; v < D; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(s, _mm512_loadu_ps(src + 16 * v)));
+  }
+}
+
+// lane 4L+u = the part of sum(a[u]) held in 128-bit lane L
+inline __m512 fold4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 b01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 b23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b01), _mm512_castps_pd(b23))),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b01), _mm512_castps_pd(b23))));
+}
+// lane 4g+u = the sum over the 128-bit lanes L of c[g]'s lane 4L+u: four fold4 results into one score vector
+inline __m512 fold_lanes(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x44), _mm512_shuffle_f32x4(c0, c1, 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(c2, c3, 0x44), _mm512_shuffle_f32x4(c2, c3, 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// The running state of one row of attend_rows: output accumulators (load_row's lane order), max, sum per lane
+struct RowState { float* acc; float* m; float* l; };
+
+// One tile of n <= RT positions c0.. for NR rows of one KV head: qs [NR][d] scaled queries (load_row's lane order),
+// lim[r] row r's last visible position, acc [NR][d], m [NR], l [NR][16] the online softmax's state.
+template <int NR, int D, typename T>
+inline void rows_tile(const float* qs, const int* lim, float* acc, float* m, float* l, const T* const* krow,
+                      const T* const* vrow, int n, int c0) {
+  constexpr int d = 16 * D;
+  __m512 s[NR];
+  {
+    __m512 c[NR][4];
+    for (int g = 0; g < 4; ++g) {
+      if (4 * g >= n) {
+        for (int r = 0; r < NR; ++r) c[r][g] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512 a[NR][4];
+      for (int u = 0; u < 4; ++u) {
+        __m512 kv[D];
+        load_row<D>(krow[4 * g + u], kv);
+        for (int r = 0; r < NR; ++r) {
+          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qs + r * d), kv[0]);
+          for (int v = 1; v < D; ++v) x = _mm512_fmadd_ps(_mm512_loadu_ps(qs + r * d + 16 * v), kv[v], x);
+          a[r][u] = x;
+        }
+      }
+      for (int r = 0; r < NR; ++r) c[r][g] = fold4(a[r][0], a[r][1], a[r][2], a[r][3]);
+    }
+    for (int r = 0; r < NR; ++r) s[r] = fold_lanes(c[r][0], c[r][1], c[r][2], c[r][3]);
+  }
+  alignas(64) float p[NR][RT];
+  alignas(64) float mo[16] = {0}, mn[16] = {0};
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 e[NR];
+  for (int r = 0; r < NR; ++r) {
+    const int nv = std::min(n, lim[r] - c0 + 1);  // positions of the tile row r sees (causal, and the tile's end)
+    const __mmask16 k = nv <= 0 ? 0 : nv >= 16 ? __mmask16(0xffff) : __mmask16((1u << nv) - 1);
+    const float mx = _mm512_reduce_max_ps(_mm512_mask_blend_ps(k, ninf, s[r]));
+    mo[r] = m[r];
+    // every row sees position 0, so after the first tile m is finite: exp(m - mn) never meets inf - inf
+    mn[r] = std::max(m[r], mx);
+    m[r] = mn[r];
+    e[r] = _mm512_maskz_mov_ps(k, vexp(_mm512_sub_ps(s[r], _mm512_set1_ps(mn[r]))));
+    _mm512_store_ps(p[r], e[r]);
+  }
+  alignas(64) float alpha[16];
+  _mm512_store_ps(alpha, vexp(_mm512_sub_ps(_mm512_load_ps(mo), _mm512_load_ps(mn))));  // -inf - x: exp ~0
+  __m512 o[NR][D];
+  for (int r = 0; r < NR; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), al, e[r]));
+    for (int v = 0; v < D; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * d + 16 * v));
+  }
+  for (int j = 0; j < n; ++j) {
+    __m512 vv[D];
+    load_row<D>(vrow[j], vv);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 pb = _mm512_set1_ps(p[r][j]);
+      for (int v = 0; v < D; ++v) o[r][v] = _mm512_fmadd_ps(pb, vv[v], o[r][v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < D; ++v) _mm512_storeu_ps(acc + r * d + 16 * v, o[r][v]);
+}
+
+#ifdef PL_BF16_DOT
+// rows_tile for a bfloat16 cache and bfloat16-valued queries (a bfloat16 model's): scores are pair dot products
+// (vdpbf16ps) of the raw query pairs qb (row r at qb + r d, d/2 pairs; unscaled: exact products, scaled after)
+// with the key rows read in place, and P.V pair dot products of P rounded to bfloat16 (as the prompt tiles and
+// torch's bfloat16 SDPA do; its sum l stays float32) with two value rows interleaved into column pairs; acc is in
+// column order
+template <int NR, int D>
+inline void rows_tile_bf(const uint32_t* qb, float sc, const int* lim, float* acc, float* m, float* l,
+                         const c10::BFloat16* const* krow, const c10::BFloat16* const* vrow, int n, int c0) {
+  constexpr int d = 16 * D, P = D / 2;  // P vectors of 32 values per row
+  __m512 s[NR];
+  {
+    __m512 c[NR][4];
+    for (int g = 0; g < 4; ++g) {
+      if (4 * g >= n) {
+        for (int r = 0; r < NR; ++r) c[r][g] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512 a[NR][4];
+      for (int u = 0; u < 4; ++u) {
+        __m512bh kv[P];
+        for (int i = 0; i < P; ++i) kv[i] = (__m512bh)_mm512_loadu_si512(krow[4 * g + u] + 32 * i);
+        for (int r = 0; r < NR; ++r) {
+          __m512 x = _mm512_setzero_ps();
+          for (int i = 0; i < P; ++i)
+            x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(qb + r * d + 16 * i), kv[i]);
+          a[r][u] = x;
+        }
+      }
+      for (int r = 0; r < NR; ++r) c[r][g] = fold4(a[r][0], a[r][1], a[r][2], a[r][3]);
+    }
+    const __m512 scv = _mm512_set1_ps(sc);
+    for (int r = 0; r < NR; ++r) s[r] = _mm512_mul_ps(scv, fold_lanes(c[r][0], c[r][1], c[r][2], c[r][3]));
+  }
+  alignas(64) uint32_t pp[NR][RT / 2];  // row r's P as bfloat16 pairs of positions (2j, 2j+1)
+  alignas(64) float mo[16] = {0}, mn[16] = {0};
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 e[NR];
+  for (int r = 0; r < NR; ++r) {
+    const int nv = std::min(n, lim[r] - c0 + 1);
+    const __mmask16 k = nv <= 0 ? 0 : nv >= 16 ? __mmask16(0xffff) : __mmask16((1u << nv) - 1);
+    const float mx = _mm512_reduce_max_ps(_mm512_mask_blend_ps(k, ninf, s[r]));
+    mo[r] = m[r];
+    mn[r] = std::max(m[r], mx);
+    m[r] = mn[r];
+    e[r] = _mm512_maskz_mov_ps(k, vexp(_mm512_sub_ps(s[r], _mm512_set1_ps(mn[r]))));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(e[r]));
+  }
+  alignas(64) float alpha[16];
+  _mm512_store_ps(alpha, vexp(_mm512_sub_ps(_mm512_load_ps(mo), _mm512_load_ps(mn))));
+  __m512 o[NR][D];
+  for (int r = 0; r < NR; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), al, e[r]));
+    for (int v = 0; v < D; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * d + 16 * v));
+  }
+  const __m512i il = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006, 0x270007,
+                                       0x280008, 0x290009, 0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d, 0x2e000e, 0x2f000f);
+  const __m512i ih = _mm512_add_epi16(il, _mm512_set1_epi16(16));
+  for (int j = 0; j < n; j += 2) {  // past n: the tile's padding rows (finite values), weighted 0
+    __m512bh vv[D];
+    for (int i = 0; i < P; ++i) {
+      const __m512i x = _mm512_loadu_si512(vrow[j] + 32 * i), y = _mm512_loadu_si512(vrow[j + 1] + 32 * i);
+      vv[2 * i] = (__m512bh)_mm512_permutex2var_epi16(x, il, y);  // columns 32i.. +16 as (row j, row j+1) pairs
+      vv[2 * i + 1] = (__m512bh)_mm512_permutex2var_epi16(x, ih, y);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pp[r][j / 2]));
+      for (int v = 0; v < D; ++v) o[r][v] = _mm512_dpbf16_ps(o[r][v], pb, vv[v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < D; ++v) _mm512_storeu_ps(acc + r * d + 16 * v, o[r][v]);
+}
+#endif
+
+// the row group sizes rows_tile is built for: NR x D accumulators + D row vectors within 32 registers
+constexpr int rows_max(int D) { return D <= 4 ? 4 : 2; }
+
+// one tile for a group of nr rows (bf: rows_tile_bf, qs then holds query pairs)
+template <int D, typename T>
+inline void rows_tile_any(int nr, bool bf, const float* qs, float sc, const int* lim, float* acc, float* m, float* l,
+                          const T* const* krow, const T* const* vrow, int n, int c0) {
+#ifdef PL_BF16_DOT
+  if constexpr (std::is_same<T, c10::BFloat16>::value && D % 2 == 0) {
+    if (bf) {
+      const uint32_t* qb = reinterpret_cast<const uint32_t*>(qs);
+      switch (nr) {
+        case 1: rows_tile_bf<1, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return;
+        case 2: rows_tile_bf<2, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return;
+        case 3:
+          if constexpr (rows_max(D) >= 3) { rows_tile_bf<3, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return; }
+        default: if constexpr (rows_max(D) >= 4) rows_tile_bf<4, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0);
+      }
+      return;
+    }
+  }
+#endif
+  switch (nr) {
+    case 1: rows_tile<1, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break;
+    case 2: rows_tile<2, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break;
+    case 3: if constexpr (rows_max(D) >= 3) { rows_tile<3, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break; }
+    default: if constexpr (rows_max(D) >= 4) rows_tile<4, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0);
+  }
+}
+
+// A work item of a few tokens (decodes, verifications) as attend() computes it, in tiles of RT positions.
+template <int D, typename T>
+void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int nh, const T* kc,
+                 const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table, int row0,
+                 int start, int ntok, float scale) {
+  constexpr int d = 16 * D;
+  const int R = ntok * G;  // query rows of one KV head
+  bool bf = false;  // bfloat16 pair dot products: a bfloat16 cache and a bfloat16 model's queries
+#ifdef PL_BF16_DOT
+  if constexpr (std::is_same<T, c10::BFloat16>::value)
+    bf = queries_are_bf16(q, q_stride, row0, ntok, int64_t(h0) * G * d, nh * G * d);
+#endif
+  thread_local std::vector<float> buf;
+  thread_local std::vector<int> lims;
+  const size_t per_head = size_t(R) * (2 * d + 1 + 16);
+  if (buf.size() < per_head * nh) buf.resize(per_head * nh);
+  if (lims.size() < size_t(R)) lims.resize(R);
+  for (int r = 0; r < R; ++r) lims[r] = start + r / G;
+  // head hh: queries [R][d] (scaled, load_row's lane order; bf: raw bfloat16 pairs in d/2 of the d) and
+  // accumulators [R][d] in the same order (bf: column order), max [R], sums [R][16]
+  auto qs_of = [&](int hh) { return buf.data() + per_head * hh; };
+  auto acc_of = [&](int hh) { return qs_of(hh) + size_t(R) * d; };
+  auto m_of = [&](int hh) { return acc_of(hh) + size_t(R) * d; };
+  auto l_of = [&](int hh) { return m_of(hh) + R; };
+  for (int hh = 0; hh < nh; ++hh) {
+    float* qs = qs_of(hh);
+    for (int r = 0; r < R; ++r) {
+      const float* src = q + (int64_t(row0) + r / G) * q_stride + (int64_t(h0 + hh) * G + r % G) * d;
+      if (bf) {  // exact: the queries are bfloat16 values
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(src);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(qs + r * d);
+        for (int i = 0; i < d; i += 2) dst[i / 2] = (w[i] >> 16) | (w[i + 1] & 0xffff0000u);
+      } else {
+        to_lanes<D, T>(src, qs + r * d, scale);
+      }
+    }
+    std::fill(acc_of(hh), acc_of(hh) + size_t(R) * d, 0.0f);
+    std::fill(m_of(hh), m_of(hh) + R, -std::numeric_limits<float>::infinity());
+    std::fill(l_of(hh), l_of(hh) + size_t(R) * 16, 0.0f);
+  }
+  constexpr int NRM = rows_max(D);
+  const int end = start + ntok;  // positions the last token sees
+  int64_t base[RT];
+  const T* krow[RT];
+  const T* vrow[RT];
+  for (int c0 = 0; c0 < end; c0 += RT) {
+    const int n = std::min(RT, end - c0);
+    for (int j = 0; j < RT; ++j) {
+      const int p = c0 + std::min(j, n - 1);  // past the end: a repeat of the last row (masked)
+      base[j] = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h0) * d;
+    }
+    // the rows two tiles on, all of them (at the first tile: tiles 0-2): a block lies anywhere, a decode's context
+    // is a few blocks, and from memory (a whole step's K/V do not stay in cache) one tile ahead came too late
+    for (int pf = c0 == 0 ? 0 : c0 + 2 * RT; pf < std::min(end, c0 + 3 * RT); ++pf) {
+      const int64_t poff = int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d;
+      const char* kp = reinterpret_cast<const char*>(kc + poff);
+      const char* vp = reinterpret_cast<const char*>(vc + poff);
+      for (int64_t b = 0; b < int64_t(sizeof(T)) * nh * d; b += 64) {
+        _mm_prefetch(kp + b, _MM_HINT_T0);
+        _mm_prefetch(vp + b, _MM_HINT_T0);
+      }
+    }
+    for (int hh = 0; hh < nh; ++hh) {
+      for (int j = 0; j < RT; ++j) {
+        krow[j] = kc + base[j] + int64_t(hh) * d;
+        vrow[j] = vc + base[j] + int64_t(hh) * d;
+      }
+      float* qs = qs_of(hh);
+      float* acc = acc_of(hh);
+      float* m = m_of(hh);
+      float* l = l_of(hh);
+      for (int r0 = 0; r0 < R;) {  // rows in groups of at most NRM, balanced
+        const int groups = (R - r0 + NRM - 1) / NRM;
+        const int nr = (R - r0 + groups - 1) / groups;
+        if (lims[r0 + nr - 1] >= c0)  // the group's last row sees the tile (earlier rows see at most as much)
+          rows_tile_any<D, T>(nr, bf, qs + r0 * d, scale, lims.data() + r0, acc + r0 * d, m + r0, l + 16 * r0,
+                              krow, vrow, n, c0);
+        r0 += nr;
+      }
+    }
+  }
+  for (int hh = 0; hh < nh; ++hh) {
+    const float* acc = acc_of(hh);
+    const float* l = l_of(hh);
+    for (int r = 0; r < R; ++r) {
+      const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * r));
+      float* dst = out + ((int64_t(row0) + r / G) * H + int64_t(h0 + hh) * G + r % G) * d;
+      if (bf) from_lanes<D, float>(acc + r * d, dst, inv);
+      else from_lanes<D, T>(acc + r * d, dst, inv);
+    }
+  }
+}
+#endif
+
+// attend_rows for head sizes it is built for; false where the caller runs attend()
+template <typename T>
+bool attend_rows_fit(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int nh, int d,
+                     const T* kc, const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table,
+                     int row0, int start, int ntok, float scale) {
+#ifdef PL_ROWS
+  switch (d) {
+    case 32:
+      attend_rows<2, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
+                         scale);
+      return true;
+    case 64:
+      attend_rows<4, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
+                         scale);
+      return true;
+    case 128:
+      attend_rows<8, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
+                         scale);
+      return true;
+  }
+#endif
+  return false;
+}
 
 // plain loops: head sizes that are not a multiple of 8, and builds without AVX2 (the compiler vectorises what it can)
 inline void scores_ref(const float* q, const float* const* k, int n, int d, float* s) {
@@ -810,6 +1218,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         continue;
       }
 #endif
+      if (it.ntok <= FEW_TOKENS &&
+          attend_rows_fit(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride,
+                          int(bs), bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok,
+                          float(scale)))
+        continue;
       attend(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride, int(bs),
              bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
     }
@@ -864,9 +1277,9 @@ def _flags(target: str) -> list[str]:
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     if target in ("avx2", "avx512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
-    if target == "avx512":  # the prompt-chunk tiles in zmm registers (decodes keep their AVX2 loops)
+    if target == "avx512":  # the prompt-chunk row tiles and the decode position tiles in zmm registers
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
-        if "avx512_bf16" in int4_kernel.cpu_flags():  # bfloat16 pair dot products for a bfloat16 cache's prompt chunks
+        if "avx512_bf16" in int4_kernel.cpu_flags():  # bfloat16 pair dot products for a bfloat16 cache
             flags += ["-mavx512bf16"]
     return flags
 

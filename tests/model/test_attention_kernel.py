@@ -63,3 +63,91 @@ def test_bundled_model_kernel_matches_eager(monkeypatch):
         got[flag] = _mixed_step(ModelRunner(model, ckpt.arch, 16, 16), prompts, 20)
     torch.testing.assert_close(got["1"], got["0"], atol=2e-3, rtol=0)
     assert (got["1"].argmax(-1) == got["0"].argmax(-1)).all()
+
+
+# ---- decodes (slices of up to 4 tokens) in position tiles: the op against a dense reference ----
+
+def _isa_ok(isa: str) -> bool:
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PACELINE_ATTN_ISA", isa)
+            return attention_kernel.isa() == isa
+    except ValueError:
+        return False
+
+
+# the op's builds: this CPU's best (AVX-512, where the decode tiles run) and the forced AVX2 one (its AVX2 loops)
+BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(not _isa_ok(isa), reason=f"no {isa} build here"))
+          for isa in ("avx512", "avx2")]
+
+# (earlier positions, tokens): decodes at block and 16-position tile boundaries (15/16/17, 31/32/33), a first token
+# (no context), long contexts, 2-4 token verifications (causal inside the slice, across a tile edge) and a prompt
+# chunk beside them (the row tiles), in one flat batch
+DECODE_SHAPES = {
+    "decodes": [(0, 1), (1, 1), (14, 1), (15, 1), (16, 1), (30, 1), (31, 1), (32, 1), (150, 1), (700, 1)],
+    "mixed": [(40, 21), (13, 3), (30, 2), (62, 4), (0, 1), (16, 1), (199, 1)],
+}
+
+
+def _paged_step(shape, kvh, h, d, cache_dtype, bf16_queries, seed, first=0):
+    """Random K/V for each slice's context and tokens (slice i's from seed + first + i), scattered over the cache's
+    blocks (block size 16); q rounded to bfloat16 values where bf16_queries (what a bfloat16 model's queries are).
+    Returns the op's output, the per-slice references on the cache's rounded K/V, and the slices."""
+    from paceline.model.attention import build_metadata, dense_attention_reference, paged_attention
+
+    bs = 16
+    nb = sum(-(-(s + n) // bs) for s, n in shape) + 2
+    free = torch.randperm(nb, generator=torch.Generator().manual_seed(seed)).tolist()
+    seqs, ks, vs, qs = [], [], [], []
+    for i, (start, n) in enumerate(shape):
+        g = torch.Generator().manual_seed(seed + first + i)
+        seqs.append(SeqSlice(start, n, [free.pop() for _ in range(-(-(start + n) // bs))]))
+        # an offset in the keys makes the scores large: the online softmax's rescaling between tiles matters
+        ks.append((torch.randn(start + n, kvh, d, generator=g) + 2).to(cache_dtype).float())
+        vs.append(torch.randn(start + n, kvh, d, generator=g).to(cache_dtype).float())
+        q = torch.randn(n, h, d, generator=g)
+        qs.append(q.to(torch.bfloat16).float() if bf16_queries else q)
+    k_cache = torch.zeros(nb, bs, kvh, d, dtype=cache_dtype)
+    v_cache = torch.zeros(nb, bs, kvh, d, dtype=cache_dtype)
+    for s, k, v in zip(seqs, ks, vs):
+        for p in range(s.start):
+            k_cache[s.block_table[p // bs], p % bs] = k[p].to(cache_dtype)
+            v_cache[s.block_table[p // bs], p % bs] = v[p].to(cache_dtype)
+    q = torch.cat(qs)
+    k = torch.cat([k[s.start:] for s, k in zip(seqs, ks)])
+    v = torch.cat([v[s.start:] for s, v in zip(seqs, vs)])
+    out = paged_attention(q, k, v, k_cache, v_cache, build_metadata(seqs, bs, kernel=True), d ** -0.5)
+    refs = [dense_attention_reference(qq, kk, vv, s.start, d ** -0.5) for s, kk, vv, qq in zip(seqs, ks, vs, qs)]
+    return out, refs, seqs
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bf16_queries", [False, True])
+@pytest.mark.parametrize("kvh,h,d", [(3, 9, 64), (2, 8, 128), (1, 4, 32), (4, 4, 64), (1, 7, 64), (2, 6, 40)])
+@pytest.mark.parametrize("name", list(DECODE_SHAPES))
+def test_decodes_match_dense(monkeypatch, isa, cache_dtype, bf16_queries, kvh, h, d, name):
+    """Decodes and short verifications equal the dense reference: SmolLM2's GQA (3 rows per KV head), 128- and
+    32-wide heads, one row per KV head (MHA), 7 rows per KV head (groups of 4 + 3), and head_dim 40 (not taken by
+    the tiles: the plain loops). float32 math throughout, except a bfloat16 cache with bfloat16 queries on
+    AVX512_BF16: pair dot products, with P rounded to bfloat16 for P.V (as the prompt tiles and torch's bfloat16
+    SDPA do), so within bfloat16 rounding there."""
+    monkeypatch.setenv("PACELINE_ATTN_ISA", isa)
+    out, refs, seqs = _paged_step(DECODE_SHAPES[name], kvh, h, d, cache_dtype, bf16_queries, seed=h + d)
+    tol = 4e-3 if cache_dtype == torch.bfloat16 and bf16_queries else 2e-5
+    row = 0
+    for s, ref in zip(seqs, refs):
+        torch.testing.assert_close(out[row:row + s.num_tokens], ref, atol=tol, rtol=tol)
+        row += s.num_tokens
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_many_decodes_equal_each_decode_alone(monkeypatch, cache_dtype):
+    """40 decodes run as items of all KV heads at once, a lone decode as one item per KV head: every head's
+    arithmetic is the same either way, so each row is bit for bit the one the decode gets alone."""
+    shape = [(int(c), 1) for c in torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5))]
+    out, refs, _ = _paged_step(shape, 3, 9, 64, cache_dtype, True, seed=11)
+    for i in (0, 7, 39):
+        alone, _, _ = _paged_step(shape[i:i + 1], 3, 9, 64, cache_dtype, True, seed=11, first=i)
+        assert torch.equal(out[i], alone[0])
+        torch.testing.assert_close(out[i], refs[i][0], atol=4e-3, rtol=4e-3)
