@@ -519,12 +519,12 @@ class _SnapshotPickler(pickle.Pickler):
     """Pickles the custom ops the model holds (paceline's C++ kernels) as the call that loads them again."""
 
     def reducer_override(self, obj: Any) -> Any:
-        from paceline.model import fused_kernel, int4_kernel, logits_kernel
+        from paceline.model import fused_kernel, int4_kernel, logits_kernel, w8a8_kernel
 
         if isinstance(obj, fused_kernel.FusedOps):  # the layers' norm/RoPE/SiLU ops, loaded as one set
             return _require_op, (fused_kernel.__name__,)
         if isinstance(obj, torch._ops.OpOverloadPacket):
-            for kernel in (int4_kernel, logits_kernel):
+            for kernel in (int4_kernel, logits_kernel, w8a8_kernel):
                 if obj is kernel.load():
                     return _require_op, (kernel.__name__,)
             raise pickle.PicklingError(f"op {obj} has no known loader")
@@ -562,7 +562,7 @@ def snapshot_path(model: str | None, dtype: str, quantization: str, wide_linears
     for part in (SNAPSHOT_FORMAT, gguf_cache_key(path), dtype, quantization, wide_linears, torch.__version__,
                  torch.backends.cpu.get_cpu_capability(), int4_kernel.enabled(), logits_kernel.enabled(),
                  fused_kernel.enabled(), ":".join(llama.w4a8_linears()), w4a8_kernel.enabled(),
-                 llama.int4_wide_choice()):
+                 llama.int4_wide_choice(), llama.w8a8_build()):
         h.update(f"{part}\0".encode())
     for src in sorted(Path(__file__).parent.glob("*.py")):
         h.update(src.read_bytes())
