@@ -381,8 +381,11 @@ INT4_WIDE_CHOICES = ("auto", "bf16", "w4a8", "int8")
 # "int4_wide=bf16,int4_wide=int8+int4_bf16_from=16" --only "b=32,prefill 512,1500 in 512,rows 16,rows 24,rows
 # 32,rows 64,rows 128,48-token" --repeats 3`, ended 09:19 UTC, ms): 16 rows 18.1 vs 21.7, 24 rows 21.4 vs 24.2,
 # 32 rows 26.1 vs 26.7, 32 decodes 37.5 vs 37.7, 64 rows 42.9 vs 35.9, 80 rows (48-token chunk + 32 decodes) 68.5
-# vs 50.9, 128 rows 83.4 vs 56.3. The w4a8 op and the int8 op meet between 32 and 64 rows.
-INT4_INT8_FROM_ROWS = 36
+# vs 50.9, 128 rows 83.4 vs 56.3. The w4a8 op and the int8 op meet between 32 and 64 rows, but the default starts
+# it where the bf16 copy starts beside the VNNI op (72): with it at 36 (2026-11-24 09:35-10:14 UTC) a chat prompt of
+# ~40 tokens ran int8 when prefilled whole and the w4a8 op once its prefix was cached, so a seeded sample changed
+# between two identical requests (tests/entrypoints/test_openai_features_real.py); at 64 rows it gained only 1.05x.
+INT4_INT8_FROM_ROWS = 72
 # "int8" serves only these linears (LlamaLayer's names; the others keep the bf16 copy from int4_bf16_from_rows()),
 # each row's INT4_INT8_OUTLIERS largest activations taken out of the int8 product. Why: per-row int8 activations
 # cost most on qkv (its input, the normed residual, has a few huge channels) and down (large tokens); emulated on
