@@ -87,26 +87,25 @@ def set_nice(value: int, thread_id: int | None = None) -> None:
 
 
 @contextlib.contextmanager
-def held_until(gate: threading.Event) -> Iterator[None]:
-    """Prefault threads started by this thread inside the block wait for `gate` before they populate anything."""
-    before = getattr(_held, "gate", None)
-    _held.gate = gate
+def _for_threads_started_here(name: str, value: threading.Event) -> Iterator[None]:
+    """Inside the block, populate_in_background on this thread hands `value` to its thread as `name`."""
+    before = getattr(_held, name, None)
+    setattr(_held, name, value)
     try:
         yield
     finally:
-        _held.gate = before
+        setattr(_held, name, before)
 
 
-@contextlib.contextmanager
-def paced_by(go: threading.Event) -> Iterator[None]:
+def held_until(gate: threading.Event) -> contextlib.AbstractContextManager[None]:
+    """Prefault threads started by this thread inside the block wait for `gate` before they populate anything."""
+    return _for_threads_started_here("gate", gate)
+
+
+def paced_by(go: threading.Event) -> contextlib.AbstractContextManager[None]:
     """Prefault threads started by this thread inside the block populate only while `go` is set (checked before
     each chunk): the engine clears it while it has work, so its steps never share the cores with the prefault."""
-    before = getattr(_held, "go", None)
-    _held.go = go
-    try:
-        yield
-    finally:
-        _held.go = before
+    return _for_threads_started_here("go", go)
 
 
 def _populate_niced(tensor: torch.Tensor, nice: int, gate: threading.Event | None,

@@ -251,22 +251,6 @@ inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 // a where pos <= lim, else b
 inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pos, lim, _CMP_LE_OQ), b, a); }
-// e^x as exp8 below, 16 lanes; 2^n applied with scalef
-inline vf vexp(vf x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  vf p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 // vexp for finite x: no clamps (scalef takes any n: a very negative x gives 0, a large one inf, never NaN); the
 // prompt tiles' exp of s - max, where s and max are finite and lanes past the mask are dropped after
 inline vf vexp_finite(vf x) {
@@ -282,6 +266,10 @@ inline vf vexp_finite(vf x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+// e^x as exp8 below, 16 lanes: vexp_finite after exp8's clamps
+inline vf vexp(vf x) {
+  return vexp_finite(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
 }
 // s * a - b
 inline vf vfmsub(vf s, vf a, vf b) { return _mm512_fmsub_ps(s, a, b); }
@@ -1255,19 +1243,24 @@ TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("paged_attention", &paged_attenti
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 
 
+def supported_isas() -> tuple[str, ...]:
+    """The builds this CPU can run, worst first: "generic" always, "avx2" where torch dispatches to AVX2 or
+    AVX-512, "avx512" where /proc/cpuinfo also lists avx512f/bw/vl."""
+    avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    avx512 = avx2 and set(AVX512_FLAGS) <= int4_kernel.cpu_flags()
+    return ("generic",) + (("avx2",) if avx2 else ()) + (("avx512",) if avx512 else ())
+
+
 def isa() -> str:
-    """The instruction set the op is built for: "avx512" where /proc/cpuinfo lists avx512f/bw/vl (and torch runs
-    AVX2 or better), "avx2" where torch dispatches to AVX2 or AVX-512, else "generic" (plain C++ loops).
-    PACELINE_ATTN_ISA=avx2 forces the AVX2 build on an AVX-512 machine (its tests and A/B runs); asking for an ISA
-    this CPU lacks is a ValueError."""
+    """The instruction set the op is built for: the best of supported_isas(). PACELINE_ATTN_ISA=avx2 forces the
+    AVX2 build on an AVX-512 machine (its tests and A/B runs); asking for an ISA this CPU lacks is a ValueError."""
     want = os.environ.get("PACELINE_ATTN_ISA", "auto")
     if want not in ("auto", "avx512", "avx2", "generic"):
         raise ValueError(f"PACELINE_ATTN_ISA must be auto, avx512, avx2 or generic, got {want!r}")
-    avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    avx512 = avx2 and set(AVX512_FLAGS) <= int4_kernel.cpu_flags()
+    supported = supported_isas()
     if want == "auto":
-        return "avx512" if avx512 else "avx2" if avx2 else "generic"
-    if (want == "avx512" and not avx512) or (want == "avx2" and not avx2):
+        return supported[-1]
+    if want not in supported:
         raise ValueError(f"PACELINE_ATTN_ISA={want}: this CPU (or torch's dispatch) does not support it")
     return want
 

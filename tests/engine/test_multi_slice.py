@@ -150,13 +150,19 @@ def test_slicing_is_off_where_it_cannot_apply(tiny_dirs, monkeypatch):
     assert seen == []
 
 
-def test_another_model_is_due_once_its_streams_waited_its_last_step(tiny_dirs, monkeypatch):
-    monkeypatch.setattr(multi_module, "SLICE_DUE", 1.0)
+def llama_streaming(tiny_dirs) -> tuple[dict, MultiEngine]:
+    """Both tiny models in one MultiEngine (no step-time target), the llama one with a stream decoding."""
     engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
     engines["llama"].add_request("s", "x y", GREEDY)
     while not has_streams(engines["llama"]):
         engines["llama"].step()
+    return engines, multi
+
+
+def test_another_model_is_due_once_its_streams_waited_its_last_step(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 1.0)
+    engines, multi = llama_streaming(tiny_dirs)
     engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)  # a prompt only: no stream of its own
     engines["llama"].last_step = StepStats(1, 30, 2, duration=0.070)  # a long step: the other gets as long
     multi._since = {"llama": 10.0, "qwen2": 10.0}
@@ -170,11 +176,7 @@ def test_another_model_is_due_once_its_streams_waited_its_last_step(tiny_dirs, m
 def test_a_debut_step_lets_the_other_streams_wait_debut_due_times_their_step(tiny_dirs, monkeypatch):
     monkeypatch.setattr(multi_module, "SLICE_DUE", 1.0)
     monkeypatch.setattr(multi_module, "DEBUT_DUE", 4.0)
-    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
-    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
-    engines["llama"].add_request("s", "x y", GREEDY)
-    while not has_streams(engines["llama"]):
-        engines["llama"].step()
+    engines, multi = llama_streaming(tiny_dirs)
     engines["llama"].last_step = StepStats(1, 0, 1, duration=0.010)
     multi._since = {"llama": 10.0, "qwen2": 10.0}
     busy = ["llama", "qwen2"]

@@ -255,17 +255,8 @@ def test_kernel_many_decodes_read_all_kv_heads_at_once_and_match_dense(cache_dty
         row += s.num_tokens
 
 
-def _isa_supported(isa: str) -> bool:
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("PACELINE_ATTN_ISA", isa)
-            return attention_kernel.isa() == isa
-    except ValueError:
-        return False
-
-
 # the op's builds: this CPU's best (AVX-512 where it has it) and the forced AVX2 one (AVX2-only machines' path)
-ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not (KERNEL and _isa_supported(isa)),
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not (KERNEL and isa in attention_kernel.supported_isas()),
                                                    reason=f"no {isa} build of the attention kernel here"))
         for isa in ("avx512", "avx2")]
 
@@ -319,7 +310,7 @@ def test_isa_switch_rejects_unknown_values(monkeypatch):
         attention_kernel.isa()
 
 
-@pytest.mark.skipif(not (KERNEL and _isa_supported("avx512") and _isa_supported("avx2")),
+@pytest.mark.skipif(not (KERNEL and "avx512" in attention_kernel.supported_isas() and "avx2" in attention_kernel.supported_isas()),
                     reason="needs both the AVX-512 and the AVX2 builds")
 def test_isa_builds_have_their_own_libraries(monkeypatch):
     """The ISA is part of the library's file name and namespace: both builds load side by side in one process."""
