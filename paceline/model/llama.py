@@ -396,6 +396,16 @@ INT4_INT8_LINEARS: tuple[str, ...] = ("o", "gate_up")
 INT4_INT8_OUTLIERS = 4
 
 
+def int4_int8_outliers() -> int:
+    """INT4_INT8_OUTLIERS, or PACELINE_INT4_INT8_OUTLIERS (0..8, for A/B runs of quality and speed)."""
+    env = os.environ.get("PACELINE_INT4_INT8_OUTLIERS")
+    if env is None:
+        return INT4_INT8_OUTLIERS
+    if not env.isdigit() or int(env) > 8:
+        raise ValueError(f"PACELINE_INT4_INT8_OUTLIERS must be an integer in 0..8, got {env!r}")
+    return int(env)
+
+
 def int4_int8_linears() -> tuple[str, ...]:
     """The linears an "int8" int4 model serves with W8A8Linear: INT4_INT8_LINEARS, or PACELINE_INT4_INT8_LINEARS."""
     return linears_from_env("PACELINE_INT4_INT8_LINEARS", INT4_INT8_LINEARS)
@@ -426,7 +436,7 @@ def w8a8_build() -> str:
     """Which build of the int8 x int8 op serves an "int8" model's many-row steps ("off": torch ops), for keys of
     measured step times (the engine's start-up profile): the torch fallback's steps cost more."""
     build = w8a8_kernel.isa() if w8a8_kernel.enabled() else "off"
-    return f"{build}:{'+'.join(int4_int8_linears())}:t{INT4_INT8_OUTLIERS}"
+    return f"{build}:{'+'.join(int4_int8_linears())}:t{int4_int8_outliers()}"
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -492,7 +502,7 @@ class Int4Linear:
         if wide:
             self.dense = wide_linear(dequantized, bias, True, wide)
         elif dense == "int8" and self.bf16_from is not None:
-            self.dense = W8A8Linear(dequantized, bias, dtype, outliers=INT4_INT8_OUTLIERS)
+            self.dense = W8A8Linear(dequantized, bias, dtype, outliers=int4_int8_outliers())
         else:
             self.dense = Linear(dequantized.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack=True)
 

@@ -173,3 +173,15 @@ def test_bundled_model_int8_step_close_to_bf16_copy_and_fp32_untouched():
     assert cos.mean() > 0.975 and cos.min() > 0.9 and agree >= 0.85, (cos.mean(), cos.min(), agree)
     # a float32 model never takes the int8 path
     assert LlamaModel.from_weights(ckpt.arch, ckpt.weights, int4_wide="int8").int4_bf16_from is None
+
+
+def test_int4_int8_outliers_from_env(monkeypatch):
+    monkeypatch.delenv("PACELINE_INT4_INT8_OUTLIERS", raising=False)
+    assert llama.int4_int8_outliers() == llama.INT4_INT8_OUTLIERS
+    monkeypatch.setenv("PACELINE_INT4_INT8_OUTLIERS", "8")
+    assert llama.int4_int8_outliers() == 8
+    assert llama.w8a8_build().endswith(":t8")
+    for bad in ("9", "-1", "x"):
+        monkeypatch.setenv("PACELINE_INT4_INT8_OUTLIERS", bad)
+        with pytest.raises(ValueError, match="PACELINE_INT4_INT8_OUTLIERS"):
+            llama.int4_int8_outliers()
