@@ -74,7 +74,10 @@ def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, v
                     print_steps(st)
                 n0 = V.num_steps(srv.url)
                 row["prefill"] = V.probe_prefill(ep, prompts, repeats=2)
-                row["prefill_steps"] = V.analyse(V.steps_since(srv.url, n0), target)
+                st = V.steps_since(srv.url, n0)
+                row["prefill_steps"] = V.analyse(st, target)
+                if verbose:
+                    print_steps(st, every=1)
             elif probe == "chat":  # the chat command against this server (vs_vllm.py's probe)
                 row["chat"] = V.probe_chat(srv.url, "paceline", Path(tempfile.mkdtemp(prefix="step-ab-chat-")),
                                            sysm.send_priority)

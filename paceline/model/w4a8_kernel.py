@@ -78,6 +78,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -104,7 +105,19 @@ inline int hsum8i(__m256i v) {
 // rows of x [M, K] (row stride ldx) -> xq [M][K] int8, a [M][G] = max|x| / 127, s [M][G] = a * sum xq, with each
 // block's largest element (the first of equal ones) taken out first: its index in top [M][G], its value in xo [M][G]
 // and a 0 in its place, so that one large channel does not round the block's other 31 values away
-void quantize_rows(const float* x, int64_t ldx, int M, int K, int8_t* xq, float* a, float* s, int32_t* top,
+// one block of 32 inputs as float32: the input's own floats, or a bfloat16 input widened (exact) into buf
+template <typename T>
+inline const float* block_floats(const T* p, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p;
+  } else {
+    for (int k = 0; k < GROUP; ++k) buf[k] = float(p[k]);
+    return buf;
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t ldx, int M, int K, int8_t* xq, float* a, float* s, int32_t* top,
                    float* xo, int nthreads) {
   const int G = K / GROUP;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -112,8 +125,8 @@ void quantize_rows(const float* x, int64_t ldx, int M, int K, int8_t* xq, float*
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) {
-      alignas(32) float blk[GROUP];
-      std::memcpy(blk, x + int64_t(m) * ldx + g * GROUP, sizeof(blk));
+      alignas(32) float blk[GROUP], wide[GROUP];
+      std::memcpy(blk, block_floats(x + int64_t(m) * ldx + g * GROUP, wide), sizeof(blk));
       int ti = 0;
       float tv = std::fabs(blk[0]);
       for (int k = 1; k < GROUP; ++k)
@@ -146,13 +159,15 @@ void quantize_rows(const float* x, int64_t ldx, int M, int K, int8_t* xq, float*
 // vector reduction, its first index the lowest set bit of an equality mask (the first of equal ones, as above),
 // the rest's maximum a second reduction; max and the integer sum do not depend on their order, and each value's
 // rounding is the same multiply and conversion, so every output equals the AVX2 build's.
-void quantize_rows_avx512(const float* x, int64_t ldx, int M, int K, int8_t* xq, float* a, float* s, int32_t* top,
+template <typename T>
+void quantize_rows_avx512(const T* x, int64_t ldx, int M, int K, int8_t* xq, float* a, float* s, int32_t* top,
                           float* xo, int nthreads) {
   const int G = K / GROUP;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) {
-      const float* blk = x + int64_t(m) * ldx + g * GROUP;
+      alignas(64) float wide[GROUP];
+      const float* blk = block_floats(x + int64_t(m) * ldx + g * GROUP, wide);
       __m512 v0 = _mm512_loadu_ps(blk), v1 = _mm512_loadu_ps(blk + 16);
       const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
       const __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(a0, a1)));
@@ -334,9 +349,18 @@ __attribute__((noinline)) void tile_rows_vnni(const int8_t* xq, int64_t K, const
 #define BEST_ROWS 4
 #endif
 
+// rows x nn float32 sums (row stride ld) -> bfloat16 (row stride ld), rounded to nearest even as at::Tensor::to
+// does, NaN as its quiet NaN: written tile by tile while the sums are in L1, in place of a pass over the whole
+// output (which, with the input's widening, took ~8 % of a 32-decode step as two aten copies a call)
+inline void to_bf16(const float* y, c10::BFloat16* out, int64_t ld, int rows, int nn) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < nn; ++j) out[r * ld + j] = c10::BFloat16(y[r * ld + j]);
+}
+
 template <bool NIB>
 void run(const int8_t* xq, const float* a, const float* s, const int32_t* top, const float* xo, int M, int K,
-         const uint8_t* w, int64_t N, const float* b, float* y, int nthreads, int max_r) {
+         const uint8_t* w, int64_t N, const float* b, float* y, int nthreads, int max_r,
+         c10::BFloat16* ybf = nullptr) {
   const int G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
 #pragma omp parallel num_threads(nthreads)
   {
@@ -362,6 +386,7 @@ void run(const int8_t* xq, const float* a, const float* s, const int32_t* top, c
           default: TILE_ROWS<MAX_ROWS, NIB>(xr, K, ar, sr, tr, xr_o, G, tile, b + n0, yr, N, nn, acc); break;
 #undef W4A8_CASE
         }
+        if (ybf != nullptr) to_bf16(yr, ybf + int64_t(m0) * N + n0, N, R, nn);
         m0 += R;
       }
     }
@@ -369,27 +394,35 @@ void run(const int8_t* xq, const float* a, const float* s, const int32_t* top, c
   }
 }
 
-at::Tensor as_float_rows(const at::Tensor& x_in) {
+// x as rows the quantizer reads in place: float32 or bfloat16, unit stride along K
+at::Tensor as_rows(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "x must be float32 or bfloat16 [M, K]");
   TORCH_CHECK(x_in.size(1) % GROUP == 0, "K must be a multiple of 32");
-  at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in : x_in.to(at::kFloat);
-  return x.stride(1) == 1 ? x : x.contiguous();
+  return x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+}
+
+void quantize(const at::Tensor& x, int M, int K, int8_t* xq, float* a, float* s, int32_t* top, float* xo,
+              int nthreads) {
+  if (x.scalar_type() == at::kFloat)
+    QUANTIZE_ROWS<float>(x.data_ptr<float>(), x.stride(0), M, K, xq, a, s, top, xo, nthreads);
+  else
+    QUANTIZE_ROWS<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, xq, a, s, top, xo, nthreads);
 }
 
 // x [M, K] -> (xq [M, K] int8, a, s, top (int32), xo [M, K / 32] float32): the activations as the matmul sees them
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> w4a8_quantize(const at::Tensor& x_in) {
-  const at::Tensor x = as_float_rows(x_in);
+  const at::Tensor x = as_rows(x_in);
   const int M = int(x.size(0)), K = int(x.size(1));
+  const auto f32 = x.options().dtype(at::kFloat);
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto a = at::empty({M, K / GROUP}, x.options());
-  auto s = at::empty({M, K / GROUP}, x.options());
+  auto a = at::empty({M, K / GROUP}, f32);
+  auto s = at::empty({M, K / GROUP}, f32);
   auto top = at::empty({M, K / GROUP}, x.options().dtype(at::kInt));
-  auto xo = at::empty({M, K / GROUP}, x.options());
+  auto xo = at::empty({M, K / GROUP}, f32);
   if (M > 0)
-    QUANTIZE_ROWS(x.data_ptr<float>(), x.stride(0), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(),
-                  s.data_ptr<float>(), top.data_ptr<int32_t>(), xo.data_ptr<float>(),
-                  std::max(1, std::min(at::get_num_threads(), M)));
+    quantize(x, M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(), s.data_ptr<float>(), top.data_ptr<int32_t>(),
+             xo.data_ptr<float>(), std::max(1, std::min(at::get_num_threads(), M)));
   return {xq, a, s, top, xo};
 }
 
@@ -398,7 +431,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> w4a8_quan
 // 1-MAX_ROWS (6 AVX2, 12 VNNI), or 0: this build's BEST_ROWS.
 at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
                    bool nibbles, int64_t max_rows) {
-  const at::Tensor x = as_float_rows(x_in);
+  const at::Tensor x = as_rows(x_in);
   const int M = int(x.size(0)), K = int(x.size(1)), G = K / GROUP, T_ = int((n + TILE - 1) / TILE);
   const int bb = nibbles ? block_bytes<true>() : block_bytes<false>();
   TORCH_CHECK(n > 0 && max_rows >= 0 && max_rows <= MAX_ROWS, "n must be positive and max_rows 0-", MAX_ROWS);
@@ -411,20 +444,22 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const
     TORCH_CHECK(bf.numel() == n, "bias must have n elements");
     std::memcpy(b.data(), bf.data_ptr<float>(), sizeof(float) * n);
   }
-  auto y = at::empty({M, n}, x.options());
-  if (M == 0) return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto y = at::empty({M, n}, x.options());  // x's dtype; for bfloat16 the float32 sums go to a scratch first
+  if (M == 0) return y;
   const int nthreads = std::max(1, at::get_num_threads());
   std::vector<int8_t> xq(size_t(M) * K);
-  std::vector<float> a(size_t(M) * G), s(size_t(M) * G), xo(size_t(M) * G);
+  std::vector<float> a(size_t(M) * G), s(size_t(M) * G), xo(size_t(M) * G), sums(bf16 ? size_t(M) * n : 0);
   std::vector<int32_t> top(size_t(M) * G);
-  QUANTIZE_ROWS(x.data_ptr<float>(), x.stride(0), M, K, xq.data(), a.data(), s.data(), top.data(), xo.data(),
-                std::min(nthreads, M));
+  quantize(x, M, K, xq.data(), a.data(), s.data(), top.data(), xo.data(), std::min(nthreads, M));
   const int workers = std::min(nthreads, T_);
+  float* yf = bf16 ? sums.data() : y.data_ptr<float>();
+  c10::BFloat16* ybf = bf16 ? y.data_ptr<c10::BFloat16>() : nullptr;
   if (nibbles) run<true>(xq.data(), a.data(), s.data(), top.data(), xo.data(), M, K, w.data_ptr<uint8_t>(), n,
-                         b.data(), y.data_ptr<float>(), workers, int(max_rows));
+                         b.data(), yf, workers, int(max_rows), ybf);
   else run<false>(xq.data(), a.data(), s.data(), top.data(), xo.data(), M, K, w.data_ptr<uint8_t>(), n, b.data(),
-                  y.data_ptr<float>(), workers, int(max_rows));
-  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+                  yf, workers, int(max_rows), ybf);
+  return y;
 }
 
 }  // namespace

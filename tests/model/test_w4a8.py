@@ -107,6 +107,25 @@ def test_rows_are_independent_and_inputs_may_be_strided_or_bfloat16():
                                rtol=2 ** -8, atol=1e-3)
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("nibbles", [True, False])
+def test_bfloat16_rows_give_the_float32_bits_rounded(build, nibbles):
+    """bfloat16 rows are read in place and the sums written as bfloat16 tile by tile: the bits of the float32 path
+    on the same (widened) inputs, then rounded as Tensor.to rounds, at any rows, a partial last tile and a row
+    stride; the quantizer alone sees the same activations."""
+    op, quantize = w4a8_kernel.op_for(build), w4a8_kernel.load_quantize(build)
+    codes, scale, lo = _weight(40, 576, 5)  # 40 outputs: the last tile holds 8
+    packed = w4a8_kernel.pack(codes, scale, lo, nibbles)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(6))
+    wide = (torch.randn(45, 700, generator=torch.Generator().manual_seed(7)) * 3).to(torch.bfloat16)
+    for x in (wide[:1, :576], wide[:13, :576], wide[:, 50:626]):
+        want = op(x.float(), packed, 40, bias, nibbles, 0).to(torch.bfloat16)
+        got = op(x, packed, 40, bias, nibbles, 0)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        for q_bf16, q_f32 in zip(quantize(x), quantize(x.float())):
+            assert torch.equal(q_bf16, q_f32)
+
+
 def test_bad_packs_and_inputs_are_plain_errors():
     op = w4a8_kernel.load()
     codes, scale, lo = _weight(32, 64, 5)
