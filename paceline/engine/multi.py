@@ -12,9 +12,10 @@ share the cores badly):
 
 Layer-sliced steps (the default; PACELINE_SLICE=0 turns them off): a step is a generator (Engine.step_iter) that
 yields between two layers of the model. While another model's streams wait, the running step is suspended at the
-last layer boundary before they come due (waited SLICE_DUE x their own last step, `_advance`; the next layer is
-judged by the one just run), that model's step runs whole and its tokens go out at once, and the suspended step
-resumes on a later call. A stream then waits for a bounded slice of another model's long step instead of all of
+last layer boundary before they come due (waited SLICE_DUE x their own last step, or x their last decode step when
+that last step was prompts alone, `_stream_step_s`; `_advance` judges the next layer by the one just run, and the
+piece after the last layer, which holds the lm_head, by the model's last such tail), that model's step runs whole
+and its tokens go out at once, and the suspended step resumes on a later call. A stream then waits for a bounded slice of another model's long step instead of all of
 it: an int4 stream's usual gap (~11 ms on 2 Zen 4 cores) is shorter than one float32 decode step (~27 ms), so
 unsliced no rotation could keep it. SLICE_DUE < 1 gives the model with the short steps more of the cores while
 both stream; the step-time target each model's steps are cut to counts the other models' steps run inside them
@@ -512,7 +513,13 @@ class MultiEngine:
         for name in busy:
             config = self.engines[name].scheduler.config
             if self._step_ms[name] > 0:
-                config.max_step_ms = self._step_ms[name] / shares
+                target = self._step_ms[name]
+                if sliced and shares > 1 and SLICE_TAIL:
+                    # its tail, suspended before when the other models come due during it (SLICE_TAIL), waits for
+                    # one more step of each other streaming model: that much less of the target is its own
+                    others = sum(self._stream_step_s(o) for o in busy if o != name and has_streams(self.engines[o]))
+                    target = max(target / 2, target - 1e3 * others)
+                config.max_step_ms = target / shares
 
     def _foreign_step_s(self, name: str | None, busy: list[str]) -> float:
         """Seconds of one step of a model with no streams of its own (`name`, or a load's turn when None) that

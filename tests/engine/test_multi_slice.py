@@ -197,7 +197,13 @@ def test_sliced_step_targets_count_the_other_models_steps_run_inside(tiny_dirs, 
     busy = ["llama", "qwen2"]
     multi._share_step_target(busy)  # unsliced: one share per busy model
     assert [engines[k].scheduler.config.max_step_ms for k in busy] == [pytest.approx(75.0), pytest.approx(60.0)]
-    # sliced: a step also holds one step of the other per SLICE_DUE of its own: 1 + 1 / 0.5 = 3 shares
+    # sliced: a step also holds one step of the other per SLICE_DUE of its own: 1 + 1 / 0.5 = 3 shares; and a
+    # step's tail, suspended before when the other comes due during it, waits for one more step of the other
+    # streaming model (llama's 30 ms; qwen2 has no stream yet)
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.030)
+    multi._share_step_target(busy, sliced=True)
+    assert [engines[k].scheduler.config.max_step_ms for k in busy] == [pytest.approx(50.0), pytest.approx(30.0)]
+    monkeypatch.setattr(multi_module, "SLICE_TAIL", False)  # the A/B: tails judged by their layer, shares alone
     multi._share_step_target(busy, sliced=True)
     assert [engines[k].scheduler.config.max_step_ms for k in busy] == [pytest.approx(50.0), pytest.approx(40.0)]
 
