@@ -138,6 +138,8 @@ ONE_LOOP_VARIANTS = {
     "one-loop": {}, "one-loop-unsliced": {"PACELINE_SLICE": "0"},
     "one-loop-sliced-before": SWITCH_VARIANTS["sliced-before"][1],
     "one-loop-before-tail": {"PACELINE_SLICE_TAIL": "0", "PACELINE_SLICE_STREAM_DUE": "0"},
+    # another model's streams due after 0.6x / 0.7x their own last step (PACELINE_SLICE_DUE; the default 0.5)
+    "one-loop-due-0.6": {"PACELINE_SLICE_DUE": "0.6"}, "one-loop-due-0.7": {"PACELINE_SLICE_DUE": "0.7"},
 }
 
 

@@ -97,8 +97,9 @@ SLICE_SHARE = os.environ.get("PACELINE_SLICE_SHARE", "1") != "0"
 # Sliced, the boundary after a step's last layer is judged by the model's last tail (that boundary to the step's end:
 # final norm, lm_head, sampling, the scheduler's update), not by the layer just run: the float32 tail, its lm_head
 # over 113 MB of weights, took 3.5-6.9 ms (p50 4.0), four to eight of its decode layers, and ran past the int4
-# streams' due time in most of their gaps over 17 ms (2026-11-24 13:02 UTC step log, docs/multi-model.md).
-# PACELINE_SLICE_TAIL=0: judged by the layer, as before (the A/B)
+# streams' due time in most of their gaps over 17 ms (2026-11-24 13:02 UTC step log, docs/multi-model.md). Only for
+# models whose steps are shorter than this one's (see _advance). PACELINE_SLICE_TAIL=0: judged by the layer, as
+# before (the A/B)
 SLICE_TAIL = os.environ.get("PACELINE_SLICE_TAIL", "1") != "0"
 # When another model's last step was prompts alone (it gave its streams their first token), they are due after
 # SLICE_DUE x its last step that ran decodes (or the step-time model's decode step), not x that prompt step: their
@@ -400,6 +401,13 @@ class MultiEngine:
         first = min((start_by for start_by, _ in watch), default=math.inf)
         layers = self._layers.get(name, 0) if SLICE_TAIL else 0
         tail = self._tail_s.get(name, 0.0)
+        if layers:
+            # the tail is waited out only for models with shorter steps than this one: an int4 step suspended before
+            # its ~3 ms tail let a whole 28 ms float32 step run first, and its stream's gap was 56 ms (2026-11-24
+            # 13:34 UTC step log)
+            own = self._stream_step_s(name)
+            shorter = [(start_by, other) for start_by, other in watch if self._stream_step_s(other) < own]
+            tail_first = min((start_by for start_by, _ in shorter), default=math.inf)
         last = time.monotonic()
         try:
             while True:
@@ -409,9 +417,10 @@ class MultiEngine:
                 # SLICE_AHEAD: suspend at the last boundary before the due time, not the first one after it (the
                 # layer just run stands for the next; after the last layer, the model's last tail: SLICE_TAIL)
                 ahead = now - last if SLICE_AHEAD else 0.0
-                if run.boundaries == layers:
-                    ahead = max(ahead, tail)
                 last = now
+                if run.boundaries == layers and tail_first <= now + tail:
+                    run.cpu += time.thread_time() - cpu
+                    return min((start_by, other) for start_by, other in shorter if start_by <= now + tail)[1]
                 if first <= now + ahead:  # the whole cost of a boundary where nothing is due: a clock read, compares
                     due = [(start_by, other) for start_by, other in watch if start_by <= now + ahead]
                     run.cpu += time.thread_time() - cpu

@@ -251,8 +251,10 @@ def test_a_sliced_step_of_prompts_alone_is_cut_to_its_whole_target_while_another
 
 def test_the_boundary_after_the_last_layer_is_judged_by_the_models_last_tail(tiny_dirs, monkeypatch):
     """A float32 step's tail (final norm, lm_head over the whole vocabulary, sampling, update) is several of its
-    layers long: judged by the layer just run, the step ran on into it past another model's due time."""
-    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {k: engine(p, k) for k, p in tiny_dirs.items()})
+    layers long: judged by the layer just run, the step ran on into it past another model's due time. Waited out for
+    a model with shorter steps only: a short step suspended before its tail would wait for a whole long one."""
+    engines = {k: engine(p, k) for k, p in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
     ran = []
 
     def step():  # five "layers" of 20 ms, then an 80 ms tail
@@ -268,8 +270,10 @@ def test_the_boundary_after_the_last_layer_is_judged_by_the_models_last_tail(tin
     monkeypatch.setattr(multi, "_preemptors", lambda name, busy: [])
     assert multi._advance("llama", multi_module._Run(step(), True, time.monotonic()), busy) is None
     assert multi._layers["llama"] == 5 and 0.075 <= multi._tail_s["llama"] < 0.2  # learned from the whole step
-    for tail_rule, suspended in [(True, True), (False, False)]:
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.180)
+    for tail_rule, other_step_s, suspended in [(True, 0.010, True), (True, 0.300, False), (False, 0.010, False)]:
         monkeypatch.setattr(multi_module, "SLICE_TAIL", tail_rule)
+        engines["qwen2"].last_step = StepStats(1, 0, 1, duration=other_step_s)
         ran.clear()
         start = time.monotonic()
         due = start + 0.145  # inside the tail: after the five layers (100 ms), before the step's end (180 ms)
@@ -277,7 +281,7 @@ def test_the_boundary_after_the_last_layer_is_judged_by_the_models_last_tail(tin
         got = multi._advance("llama", multi_module._Run(step(), True, start), busy)
         if suspended:  # stopped at the last boundary: the tail runs once the other model's step has ended
             assert got == "qwen2" and ran == [0, 1, 2, 3, 4]
-        else:  # judged by a 20 ms layer, the 80 ms tail looked like it fit
+        else:  # judged by a 20 ms layer, the 80 ms tail looked like it fit (or the other's steps are the longer)
             assert got is None and ran[-1] == "tail"
 
 
