@@ -15,17 +15,18 @@ yields between two layers of the model. While another model's streams wait, the 
 last layer boundary before they come due (waited SLICE_DUE x their own last step, or x their last decode step when
 that last step was prompts alone, `_stream_step_s`; `_advance` judges the next layer by the one just run, and the
 piece after the last layer, which holds the lm_head, by the model's last such tail), that model's step runs whole
-and its tokens go out at once, and the suspended step resumes on a later call. A stream then waits for a bounded slice of another model's long step instead of all of
-it: an int4 stream's usual gap (~11 ms on 2 Zen 4 cores) is shorter than one float32 decode step (~27 ms), so
-unsliced no rotation could keep it. SLICE_DUE < 1 gives the model with the short steps more of the cores while
-both stream; the step-time target each model's steps are cut to counts the other models' steps run inside them
-(`_share_step_target`), so a model's own streams, which wait for all of its step, keep their gap too. A step of
-prompts alone is cut to the model's whole target while another model streams (its layers would otherwise be
-longer than the other's due interval, `_sliced_budget`), and a model loaded on demand runs its first prompt whole,
-the others due only after DEBUT_DUE x their last step meanwhile. Everything stays on the engine thread: running
-each model's steps on a thread of its own with one OpenMP thread each was measured instead (2026-11-24 08:18 UTC,
-one process, `/tmp` script): an int4 stream's gap beside float32 decodes was 18.8-24.2 ms at the median, no
-better than sliced and over int4's 1.2x-alone bound. A suspended step's duration counts its own layers only.
+and its tokens go out at once, and the suspended step resumes on a later call. A stream then waits for a bounded
+slice of another model's long step instead of all of it: an int4 stream's usual gap (~11 ms on 2 Zen 4 cores) is
+shorter than one float32 decode step (~27 ms), so unsliced no rotation could keep it. SLICE_DUE < 1 gives the
+model with the short steps more of the cores while both stream; the step-time target each model's steps are cut to
+counts the other models' steps run inside them (`_share_step_target`), so a model's own streams, which wait for all
+of its step, keep their gap too. A step of prompts alone is cut to the model's whole target while another model
+streams (its layers would otherwise be longer than the other's due interval, `_sliced_budget`), and a model loaded
+on demand runs its first prompt whole, the others due only after DEBUT_DUE x their last step meanwhile. Everything
+stays on the engine thread: running each model's steps on a thread of its own with one OpenMP thread each was
+measured instead (2026-11-24 08:18 UTC, one process, `/tmp` script): an int4 stream's gap beside float32 decodes was
+18.8-24.2 ms at the median, no better than sliced and over int4's 1.2x-alone bound. A suspended step's duration
+counts its own layers only.
 
 Where slicing does not apply (PACELINE_SLICE=0, speculative decoding, a parallel runner, the fault injector's
 hooks: `sliceable`), a stream waits for a whole step of every other busy model, so while k models have

@@ -277,7 +277,7 @@ def test_the_boundary_after_the_last_layer_is_judged_by_the_models_last_tail(tin
         ran.clear()
         start = time.monotonic()
         due = start + 0.145  # inside the tail: after the five layers (100 ms), before the step's end (180 ms)
-        monkeypatch.setattr(multi, "_preemptors", lambda name, busy: [(due, "qwen2")])
+        monkeypatch.setattr(multi, "_preemptors", lambda name, busy, due=due: [(due, "qwen2")])
         got = multi._advance("llama", multi_module._Run(step(), True, start), busy)
         if suspended:  # stopped at the last boundary: the tail runs once the other model's step has ended
             assert got == "qwen2" and ran == [0, 1, 2, 3, 4]
