@@ -402,6 +402,8 @@ class MultiEngine:
         first = min((start_by for start_by, _ in watch), default=math.inf)
         layers = self._layers.get(name, 0) if SLICE_TAIL else 0
         tail = self._tail_s.get(name, 0.0)
+        shorter: list[tuple[float, str]] = []
+        tail_first = math.inf
         if layers:
             # the tail is waited out only for models with shorter steps than this one: an int4 step suspended before
             # its ~3 ms tail let a whole 28 ms float32 step run first, and its stream's gap was 56 ms (2026-11-24
