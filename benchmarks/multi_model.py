@@ -76,9 +76,15 @@ def per_model(records: list, duration: float) -> dict:
         recs = [r for r in records if r.model == name]
         if recs:
             s = summarize(recs, duration=duration, by_priority=False)
+            # the largest gaps (8 requests a model: the p99 is about the fifth largest), each with the index of the
+            # token that ended it (1: the gap after the first token) and when it ended (s after the first send)
+            t0 = min(r.sent_s for r in records)
+            gaps = sorted(((b - a, i + 1, b - t0) for r in recs for i, (a, b) in
+                           enumerate(zip(r.token_times, r.token_times[1:]))), reverse=True)[:8]
             out[name] = {"p99_tbt_ms": 1e3 * s["tbt"]["p99"], "p50_tbt_ms": 1e3 * s["tbt"]["p50"],
                          "p50_ttft_s": s["ttft"]["p50"], "tok_s": s["output_throughput"],
-                         "completed": s["completed"], "failed": s["failed"]}
+                         "completed": s["completed"], "failed": s["failed"],
+                         "largest_gaps": [(round(1e3 * g, 1), i, round(at, 2)) for g, i, at in gaps]}
     s = summarize(records, duration=duration, by_priority=False)
     out["total"] = {"p99_tbt_ms": 1e3 * s["tbt"]["p99"], "tok_s": s["output_throughput"], "completed": s["completed"],
                     "failed": s["failed"]}
@@ -117,10 +123,27 @@ SWITCH_VARIANTS = {
     # the load in turns, the first prompt whole in one step
     "turns-whole": ("smol-fp32", {"PACELINE_DEBUT_STEP": "whole"}),
     "int4-turns-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
+    # as before 2026-11-24 13:10 UTC (ONE_LOOP_VARIANTS' one-loop-before-tail)
+    "before-tail": ("smol-fp32", {"PACELINE_SLICE_TAIL": "0", "PACELINE_SLICE_STREAM_DUE": "0"}),
     "pack-first": ("smol-fp32", {"PACELINE_DEFER_PACKING": "0"}),
     "nice19": ("smol-fp32", {"PACELINE_LOADER_NICE": "19"}),
     "warm-up": ("smol-fp32", {"PACELINE_LOAD_WARM_UP": "1"}),
     "whole": ("smol-fp32", {"PACELINE_DEBUT_STEP": "whole"}), "int4-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
+}
+
+
+# One-loop variants: the server's environment (multi.py's A/B knobs). one-loop-unsliced: every step whole, the A/B of
+# layer-sliced steps; one-loop-sliced-before: sliced as before 2026-11-24 08:30 UTC (SWITCH_VARIANTS' sliced-before);
+# one-loop-before-tail: as before 2026-11-24 13:10 UTC (the boundary after the last layer judged by that layer, and
+# streams due after half their prompt step once it gave them their first token); one-loop-tail-only: the first of
+# those two changes alone
+ONE_LOOP_VARIANTS = {
+    "one-loop": {}, "one-loop-unsliced": {"PACELINE_SLICE": "0"},
+    "one-loop-sliced-before": SWITCH_VARIANTS["sliced-before"][1],
+    "one-loop-before-tail": SWITCH_VARIANTS["before-tail"][1],
+    "one-loop-tail-only": {"PACELINE_SLICE_STREAM_DUE": "0"},  # the tail rule without the first gap's due
+    # another model's streams due after 0.6x / 0.7x their own last step (PACELINE_SLICE_DUE; the default 0.5)
+    "one-loop-due-0.6": {"PACELINE_SLICE_DUE": "0.6"}, "one-loop-due-0.7": {"PACELINE_SLICE_DUE": "0.7"},
 }
 
 
@@ -223,11 +246,13 @@ def main() -> None:
                    help="seconds each server idles once up before its traffic starts (its KV prefault runs then)")
     p.add_argument("--out", default=None, help="folder for logs and results.json (default: a temp folder)")
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
-                   help="comma-separated parts: alone, one-loop, one-loop-unsliced, one-loop-sliced-before, two-processes (prepare: load both "
+                   help="comma-separated parts: alone, one-loop variants (ONE_LOOP_VARIANTS, run in the order "
+                        "given: one-loop, one-loop-unsliced, one-loop-sliced-before, one-loop-before-tail, "
+                        "one-loop-tail-only, one-loop-due-0.6, one-loop-due-0.7), two-processes (prepare: load both "
                         "once, so that a switch finds their runtime "
                         "snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the order "
                         "given: switch, switch-int4, switch-before, switch-int4-before, switch-unsliced, "
-                        "switch-int4-unsliced, switch-sliced-before, switch-nice19, "
+                        "switch-int4-unsliced, switch-sliced-before, switch-before-tail, switch-nice19, "
                         "switch-pack-first, switch-warm-up, switch-whole, switch-int4-whole")
     args = p.parse_args()
     global SETTLE_S
@@ -263,11 +288,8 @@ def main() -> None:
             finally:
                 server.stop()
             print(name, "alone", results["alone"][name], flush=True)
-    for key in [k for k in args.only.split(",") if k in ("one-loop", "one-loop-unsliced", "one-loop-sliced-before")]:
-        # one-loop-unsliced: every step whole (PACELINE_SLICE=0), the A/B of multi.py's layer-sliced steps;
-        # one-loop-sliced-before: sliced as before 2026-11-24 08:30 UTC (SWITCH_VARIANTS' sliced-before)
-        env = ({"PACELINE_SLICE": "0"} if key == "one-loop-unsliced" else
-               SWITCH_VARIANTS["sliced-before"][1] if key == "one-loop-sliced-before" else {})
+    for key in [k for k in args.only.split(",") if k in ONE_LOOP_VARIANTS]:  # in the order given
+        env = ONE_LOOP_VARIANTS[key]
         server = Served(["--models-config", str(models_yaml(out / "models.yaml"))], args.threads, out, key, env)
         try:
             results[key.replace("-", "_")] = drive(Endpoint(server.url), requests, prompts_for(requests), args.seconds)

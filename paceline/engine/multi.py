@@ -12,19 +12,21 @@ share the cores badly):
 
 Layer-sliced steps (the default; PACELINE_SLICE=0 turns them off): a step is a generator (Engine.step_iter) that
 yields between two layers of the model. While another model's streams wait, the running step is suspended at the
-last layer boundary before they come due (waited SLICE_DUE x their own last step, `_advance`; the next layer is
-judged by the one just run), that model's step runs whole and its tokens go out at once, and the suspended step
-resumes on a later call. A stream then waits for a bounded slice of another model's long step instead of all of
-it: an int4 stream's usual gap (~11 ms on 2 Zen 4 cores) is shorter than one float32 decode step (~27 ms), so
-unsliced no rotation could keep it. SLICE_DUE < 1 gives the model with the short steps more of the cores while
-both stream; the step-time target each model's steps are cut to counts the other models' steps run inside them
-(`_share_step_target`), so a model's own streams, which wait for all of its step, keep their gap too. A step of
-prompts alone is cut to the model's whole target while another model streams (its layers would otherwise be
-longer than the other's due interval, `_sliced_budget`), and a model loaded on demand runs its first prompt whole,
-the others due only after DEBUT_DUE x their last step meanwhile. Everything stays on the engine thread: running
-each model's steps on a thread of its own with one OpenMP thread each was measured instead (2026-11-24 08:18 UTC,
-one process, `/tmp` script): an int4 stream's gap beside float32 decodes was 18.8-24.2 ms at the median, no
-better than sliced and over int4's 1.2x-alone bound. A suspended step's duration counts its own layers only.
+last layer boundary before they come due (waited SLICE_DUE x their own last step, or x their last decode step when
+that last step was prompts alone, `_stream_step_s`; `_advance` judges the next layer by the one just run, and the
+piece after the last layer, which holds the lm_head, by the model's last such tail), that model's step runs whole
+and its tokens go out at once, and the suspended step resumes on a later call. A stream then waits for a bounded
+slice of another model's long step instead of all of it: an int4 stream's usual gap (~11 ms on 2 Zen 4 cores) is
+shorter than one float32 decode step (~27 ms), so unsliced no rotation could keep it. SLICE_DUE < 1 gives the
+model with the short steps more of the cores while both stream; the step-time target each model's steps are cut to
+counts the other models' steps run inside them (`_share_step_target`), so a model's own streams, which wait for all
+of its step, keep their gap too. A step of prompts alone is cut to the model's whole target while another model
+streams (its layers would otherwise be longer than the other's due interval, `_sliced_budget`), and a model loaded
+on demand runs its first prompt whole, the others due only after DEBUT_DUE x their last step meanwhile. Everything
+stays on the engine thread: running each model's steps on a thread of its own with one OpenMP thread each was
+measured instead (2026-11-24 08:18 UTC, one process, `/tmp` script): an int4 stream's gap beside float32 decodes was
+18.8-24.2 ms at the median, no better than sliced and over int4's 1.2x-alone bound. A suspended step's duration
+counts its own layers only.
 
 Where slicing does not apply (PACELINE_SLICE=0, speculative decoding, a parallel runner, the fault injector's
 hooks: `sliceable`), a stream waits for a whole step of every other busy model, so while k models have
@@ -93,6 +95,18 @@ SLICE_PROMPT_CAP = os.environ.get("PACELINE_SLICE_PROMPT_CAP", "1") != "0"
 # Sliced, the step-time target's share counts the other models' steps run inside a step (_share_step_target);
 # PACELINE_SLICE_SHARE=0: one share per busy model, as before (the A/B)
 SLICE_SHARE = os.environ.get("PACELINE_SLICE_SHARE", "1") != "0"
+# Sliced, the boundary after a step's last layer is judged by the model's last tail (that boundary to the step's end:
+# final norm, lm_head, sampling, the scheduler's update), not by the layer just run: the float32 tail, its lm_head
+# over 113 MB of weights, took 3.5-6.9 ms (p50 4.0), four to eight of its decode layers, and ran past the int4
+# streams' due time in most of their gaps over 17 ms (2026-11-24 13:02 UTC step log, docs/multi-model.md). Only for
+# models whose steps are shorter than this one's (see _advance). PACELINE_SLICE_TAIL=0: judged by the layer, as
+# before (the A/B)
+SLICE_TAIL = os.environ.get("PACELINE_SLICE_TAIL", "1") != "0"
+# When another model's last step was prompts alone (it gave its streams their first token), they are due after
+# SLICE_DUE x its last step that ran decodes (or the step-time model's decode step), not x that prompt step: their
+# next step is a decode, and due after half a 60-200 ms prompt step their first gap was 22-50 ms, the largest int4
+# gaps of the run (same step log). PACELINE_SLICE_STREAM_DUE=0: x the last step whatever it ran, as before (the A/B)
+SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "1") != "0"
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -209,6 +223,9 @@ class MultiEngine:
         self.turns = LoadTurns()
         self._turn_since_step = False  # a load's turn was served since the last step
         self._inflight: dict[str, _Run] = {}  # model -> its suspended step (at most one each)
+        self._layers: dict[str, int] = {}  # model -> layer boundaries in one of its sliced steps (learned)
+        self._tail_s: dict[str, float] = {}  # model -> its last sliced step's tail: last boundary to the end
+        self._decode_s: dict[str, float] = {}  # model -> its last step of decodes alone (no prompt chunk)
         self._deferred_aborts: dict[str, list[str]] = {}  # aborts that wait for the model's suspended step
         for name, engine in (engines or {}).items():
             self.add_model(name, engine)
@@ -239,6 +256,8 @@ class MultiEngine:
         self._step_ms.pop(name, None)
         self._budget.pop(name, None)
         self._since.pop(name, None)
+        for learned in (self._layers, self._tail_s, self._decode_s):
+            learned.pop(name, None)
         return engine
 
     def is_idle(self, name: str) -> bool:
@@ -381,21 +400,38 @@ class MultiEngine:
         cpu = time.thread_time()
         watch = self._preemptors(name, busy) if run.sliced else []
         first = min((start_by for start_by, _ in watch), default=math.inf)
+        layers = self._layers.get(name, 0) if SLICE_TAIL else 0
+        tail = self._tail_s.get(name, 0.0)
+        shorter: list[tuple[float, str]] = []
+        tail_first = math.inf
+        if layers:
+            # the tail is waited out only for models with shorter steps than this one: an int4 step suspended before
+            # its ~3 ms tail let a whole 28 ms float32 step run first, and its stream's gap was 56 ms (2026-11-24
+            # 13:34 UTC step log)
+            own = self._stream_step_s(name)
+            shorter = [(start_by, other) for start_by, other in watch if self._stream_step_s(other) < own]
+            tail_first = min((start_by for start_by, _ in shorter), default=math.inf)
         last = time.monotonic()
         try:
             while True:
                 next(run.gen)
                 now = time.monotonic()
+                run.boundaries += 1
                 # SLICE_AHEAD: suspend at the last boundary before the due time, not the first one after it (the
-                # layer just run stands for the next)
+                # layer just run stands for the next; after the last layer, the model's last tail: SLICE_TAIL)
                 ahead = now - last if SLICE_AHEAD else 0.0
                 last = now
+                if run.boundaries == layers and tail_first <= now + tail:
+                    run.cpu += time.thread_time() - cpu
+                    return min((start_by, other) for start_by, other in shorter if start_by <= now + tail)[1]
                 if first <= now + ahead:  # the whole cost of a boundary where nothing is due: a clock read, compares
                     due = [(start_by, other) for start_by, other in watch if start_by <= now + ahead]
                     run.cpu += time.thread_time() - cpu
                     return min(due)[1]
         except StopIteration as done:
             run.outputs = done.value
+            if run.boundaries:  # sliced: what the next step's last boundary is judged by
+                self._layers[name], self._tail_s[name] = run.boundaries, time.monotonic() - last
             run.cpu += time.thread_time() - cpu
             return None
 
@@ -406,10 +442,27 @@ class MultiEngine:
             engine = self.engines[other]
             if other == name or other in self._inflight or not has_streams(engine):
                 continue
-            last = engine.last_step.duration if engine.last_step is not None else 0.0
             factor = DEBUT_DUE if name in self._debut else SLICE_DUE
-            watch.append((self._since.get(other, 0.0) + factor * last, other))
+            watch.append((self._since.get(other, 0.0) + factor * self._stream_step_s(other), other))
         return watch
+
+    def _stream_step_s(self, name: str) -> float:
+        """The step of `name` that its streams' due time is counted in (_preemptors): its last one; but after a
+        step of prompts alone (its streams' first token), the next is a decode step, so (SLICE_STREAM_DUE) its last
+        step of decodes alone, or the step-time model's prediction of one for its streams."""
+        engine = self.engines[name]
+        last = engine.last_step
+        if last is None:
+            return 0.0
+        if not SLICE_STREAM_DUE or last.num_decode_tokens > 0:
+            return last.duration
+        if name in self._decode_s:
+            return self._decode_s[name]
+        sched = engine.scheduler
+        streams = [r.num_tokens for r in sched.running if r.num_output_tokens > 0]
+        if sched.step_time is None or not streams:
+            return last.duration
+        return sched.step_time(BatchShape.build(decode_contexts=streams)) * sched.step_time_scale
 
     def _finish(self, name: str, run: "_Run") -> list[RequestOutput]:
         engine = self.engines[name]
@@ -418,6 +471,8 @@ class MultiEngine:
         self._since[name] = end = time.monotonic()
         self.last_model, self.last_step = name, engine.last_step
         last = self.last_step
+        if last is not None and last.num_decode_tokens > 0 and last.num_prefill_tokens == 0:
+            self._decode_s[name] = last.duration
         # start and end are wall times (a sliced step's span holds the steps run inside it), the CPU its own
         self.recent_steps.append((name, run.start, end, run.cpu, last.num_decode_tokens if last else 0,
                                   last.num_prefill_tokens if last else 0))
@@ -470,7 +525,13 @@ class MultiEngine:
         for name in busy:
             config = self.engines[name].scheduler.config
             if self._step_ms[name] > 0:
-                config.max_step_ms = self._step_ms[name] / shares
+                target = self._step_ms[name]
+                if sliced and shares > 1 and SLICE_TAIL:
+                    # its tail, suspended before when the other models come due during it (SLICE_TAIL), waits for
+                    # one more step of each other streaming model: that much less of the target is its own
+                    others = sum(self._stream_step_s(o) for o in busy if o != name and has_streams(self.engines[o]))
+                    target = max(target / 2, target - 1e3 * others)
+                config.max_step_ms = target / shares
 
     def _foreign_step_s(self, name: str | None, busy: list[str]) -> float:
         """Seconds of one step of a model with no streams of its own (`name`, or a load's turn when None) that
@@ -517,6 +578,7 @@ class _Run:
     start: float
     cpu: float = 0.0
     outputs: list[RequestOutput] = field(default_factory=list)
+    boundaries: int = 0  # layer boundaries passed so far
 
 
 def sliceable(engine: Engine) -> bool:

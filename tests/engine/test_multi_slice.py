@@ -197,7 +197,13 @@ def test_sliced_step_targets_count_the_other_models_steps_run_inside(tiny_dirs, 
     busy = ["llama", "qwen2"]
     multi._share_step_target(busy)  # unsliced: one share per busy model
     assert [engines[k].scheduler.config.max_step_ms for k in busy] == [pytest.approx(75.0), pytest.approx(60.0)]
-    # sliced: a step also holds one step of the other per SLICE_DUE of its own: 1 + 1 / 0.5 = 3 shares
+    # sliced: a step also holds one step of the other per SLICE_DUE of its own: 1 + 1 / 0.5 = 3 shares; and a
+    # step's tail, suspended before when the other comes due during it, waits for one more step of the other
+    # streaming model (llama's 30 ms; qwen2 has no stream yet)
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.030)
+    multi._share_step_target(busy, sliced=True)
+    assert [engines[k].scheduler.config.max_step_ms for k in busy] == [pytest.approx(50.0), pytest.approx(30.0)]
+    monkeypatch.setattr(multi_module, "SLICE_TAIL", False)  # the A/B: tails judged by their layer, shares alone
     multi._share_step_target(busy, sliced=True)
     assert [engines[k].scheduler.config.max_step_ms for k in busy] == [pytest.approx(50.0), pytest.approx(40.0)]
 
@@ -241,3 +247,75 @@ def test_a_sliced_step_of_prompts_alone_is_cut_to_its_whole_target_while_another
     assert 150 - sched.block_size <= cut <= 150  # 1 ms a token: the whole target's tokens, not the budget
     multi._step_ms["qwen2"] = 0.0  # no target of its own: nothing to cut to
     assert multi._sliced_budget("qwen2", busy) == own_budget
+
+
+def test_the_boundary_after_the_last_layer_is_judged_by_the_models_last_tail(tiny_dirs, monkeypatch):
+    """A float32 step's tail (final norm, lm_head over the whole vocabulary, sampling, update) is several of its
+    layers long: judged by the layer just run, the step ran on into it past another model's due time. Waited out for
+    a model with shorter steps only: a short step suspended before its tail would wait for a whole long one."""
+    engines = {k: engine(p, k) for k, p in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    ran = []
+
+    def step():  # five "layers" of 20 ms, then an 80 ms tail
+        for i in range(5):
+            time.sleep(0.02)
+            ran.append(i)
+            yield
+        time.sleep(0.08)
+        ran.append("tail")
+        return []
+
+    busy = ["llama", "qwen2"]
+    monkeypatch.setattr(multi, "_preemptors", lambda name, busy: [])
+    assert multi._advance("llama", multi_module._Run(step(), True, time.monotonic()), busy) is None
+    assert multi._layers["llama"] == 5 and 0.075 <= multi._tail_s["llama"] < 0.2  # learned from the whole step
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.180)
+    for tail_rule, other_step_s, suspended in [(True, 0.010, True), (True, 0.300, False), (False, 0.010, False)]:
+        monkeypatch.setattr(multi_module, "SLICE_TAIL", tail_rule)
+        engines["qwen2"].last_step = StepStats(1, 0, 1, duration=other_step_s)
+        ran.clear()
+        start = time.monotonic()
+        due = start + 0.145  # inside the tail: after the five layers (100 ms), before the step's end (180 ms)
+        monkeypatch.setattr(multi, "_preemptors", lambda name, busy, due=due: [(due, "qwen2")])
+        got = multi._advance("llama", multi_module._Run(step(), True, start), busy)
+        if suspended:  # stopped at the last boundary: the tail runs once the other model's step has ended
+            assert got == "qwen2" and ran == [0, 1, 2, 3, 4]
+        else:  # judged by a 20 ms layer, the 80 ms tail looked like it fit (or the other's steps are the longer)
+            assert got is None and ran[-1] == "tail"
+
+
+def test_streams_given_their_first_token_by_a_prompt_step_are_due_by_a_decode_step(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
+    engines, multi = llama_streaming(tiny_dirs)
+    engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)
+    multi._since = {"llama": 10.0, "qwen2": 10.0}
+    busy = ["llama", "qwen2"]
+    sched = engines["llama"].scheduler
+    sched.step_time = lambda shape: 0.004 + 0.002 * shape.num_decodes  # no profile for the tiny model: a stand-in
+    sched.step_time_scale = 1.5
+    engines["llama"].last_step = StepStats(0, 30, 1, duration=0.200)  # the prompt step that gave the first token
+    # no decode step of its own yet: the step-time model's decode step for its one stream, scaled
+    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.0 + 0.5 * 1.5 * 0.006), "llama")]
+    multi._decode_s["llama"] = 0.010  # its last step of decodes alone
+    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.005), "llama")]
+    engines["llama"].last_step = StepStats(1, 30, 2, duration=0.080)  # a decode beside a prompt chunk: that step
+    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.040), "llama")]
+    engines["llama"].last_step = StepStats(0, 30, 1, duration=0.200)
+    monkeypatch.setattr(multi_module, "SLICE_STREAM_DUE", False)  # the A/B: half of the prompt step
+    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.100), "llama")]
+
+
+def test_the_last_step_of_decodes_alone_is_recorded_and_a_prompt_step_leaves_it(tiny_dirs):
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    multi.add_request("a", PROMPTS[0], GREEDY, model="llama")
+    while not has_streams(engines["llama"]):  # its prompt, in chunks of 16 tokens
+        multi.step()
+    assert "llama" not in multi._decode_s
+    multi.step()
+    decode = engines["llama"].last_step
+    assert decode.num_prefill_tokens == 0 and multi._decode_s["llama"] == decode.duration
+    multi.add_request("b", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), model="llama")
+    multi.step()  # b's prompt beside a's decode
+    assert engines["llama"].last_step.num_prefill_tokens > 0 and multi._decode_s["llama"] == decode.duration
