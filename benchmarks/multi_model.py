@@ -125,6 +125,7 @@ SWITCH_VARIANTS = {
     "int4-turns-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
     # as before 2026-11-24 13:10 UTC (ONE_LOOP_VARIANTS' one-loop-before-tail)
     "before-tail": ("smol-fp32", {"PACELINE_SLICE_TAIL": "0", "PACELINE_SLICE_STREAM_DUE": "0"}),
+    "tail-rules": ("smol-fp32", {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "1"}),
     "pack-first": ("smol-fp32", {"PACELINE_DEFER_PACKING": "0"}),
     "nice19": ("smol-fp32", {"PACELINE_LOADER_NICE": "19"}),
     "warm-up": ("smol-fp32", {"PACELINE_LOAD_WARM_UP": "1"}),
@@ -141,7 +142,9 @@ ONE_LOOP_VARIANTS = {
     "one-loop": {}, "one-loop-unsliced": {"PACELINE_SLICE": "0"},
     "one-loop-sliced-before": SWITCH_VARIANTS["sliced-before"][1],
     "one-loop-before-tail": SWITCH_VARIANTS["before-tail"][1],
-    "one-loop-tail-only": {"PACELINE_SLICE_STREAM_DUE": "0"},  # the tail rule without the first gap's due
+    # the two rules of 13:10 UTC, off by default since 14:20 UTC: both, and the tail rule alone
+    "one-loop-tail-rules": {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "1"},
+    "one-loop-tail-only": {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "0"},
     # another model's streams due after 0.6x / 0.7x their own last step (PACELINE_SLICE_DUE; the default 0.5)
     "one-loop-due-0.6": {"PACELINE_SLICE_DUE": "0.6"}, "one-loop-due-0.7": {"PACELINE_SLICE_DUE": "0.7"},
 }
@@ -247,7 +250,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for logs and results.json (default: a temp folder)")
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
                    help="comma-separated parts: alone, one-loop variants (ONE_LOOP_VARIANTS, run in the order "
-                        "given: one-loop, one-loop-unsliced, one-loop-sliced-before, one-loop-before-tail, "
+                        "given: one-loop, one-loop-unsliced, one-loop-sliced-before, one-loop-before-tail, one-loop-tail-rules, "
                         "one-loop-tail-only, one-loop-due-0.6, one-loop-due-0.7), two-processes (prepare: load both "
                         "once, so that a switch finds their runtime "
                         "snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the order "

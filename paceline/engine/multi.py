@@ -101,12 +101,12 @@ SLICE_SHARE = os.environ.get("PACELINE_SLICE_SHARE", "1") != "0"
 # streams' due time in most of their gaps over 17 ms (2026-11-24 13:02 UTC step log, docs/multi-model.md). Only for
 # models whose steps are shorter than this one's (see _advance). PACELINE_SLICE_TAIL=0: judged by the layer, as
 # before (the A/B)
-SLICE_TAIL = os.environ.get("PACELINE_SLICE_TAIL", "1") != "0"
+SLICE_TAIL = os.environ.get("PACELINE_SLICE_TAIL", "0") == "1"
 # When another model's last step was prompts alone (it gave its streams their first token), they are due after
 # SLICE_DUE x its last step that ran decodes (or the step-time model's decode step), not x that prompt step: their
 # next step is a decode, and due after half a 60-200 ms prompt step their first gap was 22-50 ms, the largest int4
 # gaps of the run (same step log). PACELINE_SLICE_STREAM_DUE=0: x the last step whatever it ran, as before (the A/B)
-SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "1") != "0"
+SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "0") == "1"
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
