@@ -99,13 +99,14 @@ SLICE_SHARE = os.environ.get("PACELINE_SLICE_SHARE", "1") != "0"
 # final norm, lm_head, sampling, the scheduler's update), not by the layer just run: the float32 tail, its lm_head
 # over 113 MB of weights, took 3.5-6.9 ms (p50 4.0), four to eight of its decode layers, and ran past the int4
 # streams' due time in most of their gaps over 17 ms (2026-11-24 13:02 UTC step log, docs/multi-model.md). Only for
-# models whose steps are shorter than this one's (see _advance). PACELINE_SLICE_TAIL=0: judged by the layer, as
-# before (the A/B)
+# models whose steps are shorter than this one's (see _advance). Off by default (PACELINE_SLICE_TAIL=1 switches it
+# on): with both rules int4's p99 gap met 1.2x its alone figure in one of two served runs, but float32's fell to
+# 1.48-2.48x (docs/multi-model.md, 2026-11-24 13:41-13:57 UTC)
 SLICE_TAIL = os.environ.get("PACELINE_SLICE_TAIL", "0") == "1"
 # When another model's last step was prompts alone (it gave its streams their first token), they are due after
 # SLICE_DUE x its last step that ran decodes (or the step-time model's decode step), not x that prompt step: their
 # next step is a decode, and due after half a 60-200 ms prompt step their first gap was 22-50 ms, the largest int4
-# gaps of the run (same step log). PACELINE_SLICE_STREAM_DUE=0: x the last step whatever it ran, as before (the A/B)
+# gaps of the run (same step log). Off by default like SLICE_TAIL (PACELINE_SLICE_STREAM_DUE=1 switches it on)
 SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "0") == "1"
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
