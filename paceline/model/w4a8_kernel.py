@@ -102,9 +102,6 @@ inline int hsum8i(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// rows of x [M, K] (row stride ldx) -> xq [M][K] int8, a [M][G] = max|x| / 127, s [M][G] = a * sum xq, with each
-// block's largest element (the first of equal ones) taken out first: its index in top [M][G], its value in xo [M][G]
-// and a 0 in its place, so that one large channel does not round the block's other 31 values away
 // one block of 32 inputs as float32: the input's own floats, or a bfloat16 input widened (exact) into buf
 template <typename T>
 inline const float* block_floats(const T* p, float* buf) {
@@ -116,6 +113,9 @@ inline const float* block_floats(const T* p, float* buf) {
   }
 }
 
+// rows of x [M, K] (row stride ldx) -> xq [M][K] int8, a [M][G] = max|x| / 127, s [M][G] = a * sum xq, with each
+// block's largest element (the first of equal ones) taken out first: its index in top [M][G], its value in xo [M][G]
+// and a 0 in its place, so that one large channel does not round the block's other 31 values away
 template <typename T>
 void quantize_rows(const T* x, int64_t ldx, int M, int K, int8_t* xq, float* a, float* s, int32_t* top,
                    float* xo, int nthreads) {
@@ -350,8 +350,9 @@ __attribute__((noinline)) void tile_rows_vnni(const int8_t* xq, int64_t K, const
 #endif
 
 // rows x nn float32 sums (row stride ld) -> bfloat16 (row stride ld), rounded to nearest even as at::Tensor::to
-// does, NaN as its quiet NaN: written tile by tile while the sums are in L1, in place of a pass over the whole
-// output (which, with the input's widening, took ~8 % of a 32-decode step as two aten copies a call)
+// does, NaN as its quiet NaN: written tile by tile while the sums are in L1, in place of an aten copy of the whole
+// output (a torch profile put that and the input's widening at ~8 % of a 32-decode step; whole steps measured
+// 0.99-1.02x without them, docs/performance.md)
 inline void to_bf16(const float* y, c10::BFloat16* out, int64_t ld, int rows, int nn) {
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < nn; ++j) out[r * ld + j] = c10::BFloat16(y[r * ld + j]);
