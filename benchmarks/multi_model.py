@@ -135,15 +135,15 @@ SWITCH_VARIANTS = {
 
 # One-loop variants: the server's environment (multi.py's A/B knobs). one-loop-unsliced: every step whole, the A/B of
 # layer-sliced steps; one-loop-sliced-before: sliced as before 2026-11-24 08:30 UTC (SWITCH_VARIANTS' sliced-before);
-# one-loop-before-tail: as before 2026-11-24 13:10 UTC (the boundary after the last layer judged by that layer, and
-# streams due after half their prompt step once it gave them their first token); one-loop-tail-only: the first of
-# those two changes alone
+# one-loop-before-tail: as before 2026-11-24 13:10 UTC and the default again since 14:20 UTC (the boundary after the
+# last layer judged by that layer, and streams due after half their prompt step once it gave them their first
+# token); one-loop-tail-rules: both rules of 13:10 UTC on; one-loop-tail-only: the first of them alone
 ONE_LOOP_VARIANTS = {
     "one-loop": {}, "one-loop-unsliced": {"PACELINE_SLICE": "0"},
     "one-loop-sliced-before": SWITCH_VARIANTS["sliced-before"][1],
     "one-loop-before-tail": SWITCH_VARIANTS["before-tail"][1],
     # the two rules of 13:10 UTC, off by default since 14:20 UTC: both, and the tail rule alone
-    "one-loop-tail-rules": {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "1"},
+    "one-loop-tail-rules": SWITCH_VARIANTS["tail-rules"][1],
     "one-loop-tail-only": {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "0"},
     # another model's streams due after 0.6x / 0.7x their own last step (PACELINE_SLICE_DUE; the default 0.5)
     "one-loop-due-0.6": {"PACELINE_SLICE_DUE": "0.6"}, "one-loop-due-0.7": {"PACELINE_SLICE_DUE": "0.7"},

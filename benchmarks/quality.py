@@ -58,22 +58,25 @@ MODES = {"fp32": {"dtype": "float32", "quantization": "none"},
                             "env": {"PACELINE_INT4_WIDE": "w4a8"}},
          # the int8 x int8 linear (llama.W8A8Linear) from INT4_INT8_FROM_ROWS rows in place of the bf16 copy
          "int4 wide int8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
-                            "env": {"PACELINE_INT4_WIDE": "int8"}},
-         # the same on more linears / with more of each row's largest activations in float32 (llama.py's
-         # PACELINE_INT4_INT8_LINEARS and PACELINE_INT4_INT8_OUTLIERS)
-         "int4 wide int8 +down": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
-                                  "env": {"PACELINE_INT4_WIDE": "int8", "PACELINE_INT4_INT8_LINEARS": "o:gate_up:down"}},
-         "int4 wide int8 +down t8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
-                                     "env": {"PACELINE_INT4_WIDE": "int8", "PACELINE_INT4_INT8_LINEARS": "o:gate_up:down",
-                                             "PACELINE_INT4_INT8_OUTLIERS": "8"}},
-         "int4 wide int8 +qkv t8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
-                                    "env": {"PACELINE_INT4_WIDE": "int8", "PACELINE_INT4_INT8_LINEARS": "qkv:o:gate_up",
-                                            "PACELINE_INT4_INT8_OUTLIERS": "8"}},
-         "int4 wide int8 t8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
-                               "env": {"PACELINE_INT4_WIDE": "int8", "PACELINE_INT4_INT8_OUTLIERS": "8"}},
-         "int4 wide int8 all t8": {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32",
-                                   "env": {"PACELINE_INT4_WIDE": "int8", "PACELINE_INT4_INT8_LINEARS": "all",
-                                           "PACELINE_INT4_INT8_OUTLIERS": "8"}}}
+                            "env": {"PACELINE_INT4_WIDE": "int8"}}}
+
+
+def int8_wide_mode(linears: str | None, outliers: int | None) -> dict:
+    """"int4 wide int8" on other linears (llama.py's PACELINE_INT4_INT8_LINEARS) and/or with more of each row's
+    largest activations in float32 (PACELINE_INT4_INT8_OUTLIERS)."""
+    env = {"PACELINE_INT4_WIDE": "int8"}
+    if linears is not None:
+        env["PACELINE_INT4_INT8_LINEARS"] = linears
+    if outliers is not None:
+        env["PACELINE_INT4_INT8_OUTLIERS"] = str(outliers)
+    return {"dtype": "bfloat16", "quantization": "int4", "wide_linears": "fp32", "env": env}
+
+
+MODES.update({"int4 wide int8 +down": int8_wide_mode("o:gate_up:down", None),
+              "int4 wide int8 +down t8": int8_wide_mode("o:gate_up:down", 8),
+              "int4 wide int8 +qkv t8": int8_wide_mode("qkv:o:gate_up", 8),
+              "int4 wide int8 t8": int8_wide_mode(None, 8),
+              "int4 wide int8 all t8": int8_wide_mode("all", 8)})
 
 NARROW = 8  # tokens per step of the second pass: the decode path's width
 CORPUS = ROOT / "paceline" / "bench" / "data" / "corpus.txt"
