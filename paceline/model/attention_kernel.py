@@ -893,18 +893,33 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
       const int p = c0 + std::min(j, n - 1);  // past the end: a repeat of the last row (masked)
       base[j] = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h0) * d;
     }
-    // the rows two tiles on, all of them (at the first tile: tiles 0-2): a block lies anywhere, a decode's context
-    // is a few blocks, and from memory (a whole step's K/V do not stay in cache) one tile ahead came too late
-    for (int pf = c0 == 0 ? 0 : c0 + 2 * RT; pf < std::min(end, c0 + 3 * RT); ++pf) {
-      const int64_t poff = int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d;
-      const char* kp = reinterpret_cast<const char*>(kc + poff);
-      const char* vp = reinterpret_cast<const char*>(vc + poff);
-      for (int64_t b = 0; b < int64_t(sizeof(T)) * nh * d; b += 64) {
-        _mm_prefetch(kp + b, _MM_HINT_T0);
-        _mm_prefetch(vp + b, _MM_HINT_T0);
+    // prefetch: at the first tile, tiles 0-1 of every head; then, before each head's part of a tile, that head's
+    // rows two tiles on. Into L2 (T1), not L1: two tiles ahead of all heads plus the tile in use (36 KB of bf16 K/V
+    // for SmolLM2) overran the 32 KB L1 and evicted rows before their use. A block lies anywhere, a decode's
+    // context is a few blocks, and from memory (a whole step's K/V do not stay in cache) one tile ahead came too
+    // late. One layer, K/V from memory (decode_attention.py --layer --cold, 2026-11-24 16:15 UTC): 32 bf16 decodes
+    // at 100-200 tokens 0.285-0.436 -> 0.199-0.220 ms, 6 at 1,900 0.646-0.882 -> 0.334-0.336 ms. (Written as a
+    // helper lambda capturing by reference, the gain was gone: plain loops here.)
+    if (c0 == 0)
+      for (int pf = 0; pf < std::min(end, 2 * RT); ++pf) {
+        const int64_t poff = int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d;
+        const char* kp = reinterpret_cast<const char*>(kc + poff);
+        const char* vp = reinterpret_cast<const char*>(vc + poff);
+        for (int64_t b = 0; b < int64_t(sizeof(T)) * nh * d; b += 64) {
+          _mm_prefetch(kp + b, _MM_HINT_T1);
+          _mm_prefetch(vp + b, _MM_HINT_T1);
+        }
       }
-    }
     for (int hh = 0; hh < nh; ++hh) {
+      for (int pf = c0 + 2 * RT; pf < std::min(end, c0 + 3 * RT); ++pf) {
+        const int64_t poff = int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0 + hh) * d;
+        const char* kp = reinterpret_cast<const char*>(kc + poff);
+        const char* vp = reinterpret_cast<const char*>(vc + poff);
+        for (int64_t b = 0; b < int64_t(sizeof(T)) * d; b += 64) {
+          _mm_prefetch(kp + b, _MM_HINT_T1);
+          _mm_prefetch(vp + b, _MM_HINT_T1);
+        }
+      }
       for (int j = 0; j < RT; ++j) {
         krow[j] = kc + base[j] + int64_t(hh) * d;
         vrow[j] = vc + base[j] + int64_t(hh) * d;
