@@ -108,6 +108,9 @@ def scenarios(vocab: int, bs: int):
         "probe32: 4 prompts of 100 + 16 decodes": [[(100, 0, 0, 100)] * 4 + [(c, 1, c, 1) for c in ctx32[:16]]],
         # a full batch of 32 decodes beside a 48-token chunk of a fresh prompt: 80 rows, the int4 op's range
         "probe32: 48-token chunk + 32 decodes": [[(100, 0, 0, 48)] + [(c, 1, c, 1) for c in ctx32]],
+        # the served probe's mixed step under the 120 ms target (step log, 2026-11-24 16:00 UTC: ~125-148 prompt
+        # tokens beside the 32 decodes)
+        "probe32: 128 prompt tokens + 32 decodes": [[(100, 0, 0, 100), (100, 0, 0, 28)] + [(c, 1, c, 1) for c in ctx32]],
         # a wide step's cost against its rows (fresh prompt chunks): the intercept is the per-step cost
         **{f"rows {n} (fresh chunk)": [[(n, 0, 0, n)]] for n in (9, 12, 16, 24, 32, 64, 128, 192, 256)},
     }

@@ -16,7 +16,8 @@ order; the warm-up order runs while the KV pool's prefault still runs, whose ste
 learn from); its largest gap is printed beside the steps around it (vs_vllm.explain_gap);
 `chat` = vs_vllm.py's chat probe (`paceline bench serve --workload chat --rate 0.5 --duration 90 ...`, ~2 min).
 Each --config is extra `paceline serve` flags (default: one config, no flags: the serving defaults), optionally
-after `@DIR`: that checkout's paceline (e.g. an exported older commit) instead of this one. For each
+after `@DIR`: that checkout's paceline (e.g. an exported older commit) instead of this one, and after that
+NAME=VALUE words: the server's environment (e.g. `--config "OMP_PROC_BIND=close OMP_PLACES=cores"`). For each
 probe the step log says where the time went: how full the steps that carry decodes were against the step-time
 target, measured / predicted step time, the time between steps (the engine thread's own work, and whatever holds
 the GIL), and for the stall probe the longest steps and gaps. To compare two checkouts, run it from each in turn.
@@ -50,6 +51,10 @@ def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, v
                stall_after: str = "warm") -> dict:
     flags = shlex.split(config)
     checkout = flags.pop(0)[1:] if flags and flags[0].startswith("@") else None
+    env = {}  # leading NAME=VALUE words: the server's environment (e.g. OMP_PROC_BIND=close)
+    while flags and "=" in flags[0] and not flags[0].startswith("-"):
+        name, value = flags.pop(0).split("=", 1)
+        env[name] = value
     row: dict = {"flags": config}
     for probe in probes:
         extra = flags + (["--max-num-batched-tokens", str(V.SMALL_BUDGET)] if probe == "stall" else [])
@@ -59,6 +64,7 @@ def run_config(config: str, probes: list[str], prompts: V.Prompts, model: str, v
         if checkout:  # another checkout's paceline: -P keeps the working directory's copy off sys.path
             sysm.argv.insert(1, "-P")
             sysm.env["PYTHONPATH"] = str(Path(checkout).resolve())
+        sysm.env.update(env)
         print(f"[{row['flags'] or 'defaults'}] {probe}: {' '.join(sysm.argv)}", flush=True)
         srv, _ = V.start(sysm, Path(tempfile.gettempdir()) / f"paceline-step-ab-{probe}.log")
         try:
