@@ -85,3 +85,30 @@ def test_no_compiler_means_torch_ops(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(int4_kernel, "_loaded", {})
     assert fused_kernel.load() is None
+
+
+def test_argmax_rows_equals_torch_argmax():
+    """The first index of the largest value per row, a NaN counting as the largest, at any width (tails of fewer
+    than 8), on ties, all -inf rows, -0.0 against 0.0, a row stride; the sampler's greedy path uses it."""
+    from paceline.model.sampler import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    for v in (1, 7, 8, 13, 49152):
+        x = torch.randn(33, v, generator=g)
+        assert torch.equal(OPS.argmax_rows(x), x.argmax(-1))
+    x = torch.randn(6, 50, generator=g)
+    x[0, [3, 17, 49]] = 100.0  # ties: the first
+    x[1] = float("-inf")
+    x[2, [5, 30]] = float("nan")  # NaN wins, the first one
+    x[3, 44] = float("nan")  # in the tail
+    x[4] = -1.0
+    x[4, 9], x[4, 2] = 0.0, -0.0
+    x[5, 48] = 1e30  # the largest in the tail
+    assert torch.equal(OPS.argmax_rows(x), x.argmax(-1))
+    assert OPS.argmax_rows(x).tolist()[:4] == [3, 0, 5, 44]
+    wide = torch.randn(4, 300, generator=g)
+    assert torch.equal(OPS.argmax_rows(wide[:, 100:200]), wide[:, 100:200].argmax(-1))
+    assert torch.equal(greedy_tokens(wide[:, 100:200]), wide[:, 100:200].argmax(-1))
+    assert torch.equal(greedy_tokens(wide.double()), wide.double().argmax(-1))  # not float32: torch's
+    with pytest.raises(RuntimeError, match="float32"):
+        OPS.argmax_rows(wide.to(torch.bfloat16))
