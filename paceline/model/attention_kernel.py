@@ -842,6 +842,17 @@ inline void rows_tile_any(int nr, bool bf, const float* qs, float sc, const int*
   }
 }
 
+// `bytes` of the K row and of the V row at element offset off, into L2
+template <typename T>
+inline void prefetch_kv_l2(const T* kc, const T* vc, int64_t off, int64_t bytes) {
+  const char* kp = reinterpret_cast<const char*>(kc + off);
+  const char* vp = reinterpret_cast<const char*>(vc + off);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    _mm_prefetch(kp + b, _MM_HINT_T1);
+    _mm_prefetch(vp + b, _MM_HINT_T1);
+  }
+}
+
 // A work item of a few tokens (decodes, verifications) as attend() computes it, in tiles of RT positions.
 template <int D, typename T>
 void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int nh, const T* kc,
@@ -898,28 +909,16 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
     // for SmolLM2) overran the 32 KB L1 and evicted rows before their use. A block lies anywhere, a decode's
     // context is a few blocks, and from memory (a whole step's K/V do not stay in cache) one tile ahead came too
     // late. One layer, K/V from memory (decode_attention.py --layer --cold, 2026-11-24 16:15 UTC): 32 bf16 decodes
-    // at 100-200 tokens 0.285-0.436 -> 0.199-0.220 ms, 6 at 1,900 0.646-0.882 -> 0.334-0.336 ms. (Written as a
-    // helper lambda capturing by reference, the gain was gone: plain loops here.)
+    // at 100-200 tokens 0.285-0.436 -> 0.199-0.220 ms, 6 at 1,900 0.646-0.882 -> 0.334-0.336 ms
     if (c0 == 0)
-      for (int pf = 0; pf < std::min(end, 2 * RT); ++pf) {
-        const int64_t poff = int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d;
-        const char* kp = reinterpret_cast<const char*>(kc + poff);
-        const char* vp = reinterpret_cast<const char*>(vc + poff);
-        for (int64_t b = 0; b < int64_t(sizeof(T)) * nh * d; b += 64) {
-          _mm_prefetch(kp + b, _MM_HINT_T1);
-          _mm_prefetch(vp + b, _MM_HINT_T1);
-        }
-      }
+      for (int pf = 0; pf < std::min(end, 2 * RT); ++pf)
+        prefetch_kv_l2(kc, vc, int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d,
+                       int64_t(sizeof(T)) * nh * d);
     for (int hh = 0; hh < nh; ++hh) {
-      for (int pf = c0 + 2 * RT; pf < std::min(end, c0 + 3 * RT); ++pf) {
-        const int64_t poff = int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0 + hh) * d;
-        const char* kp = reinterpret_cast<const char*>(kc + poff);
-        const char* vp = reinterpret_cast<const char*>(vc + poff);
-        for (int64_t b = 0; b < int64_t(sizeof(T)) * d; b += 64) {
-          _mm_prefetch(kp + b, _MM_HINT_T1);
-          _mm_prefetch(vp + b, _MM_HINT_T1);
-        }
-      }
+      for (int pf = c0 + 2 * RT; pf < std::min(end, c0 + 3 * RT); ++pf)
+        prefetch_kv_l2(kc, vc,
+                       int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0 + hh) * d,
+                       int64_t(sizeof(T)) * d);
       for (int j = 0; j < RT; ++j) {
         krow[j] = kc + base[j] + int64_t(hh) * d;
         vrow[j] = vc + base[j] + int64_t(hh) * d;

@@ -199,7 +199,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 
 // the first index of each row's largest value, as torch.argmax(x, -1) gives it (a NaN counts as the largest: the
 // first NaN's index), x float32 [M, V] with unit column stride. Why: the greedy sampler's torch.argmax took ~0.65 ms
-// of a 32-decode step over [32, 49152] logits (one thread a row, no vectors; 2026-11-24), this ~0.05 ms. Two
+// of a 32-decode step over [32, 49152] logits (one thread a row, no vectors; 2026-11-24), this ~0.09 ms. Two
 // passes a row: the maximum in vectors (and whether a NaN is there), then the first position equal to it.
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
