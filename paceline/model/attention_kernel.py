@@ -96,7 +96,7 @@ namespace {
 
 constexpr int KC = 64;   // context positions per chunk: their K/V rows stay in L1 while every query row reads them
 constexpr int TQ = 16;   // query tokens of one chunk per work item (x the GQA group = rows sharing those K/V reads)
-constexpr int PREFETCH = 4;  // positions ahead whose K/V rows are prefetched
+constexpr int PREFETCH = 16;  // positions ahead whose K/V rows are prefetched (into L2: attend() below)
 constexpr int FEW_TOKENS = 4;  // slices of up to this many tokens may take all KV heads in one item (see the op)
 
 inline void to_float(const float* src, float* dst, int d) { std::memcpy(dst, src, sizeof(float) * d); }
@@ -1043,14 +1043,18 @@ void attend(const float* q, int64_t q_stride, float* out, int64_t H, int G, int 
       const int p = c0 + j;
       const int64_t off = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h0) * d;
 #ifdef __AVX2__
-      if (p + PREFETCH < end) {  // the row PREFETCH positions on: across a block boundary it lies anywhere
+      // the row PREFETCH positions on (across a block boundary it lies anywhere), into L2 as in attend_rows: 4 on
+      // into L1 left this build's decodes waiting on memory. The AVX2 build forced on the Zen 4 VM, one layer, K/V
+      // from memory (decode_attention.py --layer --cold, PACELINE_ATTN_ISA=avx2, 2026-11-24 17:05 UTC, two rounds):
+      // float32 32 decodes at 100-200 tokens 1.23-1.27x, 6 at 1,900 2.09-2.22x; bfloat16 0.93-1.03x, 1.27-1.32x
+      if (p + PREFETCH < end) {
         const int pf = p + PREFETCH;
         const int64_t poff = int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d;
         const char* kp = reinterpret_cast<const char*>(kc + poff);
         const char* vp = reinterpret_cast<const char*>(vc + poff);
         for (int64_t b = 0; b < int64_t(sizeof(T)) * W; b += 64) {
-          _mm_prefetch(kp + b, _MM_HINT_T0);
-          _mm_prefetch(vp + b, _MM_HINT_T0);
+          _mm_prefetch(kp + b, _MM_HINT_T1);
+          _mm_prefetch(vp + b, _MM_HINT_T1);
         }
       }
 #endif
