@@ -147,6 +147,9 @@ ONE_LOOP_VARIANTS = {
     "one-loop-tail-only": {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "0"},
     # another model's streams due after 0.6x / 0.7x their own last step (PACELINE_SLICE_DUE; the default 0.5)
     "one-loop-due-0.6": {"PACELINE_SLICE_DUE": "0.6"}, "one-loop-due-0.7": {"PACELINE_SLICE_DUE": "0.7"},
+    # the span rule (PACELINE_SLICE_SPAN, 2026-11-24 15:50 UTC) with both rules of 13:10 UTC, and alone
+    "one-loop-span": {"PACELINE_SLICE_SPAN": "1", **SWITCH_VARIANTS["tail-rules"][1]},
+    "one-loop-span-only": {"PACELINE_SLICE_SPAN": "1"},
 }
 
 
