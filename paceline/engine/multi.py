@@ -99,22 +99,25 @@ SLICE_SHARE = os.environ.get("PACELINE_SLICE_SHARE", "1") != "0"
 # final norm, lm_head, sampling, the scheduler's update), not by the layer just run: the float32 tail, its lm_head
 # over 113 MB of weights, took 3.5-6.9 ms (p50 4.0), four to eight of its decode layers, and ran past the int4
 # streams' due time in most of their gaps over 17 ms (2026-11-24 13:02 UTC step log, docs/multi-model.md). Only for
-# models whose steps are shorter than this one's (see _advance). Off by default (PACELINE_SLICE_TAIL=1 switches it
-# on): with both rules int4's p99 gap met 1.2x its alone figure in one of two served runs, but float32's fell to
-# 1.48-2.48x (docs/multi-model.md, 2026-11-24 13:41-13:57 UTC)
-SLICE_TAIL = os.environ.get("PACELINE_SLICE_TAIL", "0") == "1"
+# models whose steps are shorter than this one's (see _advance). On by default again since 2026-11-24 16:00 UTC, with
+# SLICE_SPAN (off 14:20-16:00 UTC: alone, with SLICE_STREAM_DUE, int4's p99 gap met 1.2x its alone figure in one of
+# two served runs, but float32's fell to 1.48-2.48x; docs/multi-model.md). PACELINE_SLICE_TAIL=0: off (the A/B)
+SLICE_TAIL = os.environ.get("PACELINE_SLICE_TAIL", "1") != "0"
 # When another model's last step was prompts alone (it gave its streams their first token), they are due after
 # SLICE_DUE x its last step that ran decodes (or the step-time model's decode step), not x that prompt step: their
 # next step is a decode, and due after half a 60-200 ms prompt step their first gap was 22-50 ms, the largest int4
-# gaps of the run (same step log). Off by default like SLICE_TAIL (PACELINE_SLICE_STREAM_DUE=1 switches it on)
-SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "0") == "1"
+# gaps of the run (same step log). On by default like SLICE_TAIL (PACELINE_SLICE_STREAM_DUE=0: off, the A/B)
+SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "1") != "0"
 # Sliced, a step whose own streams would otherwise wait longer than the model's whole step-time target (its gap
 # alone) lets the other models' streams wait longer than SLICE_DUE x their step, up to SLICE_DUE_MAX x it
 # (`_span_due`). Why: at SLICE_DUE 0.5 a float32 step of 2 decodes and the smallest prompt chunk (43-49 ms of its own)
 # got ~3.8 ms per int4 gap and spanned ~170 ms, 1.48-2.48x float32's p99 alone (2026-11-24 13:41-13:57 UTC, docs/
 # multi-model.md); the same SLICE_DUE raised for every step (0.6, 0.7) also lengthened the decode-only steps' int4
-# gaps and grew float32's shared target, and was no fix. PACELINE_SLICE_SPAN=0: SLICE_DUE alone (the A/B)
-SLICE_SPAN = os.environ.get("PACELINE_SLICE_SPAN", "0") == "1"
+# gaps and grew float32's shared target, and was no fix. The default since 2026-11-24 16:00 UTC, with SLICE_TAIL and
+# SLICE_STREAM_DUE (docs/multi-model.md). PACELINE_SLICE_SPAN=0: SLICE_DUE alone (the A/B). SLICE_DUE_MAX 0.9: in the
+# step log of 15:43 UTC, at 0.8, float32's steps of 2 decodes and a 16-token chunk (50-56 ms of their own) were held
+# to ~7.3 ms per int4 round and its gaps were ~138 ms, at its 1.2x-alone bound; int4's gaps in those rounds ~18.5 ms
+SLICE_SPAN = os.environ.get("PACELINE_SLICE_SPAN", "1") != "0"
 SLICE_DUE_MAX = float(os.environ.get("PACELINE_SLICE_DUE_MAX", "0.9"))
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it

@@ -187,7 +187,7 @@ def test_a_debut_step_lets_the_other_streams_wait_debut_due_times_their_step(tin
 
 def test_sliced_step_targets_count_the_other_models_steps_run_inside(tiny_dirs, monkeypatch):
     monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
-    monkeypatch.setattr(multi_module, "SLICE_TAIL", True)  # off by default (docs/multi-model.md); the rule itself
+    monkeypatch.setattr(multi_module, "SLICE_TAIL", True)  # the default; set here: the rule itself
     engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
     multi._step_ms = {"llama": 150.0, "qwen2": 120.0}  # each model's own target (no profile for the tiny models)
@@ -288,7 +288,7 @@ def test_the_boundary_after_the_last_layer_is_judged_by_the_models_last_tail(tin
 
 def test_streams_given_their_first_token_by_a_prompt_step_are_due_by_a_decode_step(tiny_dirs, monkeypatch):
     monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
-    monkeypatch.setattr(multi_module, "SLICE_STREAM_DUE", True)  # off by default (docs/multi-model.md)
+    monkeypatch.setattr(multi_module, "SLICE_STREAM_DUE", True)  # the default; set here: the rule itself
     engines, multi = llama_streaming(tiny_dirs)
     engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)
     multi._since = {"llama": 10.0, "qwen2": 10.0}
