@@ -119,6 +119,9 @@ SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "1") != "0"
 # to ~7.3 ms per int4 round and its gaps were ~138 ms, at its 1.2x-alone bound; int4's gaps in those rounds ~18.5 ms
 SLICE_SPAN = os.environ.get("PACELINE_SLICE_SPAN", "1") != "0"
 SLICE_DUE_MAX = float(os.environ.get("PACELINE_SLICE_DUE_MAX", "0.9"))
+# Every model's KV prefault paced by the whole loop (_pace_prefaults); PACELINE_LOOP_PREFAULT=0: each Engine paces its
+# own by its own requests only, as before 2026-11-24 16:00 UTC (the A/B)
+LOOP_PREFAULT = os.environ.get("PACELINE_LOOP_PREFAULT", "1") != "0"
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -562,6 +565,8 @@ class MultiEngine:
         start (2026-11-24 15:43 UTC step log, `/tmp` instrumentation), float32 steps beside the idle int4 model's
         prefault took 146-181 ms of their own against a 120 ms target: four of float32's eight largest gaps; and
         int4 gaps of 98-163 ms beside the idle float32 model's (15:38 UTC run)."""
+        if not LOOP_PREFAULT:
+            return
         go = not self.has_unfinished()
         for engine in self.engines.values():
             event = getattr(engine, "prefault_go", None)
