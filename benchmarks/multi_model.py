@@ -126,6 +126,8 @@ SWITCH_VARIANTS = {
     # as before 2026-11-24 13:10 UTC and the default of 14:20-16:00 UTC (ONE_LOOP_VARIANTS' one-loop-before-tail)
     "before-tail": ("smol-fp32", {"PACELINE_SLICE_TAIL": "0", "PACELINE_SLICE_STREAM_DUE": "0",
                                   "PACELINE_SLICE_SPAN": "0"}),
+    "int4-before-tail": ("smol-int4", {"PACELINE_SLICE_TAIL": "0", "PACELINE_SLICE_STREAM_DUE": "0",
+                                       "PACELINE_SLICE_SPAN": "0"}),
     # the rules of 13:10 UTC without the span rule (the code of 13:41-14:20 UTC)
     "tail-rules": ("smol-fp32", {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "1",
                                  "PACELINE_SLICE_SPAN": "0"}),
@@ -268,7 +270,8 @@ def main() -> None:
                         "once, so that a switch finds their runtime "
                         "snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the order "
                         "given: switch, switch-int4, switch-before, switch-int4-before, switch-unsliced, "
-                        "switch-int4-unsliced, switch-sliced-before, switch-before-tail, switch-tail-rules, switch-span, "
+                        "switch-int4-unsliced, switch-sliced-before, switch-before-tail, switch-int4-before-tail, "
+                        "switch-tail-rules, switch-span, "
                         "switch-nice19, "
                         "switch-pack-first, switch-warm-up, switch-whole, switch-int4-whole")
     args = p.parse_args()
