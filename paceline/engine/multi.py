@@ -42,6 +42,11 @@ thread while the engine thread waits between two steps, each turn bounded like a
 other models' steps. Beside them a load stretched the step it overlapped by 25-85 ms (the engine thread waiting
 for the interpreter and a core; 2026-11-24, step log in docs/multi-model.md).
 
+Sliced, a step whose own streams would otherwise wait longer than its model's whole step-time target lets the other
+models' streams wait longer than SLICE_DUE x their step, up to SLICE_DUE_MAX x it (SLICE_SPAN, `_span_due`): the
+model with the long steps (float32) gets the share of the cores that keeps its gap near its gap alone, the other one
+gives up no more than that. Every model's KV pool prefault runs only while no model has work (`_pace_prefaults`).
+
 With one model busy the pick is skipped: the single-model path costs one dict walk per step.
 MultiEngine is not thread-safe; AsyncEngine calls it from its engine thread only, as it does an Engine.
 """
@@ -562,9 +567,10 @@ class MultiEngine:
         """Every model's KV pool prefault (engine/prefault.py) populates only while the whole loop has nothing to
         run. Why: an Engine paces its own pool by its own requests (Engine._pace_prefault), so an idle model's pool
         was populated beside the other model's steps, which then ran slower. In the benchmark's traffic right after a
-        start (2026-11-24 15:43 UTC step log, `/tmp` instrumentation), float32 steps beside the idle int4 model's
-        prefault took 146-181 ms of their own against a 120 ms target: four of float32's eight largest gaps; and
-        int4 gaps of 98-163 ms beside the idle float32 model's (15:38 UTC run)."""
+        start (2026-11-24 15:43 UTC step log, `/tmp` instrumentation), float32 steps while the idle int4 model's
+        prefault was free to run took 146-181 ms of their own against a 120 ms target: four of float32's eight
+        largest gaps. In the served A/B (16:06 UTC) float32's and int4's p99 gaps were 1.30x and 1.35x alone
+        without this, 1.02x and 1.13x with it (benchmarks/summaries/multi_model.md, run V)."""
         if not LOOP_PREFAULT:
             return
         go = not self.has_unfinished()
