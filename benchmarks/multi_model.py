@@ -162,7 +162,8 @@ ONE_LOOP_VARIANTS = {
     # each model's KV prefault paced by its own requests only, as before 2026-11-24 16:00 UTC
     "one-loop-own-prefault": {"PACELINE_LOOP_PREFAULT": "0"},
     # the span rule's cap on the other models' wait, 0.8x / 0.85x their step (PACELINE_SLICE_DUE_MAX; the default 0.9)
-    "one-loop-due-max-0.8": {"PACELINE_SLICE_DUE_MAX": "0.8"}, "one-loop-due-max-0.85": {"PACELINE_SLICE_DUE_MAX": "0.85"},
+    "one-loop-due-max-0.8": {"PACELINE_SLICE_DUE_MAX": "0.8"},
+    "one-loop-due-max-0.85": {"PACELINE_SLICE_DUE_MAX": "0.85"},
 }
 
 
@@ -268,7 +269,8 @@ def main() -> None:
                    help="comma-separated parts: alone, one-loop variants (ONE_LOOP_VARIANTS, run in the order "
                         "given: one-loop, one-loop-unsliced, one-loop-sliced-before, one-loop-before-tail, one-loop-tail-rules, "
                         "one-loop-tail-only, one-loop-due-0.6, one-loop-due-0.7, one-loop-span, one-loop-before-span, "
-                        "one-loop-span-only, one-loop-own-prefault, one-loop-due-max-0.8, one-loop-due-max-0.85), two-processes (prepare: load both "
+                        "one-loop-span-only, one-loop-own-prefault, one-loop-due-max-0.8, one-loop-due-max-0.85), "
+                        "two-processes (prepare: load both "
                         "once, so that a switch finds their runtime "
                         "snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the order "
                         "given: switch, switch-int4, switch-before, switch-int4-before, switch-unsliced, "
