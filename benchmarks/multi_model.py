@@ -154,6 +154,7 @@ ONE_LOOP_VARIANTS = {
     "one-loop-tail-only": {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "0", "PACELINE_SLICE_SPAN": "0"},
     # another model's streams due after 0.6x / 0.7x their own last step (PACELINE_SLICE_DUE; the default 0.5)
     "one-loop-due-0.6": {"PACELINE_SLICE_DUE": "0.6"}, "one-loop-due-0.7": {"PACELINE_SLICE_DUE": "0.7"},
+    "one-loop-due-0.4": {"PACELINE_SLICE_DUE": "0.4"},
     # the span rule (PACELINE_SLICE_SPAN) with both rules of 13:10 UTC: the default since 2026-11-24 16:00 UTC;
     # before-span: the default of 14:20-16:00 UTC (all three off); span-only: without the two rules of 13:10 UTC
     "one-loop-span": SWITCH_VARIANTS["span"][1],
@@ -268,7 +269,7 @@ def main() -> None:
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
                    help="comma-separated parts: alone, one-loop variants (ONE_LOOP_VARIANTS, run in the order "
                         "given: one-loop, one-loop-unsliced, one-loop-sliced-before, one-loop-before-tail, one-loop-tail-rules, "
-                        "one-loop-tail-only, one-loop-due-0.6, one-loop-due-0.7, one-loop-span, one-loop-before-span, "
+                        "one-loop-tail-only, one-loop-due-0.4, one-loop-due-0.6, one-loop-due-0.7, one-loop-span, one-loop-before-span, "
                         "one-loop-span-only, one-loop-own-prefault, one-loop-due-max-0.8, one-loop-due-max-0.85), "
                         "two-processes (prepare: load both "
                         "once, so that a switch finds their runtime "
