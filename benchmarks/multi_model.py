@@ -123,9 +123,16 @@ SWITCH_VARIANTS = {
     # the load in turns, the first prompt whole in one step
     "turns-whole": ("smol-fp32", {"PACELINE_DEBUT_STEP": "whole"}),
     "int4-turns-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
-    # as before 2026-11-24 13:10 UTC (ONE_LOOP_VARIANTS' one-loop-before-tail)
-    "before-tail": ("smol-fp32", {"PACELINE_SLICE_TAIL": "0", "PACELINE_SLICE_STREAM_DUE": "0"}),
-    "tail-rules": ("smol-fp32", {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "1"}),
+    # as before 2026-11-24 13:10 UTC and the default of 14:20-16:00 UTC (ONE_LOOP_VARIANTS' one-loop-before-tail)
+    "before-tail": ("smol-fp32", {"PACELINE_SLICE_TAIL": "0", "PACELINE_SLICE_STREAM_DUE": "0",
+                                  "PACELINE_SLICE_SPAN": "0"}),
+    "int4-before-tail": ("smol-int4", {"PACELINE_SLICE_TAIL": "0", "PACELINE_SLICE_STREAM_DUE": "0",
+                                       "PACELINE_SLICE_SPAN": "0"}),
+    # the rules of 13:10 UTC without the span rule (the code of 13:41-14:20 UTC)
+    "tail-rules": ("smol-fp32", {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "1",
+                                 "PACELINE_SLICE_SPAN": "0"}),
+    # the default since 16:00 UTC, named (ONE_LOOP_VARIANTS' one-loop-span)
+    "span": ("smol-fp32", {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "1", "PACELINE_SLICE_SPAN": "1"}),
     "pack-first": ("smol-fp32", {"PACELINE_DEFER_PACKING": "0"}),
     "nice19": ("smol-fp32", {"PACELINE_LOADER_NICE": "19"}),
     "warm-up": ("smol-fp32", {"PACELINE_LOAD_WARM_UP": "1"}),
@@ -135,18 +142,29 @@ SWITCH_VARIANTS = {
 
 # One-loop variants: the server's environment (multi.py's A/B knobs). one-loop-unsliced: every step whole, the A/B of
 # layer-sliced steps; one-loop-sliced-before: sliced as before 2026-11-24 08:30 UTC (SWITCH_VARIANTS' sliced-before);
-# one-loop-before-tail: as before 2026-11-24 13:10 UTC and the default again since 14:20 UTC (the boundary after the
+# one-loop-before-tail: as before 2026-11-24 13:10 UTC and the default of 14:20-16:00 UTC (the boundary after the
 # last layer judged by that layer, and streams due after half their prompt step once it gave them their first
 # token); one-loop-tail-rules: both rules of 13:10 UTC on; one-loop-tail-only: the first of them alone
 ONE_LOOP_VARIANTS = {
     "one-loop": {}, "one-loop-unsliced": {"PACELINE_SLICE": "0"},
     "one-loop-sliced-before": SWITCH_VARIANTS["sliced-before"][1],
     "one-loop-before-tail": SWITCH_VARIANTS["before-tail"][1],
-    # the two rules of 13:10 UTC, off by default since 14:20 UTC: both, and the tail rule alone
+    # the two rules of 13:10 UTC without the span rule (off 14:20-16:00 UTC): both, and the tail rule alone
     "one-loop-tail-rules": SWITCH_VARIANTS["tail-rules"][1],
-    "one-loop-tail-only": {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "0"},
+    "one-loop-tail-only": {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "0", "PACELINE_SLICE_SPAN": "0"},
     # another model's streams due after 0.6x / 0.7x their own last step (PACELINE_SLICE_DUE; the default 0.5)
     "one-loop-due-0.6": {"PACELINE_SLICE_DUE": "0.6"}, "one-loop-due-0.7": {"PACELINE_SLICE_DUE": "0.7"},
+    "one-loop-due-0.4": {"PACELINE_SLICE_DUE": "0.4"},
+    # the span rule (PACELINE_SLICE_SPAN) with both rules of 13:10 UTC: the default since 2026-11-24 16:00 UTC;
+    # before-span: the default of 14:20-16:00 UTC (all three off); span-only: without the two rules of 13:10 UTC
+    "one-loop-span": SWITCH_VARIANTS["span"][1],
+    "one-loop-before-span": SWITCH_VARIANTS["before-tail"][1],
+    "one-loop-span-only": {**SWITCH_VARIANTS["before-tail"][1], "PACELINE_SLICE_SPAN": "1"},
+    # each model's KV prefault paced by its own requests only, as before 2026-11-24 16:00 UTC
+    "one-loop-own-prefault": {"PACELINE_LOOP_PREFAULT": "0"},
+    # the span rule's cap on the other models' wait, 0.8x / 0.85x their step (PACELINE_SLICE_DUE_MAX; the default 0.9)
+    "one-loop-due-max-0.8": {"PACELINE_SLICE_DUE_MAX": "0.8"},
+    "one-loop-due-max-0.85": {"PACELINE_SLICE_DUE_MAX": "0.85"},
 }
 
 
@@ -251,11 +269,15 @@ def main() -> None:
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
                    help="comma-separated parts: alone, one-loop variants (ONE_LOOP_VARIANTS, run in the order "
                         "given: one-loop, one-loop-unsliced, one-loop-sliced-before, one-loop-before-tail, one-loop-tail-rules, "
-                        "one-loop-tail-only, one-loop-due-0.6, one-loop-due-0.7), two-processes (prepare: load both "
+                        "one-loop-tail-only, one-loop-due-0.4, one-loop-due-0.6, one-loop-due-0.7, one-loop-span, one-loop-before-span, "
+                        "one-loop-span-only, one-loop-own-prefault, one-loop-due-max-0.8, one-loop-due-max-0.85), "
+                        "two-processes (prepare: load both "
                         "once, so that a switch finds their runtime "
                         "snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the order "
                         "given: switch, switch-int4, switch-before, switch-int4-before, switch-unsliced, "
-                        "switch-int4-unsliced, switch-sliced-before, switch-before-tail, switch-nice19, "
+                        "switch-int4-unsliced, switch-sliced-before, switch-before-tail, switch-int4-before-tail, "
+                        "switch-tail-rules, switch-span, "
+                        "switch-nice19, "
                         "switch-pack-first, switch-warm-up, switch-whole, switch-int4-whole")
     args = p.parse_args()
     global SETTLE_S

@@ -42,6 +42,11 @@ thread while the engine thread waits between two steps, each turn bounded like a
 other models' steps. Beside them a load stretched the step it overlapped by 25-85 ms (the engine thread waiting
 for the interpreter and a core; 2026-11-24, step log in docs/multi-model.md).
 
+Sliced, a step whose own streams would otherwise wait longer than its model's whole step-time target lets the other
+models' streams wait longer than SLICE_DUE x their step, up to SLICE_DUE_MAX x it (SLICE_SPAN, `_span_due`): the
+model with the long steps (float32) gets the share of the cores that keeps its gap near its gap alone, the other one
+gives up no more than that. Every model's KV pool prefault runs only while no model has work (`_pace_prefaults`).
+
 With one model busy the pick is skipped: the single-model path costs one dict walk per step.
 MultiEngine is not thread-safe; AsyncEngine calls it from its engine thread only, as it does an Engine.
 """
@@ -99,15 +104,29 @@ SLICE_SHARE = os.environ.get("PACELINE_SLICE_SHARE", "1") != "0"
 # final norm, lm_head, sampling, the scheduler's update), not by the layer just run: the float32 tail, its lm_head
 # over 113 MB of weights, took 3.5-6.9 ms (p50 4.0), four to eight of its decode layers, and ran past the int4
 # streams' due time in most of their gaps over 17 ms (2026-11-24 13:02 UTC step log, docs/multi-model.md). Only for
-# models whose steps are shorter than this one's (see _advance). Off by default (PACELINE_SLICE_TAIL=1 switches it
-# on): with both rules int4's p99 gap met 1.2x its alone figure in one of two served runs, but float32's fell to
-# 1.48-2.48x (docs/multi-model.md, 2026-11-24 13:41-13:57 UTC)
-SLICE_TAIL = os.environ.get("PACELINE_SLICE_TAIL", "0") == "1"
+# models whose steps are shorter than this one's (see _advance). On by default again since 2026-11-24 16:00 UTC, with
+# SLICE_SPAN (off 14:20-16:00 UTC: alone, with SLICE_STREAM_DUE, int4's p99 gap met 1.2x its alone figure in one of
+# two served runs, but float32's fell to 1.48-2.48x; docs/multi-model.md). PACELINE_SLICE_TAIL=0: off (the A/B)
+SLICE_TAIL = os.environ.get("PACELINE_SLICE_TAIL", "1") != "0"
 # When another model's last step was prompts alone (it gave its streams their first token), they are due after
 # SLICE_DUE x its last step that ran decodes (or the step-time model's decode step), not x that prompt step: their
 # next step is a decode, and due after half a 60-200 ms prompt step their first gap was 22-50 ms, the largest int4
-# gaps of the run (same step log). Off by default like SLICE_TAIL (PACELINE_SLICE_STREAM_DUE=1 switches it on)
-SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "0") == "1"
+# gaps of the run (same step log). On by default like SLICE_TAIL (PACELINE_SLICE_STREAM_DUE=0: off, the A/B)
+SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "1") != "0"
+# Sliced, a step whose own streams would otherwise wait longer than the model's whole step-time target (its gap
+# alone) lets the other models' streams wait longer than SLICE_DUE x their step, up to SLICE_DUE_MAX x it
+# (`_span_due`). Why: at SLICE_DUE 0.5 a float32 step of 2 decodes and the smallest prompt chunk (43-49 ms of its own)
+# got ~3.8 ms per int4 gap and spanned ~170 ms, 1.48-2.48x float32's p99 alone (2026-11-24 13:41-13:57 UTC, docs/
+# multi-model.md); the same SLICE_DUE raised for every step (0.6, 0.7) also lengthened the decode-only steps' int4
+# gaps and grew float32's shared target, and was no fix. The default since 2026-11-24 16:00 UTC, with SLICE_TAIL and
+# SLICE_STREAM_DUE (docs/multi-model.md). PACELINE_SLICE_SPAN=0: SLICE_DUE alone (the A/B). SLICE_DUE_MAX 0.9: in the
+# step log of 15:43 UTC, at 0.8, float32's steps of 2 decodes and a 16-token chunk (50-56 ms of their own) were held
+# to ~7.3 ms per int4 round and its gaps were ~138 ms, at its 1.2x-alone bound; int4's gaps in those rounds ~18.5 ms
+SLICE_SPAN = os.environ.get("PACELINE_SLICE_SPAN", "1") != "0"
+SLICE_DUE_MAX = float(os.environ.get("PACELINE_SLICE_DUE_MAX", "0.9"))
+# Every model's KV prefault paced by the whole loop (_pace_prefaults); PACELINE_LOOP_PREFAULT=0: each Engine paces its
+# own by its own requests only, as before 2026-11-24 16:00 UTC (the A/B)
+LOOP_PREFAULT = os.environ.get("PACELINE_LOOP_PREFAULT", "1") != "0"
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -227,6 +246,7 @@ class MultiEngine:
         self._layers: dict[str, int] = {}  # model -> layer boundaries in one of its sliced steps (learned)
         self._tail_s: dict[str, float] = {}  # model -> its last sliced step's tail: last boundary to the end
         self._decode_s: dict[str, float] = {}  # model -> its last step of decodes alone (no prompt chunk)
+        self._loop_s = 0.001  # the loop's own time between one model's step and the next (SLICE_SPAN; averaged)
         self._deferred_aborts: dict[str, list[str]] = {}  # aborts that wait for the model's suspended step
         for name, engine in (engines or {}).items():
             self.add_model(name, engine)
@@ -286,6 +306,7 @@ class MultiEngine:
             self._debut[model].mark("request_added")
         if was_idle:  # its streams' clock starts at this arrival, not at the model's last step long ago
             self._since[model] = request.arrival_time
+            self._pace_prefaults()
         return request
 
     def abort(self, request_id: str) -> None:
@@ -332,6 +353,7 @@ class MultiEngine:
         busy = [name for name, e in self.engines.items() if e.has_unfinished()]
         if not busy:
             self.last_model, self.last_step = None, None
+            self._pace_prefaults()
             return []
         name = busy[0] if len(busy) == 1 else self.pick(busy, time.monotonic())
         sliced = SLICE and len(busy) > 1 and all(sliceable(self.engines[m]) for m in busy)
@@ -358,7 +380,8 @@ class MultiEngine:
         debut = self._debut.get(name)
         if debut is not None:
             debut.mark("first_step_start")
-        return _Run(engine.step_iter(sliced=sliced), sliced, time.monotonic())
+        return _Run(engine.step_iter(sliced=sliced), sliced, time.monotonic(),
+                    steps_before=engine.scheduler.num_steps)
 
     def _sliced_budget(self, name: str, busy: list[str]) -> int:
         """Sliced, the token budget of `name`'s step: its own, but while another model streams a step of prompts
@@ -399,35 +422,43 @@ class MultiEngine:
         A model whose own step is suspended is not due (it resumes once the preemptor's step ends): no ping-pong,
         and the running step always makes at least one layer of progress per call."""
         cpu = time.thread_time()
+        resumed = time.monotonic()
+        if run.boundaries and self.last_model not in (None, name) and self.last_model in self._since:
+            # resumed after another model's step: the loop's own time between two steps (emitting its tokens,
+            # the pick), which no model's layers use; an average, and a long idle wait is no sample
+            between = resumed - self._since[self.last_model]
+            if between < 0.02:
+                self._loop_s += 0.2 * (between - self._loop_s)
         watch = self._preemptors(name, busy) if run.sliced else []
-        first = min((start_by for start_by, _ in watch), default=math.inf)
+        if SLICE_SPAN and watch and run.predicted_s is not None:
+            watch = self._span_due(name, run, watch, resumed, run.own_s)
+        first, shorter, tail_first = self._watch_times(name, watch)
         layers = self._layers.get(name, 0) if SLICE_TAIL else 0
         tail = self._tail_s.get(name, 0.0)
-        shorter: list[tuple[float, str]] = []
-        tail_first = math.inf
-        if layers:
-            # the tail is waited out only for models with shorter steps than this one: an int4 step suspended before
-            # its ~3 ms tail let a whole 28 ms float32 step run first, and its stream's gap was 56 ms (2026-11-24
-            # 13:34 UTC step log)
-            own = self._stream_step_s(name)
-            shorter = [(start_by, other) for start_by, other in watch if self._stream_step_s(other) < own]
-            tail_first = min((start_by for start_by, _ in shorter), default=math.inf)
-        last = time.monotonic()
+        last = resumed
         try:
             while True:
                 next(run.gen)
                 now = time.monotonic()
                 run.boundaries += 1
+                if SLICE_SPAN and watch and run.predicted_s is None and run.boundaries == 1:
+                    # scheduled now: the step's predicted own time is known, so the span rule can judge it
+                    run.predicted_s = self._predicted_s(name, run)
+                    if run.predicted_s is not None:
+                        watch = self._span_due(name, run, watch, now, run.own_s + now - resumed)
+                        first, shorter, tail_first = self._watch_times(name, watch)
                 # SLICE_AHEAD: suspend at the last boundary before the due time, not the first one after it (the
                 # layer just run stands for the next; after the last layer, the model's last tail: SLICE_TAIL)
                 ahead = now - last if SLICE_AHEAD else 0.0
                 last = now
                 if run.boundaries == layers and tail_first <= now + tail:
                     run.cpu += time.thread_time() - cpu
+                    run.own_s += now - resumed
                     return min((start_by, other) for start_by, other in shorter if start_by <= now + tail)[1]
                 if first <= now + ahead:  # the whole cost of a boundary where nothing is due: a clock read, compares
                     due = [(start_by, other) for start_by, other in watch if start_by <= now + ahead]
                     run.cpu += time.thread_time() - cpu
+                    run.own_s += now - resumed
                     return min(due)[1]
         except StopIteration as done:
             run.outputs = done.value
@@ -435,6 +466,45 @@ class MultiEngine:
                 self._layers[name], self._tail_s[name] = run.boundaries, time.monotonic() - last
             run.cpu += time.thread_time() - cpu
             return None
+
+    def _watch_times(self, name: str, watch: list[tuple[float, str]]) -> tuple[float, list[tuple[float, str]], float]:
+        """For _advance: the first due time; and (SLICE_TAIL) the models with shorter steps than `name`'s, for
+        which its tail is waited out, and the first of their due times."""
+        first = min((start_by for start_by, _ in watch), default=math.inf)
+        if not (SLICE_TAIL and self._layers.get(name, 0)):
+            return first, [], math.inf
+        # the tail is waited out only for models with shorter steps than this one: an int4 step suspended before its
+        # ~3 ms tail let a whole 28 ms float32 step run first, and its stream's gap was 56 ms (2026-11-24 13:34 UTC
+        # step log)
+        own = self._stream_step_s(name)
+        shorter = [(start_by, other) for start_by, other in watch if self._stream_step_s(other) < own]
+        return first, shorter, min((start_by for start_by, _ in shorter), default=math.inf)
+
+    def _predicted_s(self, name: str, run: "_Run") -> float | None:
+        """The own time of `name`'s step under way as its step-time model predicts it (scaled as the scheduler
+        sized it); None when the step was not sized by one."""
+        sched = self.engines[name].scheduler
+        if run.steps_before in (None, sched.num_steps) or sched.step_time is None or sched.last_shape is None:
+            return None
+        return sched.step_time(sched.last_shape) * sched.last_scale
+
+    def _span_due(self, name: str, run: "_Run", watch: list[tuple[float, str]], now: float,
+                  own_s: float) -> list[tuple[float, str]]:
+        """SLICE_SPAN: the other models' due times, later where `name`'s own streams would otherwise wait longer
+        than its whole step-time target (about its gap served alone). Each round of the others costs their steps
+        plus the loop's time between two steps (`_loop_s`) and gives this step g of its own; the rest of its
+        predicted own time, `rest`, must fit in what is left of the target, `left`: rest x (1 + round / g) <= left,
+        so g >= rest x round / (left - rest). g stays within [what SLICE_DUE gives, SLICE_DUE_MAX x their step]: a
+        short-step model's gap is its step plus g, and its own 1.2x-alone bound is what caps it."""
+        target = self._step_ms.get(name, 0.0) / 1e3
+        if target <= 0 or name in self._debut or run.predicted_s is None or not has_streams(self.engines[name]):
+            return watch
+        rest = max(run.predicted_s - own_s, 0.0)
+        left = target - (now - self._since.get(name, run.start))
+        round_s = sum(self._stream_step_s(other) + self._loop_s for _, other in watch)
+        need = rest * round_s / (left - rest) if left > rest else math.inf
+        return [(max(start_by, self._since.get(other, 0.0) + self._loop_s
+                     + min(need, SLICE_DUE_MAX * self._stream_step_s(other))), other) for start_by, other in watch]
 
     def _preemptors(self, name: str, busy: list[str]) -> list[tuple[float, str]]:
         """(when due, model) of every other model that may preempt `name`'s step (see _advance)."""
@@ -490,7 +560,28 @@ class MultiEngine:
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
+        self._pace_prefaults()
         return outputs
+
+    def _pace_prefaults(self) -> None:
+        """Every model's KV pool prefault (engine/prefault.py) populates only while the whole loop has nothing to
+        run. Why: an Engine paces its own pool by its own requests (Engine._pace_prefault), so an idle model's pool
+        was populated beside the other model's steps, which then ran slower. In the benchmark's traffic right after a
+        start (2026-11-24 15:43 UTC step log, `/tmp` instrumentation), float32 steps while the idle int4 model's
+        prefault was free to run took 146-181 ms of their own against a 120 ms target: four of float32's eight
+        largest gaps. In the served A/B (16:06 UTC) float32's and int4's p99 gaps were 1.30x and 1.35x alone
+        without this, 1.02x and 1.13x with it (benchmarks/summaries/multi_model.md, run V)."""
+        if not LOOP_PREFAULT:
+            return
+        go = not self.has_unfinished()
+        for engine in self.engines.values():
+            event = getattr(engine, "prefault_go", None)
+            if event is None:
+                continue
+            if go:
+                event.set()
+            else:
+                event.clear()
 
     def steps_since(self, since: float, origin: float) -> list[tuple]:
         """The recorded steps that ended after `since`, their times in seconds after `origin`."""
@@ -580,6 +671,9 @@ class _Run:
     cpu: float = 0.0
     outputs: list[RequestOutput] = field(default_factory=list)
     boundaries: int = 0  # layer boundaries passed so far
+    own_s: float = 0.0  # wall time it ran (not suspended) before this call (SLICE_SPAN)
+    predicted_s: float | None = None  # its own time, as the step-time model predicts it once scheduled (SLICE_SPAN)
+    steps_before: int | None = None  # its scheduler's step count before it was scheduled: tells that it was
 
 
 def sliceable(engine: Engine) -> bool:

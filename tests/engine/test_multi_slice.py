@@ -187,7 +187,7 @@ def test_a_debut_step_lets_the_other_streams_wait_debut_due_times_their_step(tin
 
 def test_sliced_step_targets_count_the_other_models_steps_run_inside(tiny_dirs, monkeypatch):
     monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
-    monkeypatch.setattr(multi_module, "SLICE_TAIL", True)  # off by default (docs/multi-model.md); the rule itself
+    monkeypatch.setattr(multi_module, "SLICE_TAIL", True)  # the default; set here: the rule itself
     engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
     multi._step_ms = {"llama": 150.0, "qwen2": 120.0}  # each model's own target (no profile for the tiny models)
@@ -288,7 +288,7 @@ def test_the_boundary_after_the_last_layer_is_judged_by_the_models_last_tail(tin
 
 def test_streams_given_their_first_token_by_a_prompt_step_are_due_by_a_decode_step(tiny_dirs, monkeypatch):
     monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
-    monkeypatch.setattr(multi_module, "SLICE_STREAM_DUE", True)  # off by default (docs/multi-model.md)
+    monkeypatch.setattr(multi_module, "SLICE_STREAM_DUE", True)  # the default; set here: the rule itself
     engines, multi = llama_streaming(tiny_dirs)
     engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)
     multi._since = {"llama": 10.0, "qwen2": 10.0}
@@ -321,3 +321,77 @@ def test_the_last_step_of_decodes_alone_is_recorded_and_a_prompt_step_leaves_it(
     multi.add_request("b", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), model="llama")
     multi.step()  # b's prompt beside a's decode
     assert engines["llama"].last_step.num_prefill_tokens > 0 and multi._decode_s["llama"] == decode.duration
+
+
+def both_streaming(tiny_dirs) -> tuple[dict, MultiEngine]:
+    """Both tiny models in one MultiEngine (no step-time target), each with one stream decoding."""
+    engines, multi = llama_streaming(tiny_dirs)
+    engines["qwen2"].add_request("q", "x y", GREEDY)
+    while not has_streams(engines["qwen2"]):
+        engines["qwen2"].step()
+    return engines, multi
+
+
+def test_a_step_that_would_outlast_its_target_lets_the_other_model_wait_longer(tiny_dirs, monkeypatch):
+    """SLICE_SPAN: qwen2's step (predicted 45 ms of its own) beside llama's 10 ms steps; qwen2's streams last ended
+    50 ms ago, its whole target is 120 ms: 70 ms left for 45 ms of its own, so each llama round (10 ms step + 1 ms of
+    loop) must leave it g >= 45 x 11 / 25 = 19.8 ms, capped at SLICE_DUE_MAX x 10 ms."""
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
+    monkeypatch.setattr(multi_module, "SLICE_DUE_MAX", 0.8)
+    engines, multi = both_streaming(tiny_dirs)
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.010)
+    multi._step_ms["qwen2"] = 120.0
+    multi._since = {"llama": 10.0, "qwen2": 9.95}
+    multi._loop_s = 0.001
+    busy = ["llama", "qwen2"]
+    watch = multi._preemptors("qwen2", busy)
+    assert watch == [(pytest.approx(10.005), "llama")]  # SLICE_DUE: half llama's step
+    run = multi_module._Run(iter(()), True, 9.99, predicted_s=0.045)
+
+    def due(predicted_s: float, own_s: float = 0.0) -> float:
+        run.predicted_s = predicted_s
+        return multi._span_due("qwen2", run, watch, 10.0, own_s)[0][0]
+
+    assert due(0.045) == pytest.approx(10.0 + 0.001 + 0.008)  # capped: llama's gap stays its step + 9 ms
+    assert due(0.020) == pytest.approx(10.0 + 0.001 + 0.020 * 0.011 / 0.050)  # between: 4.4 ms each round
+    assert due(0.010) == pytest.approx(10.005)  # fits beside SLICE_DUE's rounds: unchanged
+    assert due(0.045, own_s=0.040) == pytest.approx(10.005)  # nearly done: 5 ms of 70 left
+    multi._step_ms["qwen2"] = 0.0  # no target of its own: nothing to aim at
+    assert due(0.045) == pytest.approx(10.005)
+    multi._step_ms["qwen2"] = 120.0
+    engines["qwen2"].abort("q")  # no stream of its own waits on this step
+    engines["qwen2"].step()
+    assert not has_streams(engines["qwen2"]) and due(0.045) == pytest.approx(10.005)
+
+
+def test_a_sliced_step_learns_its_predicted_time_once_scheduled(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(multi_module, "SLICE_SPAN", True)
+    engines, multi = both_streaming(tiny_dirs)
+    sched = engines["qwen2"].scheduler
+    sched.step_time = lambda shape: 0.004 + 0.002 * shape.num_decodes  # no profile for the tiny model: a stand-in
+    sched.step_time_scale = 1.5
+    multi._step_ms["qwen2"] = sched.config.max_step_ms = 120.0
+    judged = []
+    real = multi._span_due
+    monkeypatch.setattr(multi, "_span_due", lambda *a: judged.append(a[1].predicted_s) or real(*a))
+    monkeypatch.setattr(multi, "_preemptors", lambda name, busy: [(time.monotonic() + 100.0, "llama")])
+    busy = ["llama", "qwen2"]
+    run = multi._start("qwen2", busy, True)
+    assert run.predicted_s is None
+    assert multi._advance("qwen2", run, busy) is None  # nothing came due: the step ran to its end
+    assert run.predicted_s == pytest.approx(1.5 * 0.006) and judged == [run.predicted_s]
+
+
+def test_an_idle_models_kv_prefault_waits_while_another_model_runs(tiny_dirs):
+    """An Engine paces its pool's prefault by its own requests only: the loop holds every model's back while any
+    model has work (beside the other model's steps it slowed them), and lets them all go once nothing runs."""
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    assert all(e.prefault_go.is_set() for e in engines.values())
+    multi.add_request("a", PROMPTS[0], GREEDY, model="llama")
+    assert not engines["qwen2"].prefault_go.is_set()  # qwen2 is idle, but llama's steps are coming
+    multi.step()
+    assert not any(e.prefault_go.is_set() for e in engines.values())
+    while multi.has_unfinished():
+        multi.step()
+    assert all(e.prefault_go.is_set() for e in engines.values())
