@@ -30,14 +30,13 @@ _ARGMAX: list = []  # the C++ argmax (fused_kernel.py) or None, found once per p
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1), by the fused op for float32 CPU rows (torch's took ~0.65 ms over 32 x 49152
     logits, most of the sampler's time in a 32-decode step; the op's result is the same index)."""
-    if not _ARGMAX:
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0 \
+            or logits.stride(1) != 1:
+        return logits.argmax(dim=-1)
+    if not _ARGMAX:  # looked up on the first CPU call only: a CUDA server never builds the CPU op for this
         ops = fused_kernel.load()
         _ARGMAX.append(ops.argmax_rows if ops is not None else None)
-    op = _ARGMAX[0]
-    if op is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
-            and logits.shape[1] > 0 and logits.stride(1) == 1:
-        return op(logits)
-    return logits.argmax(dim=-1)
+    return logits.argmax(dim=-1) if _ARGMAX[0] is None else _ARGMAX[0](logits)
 
 
 @dataclass
