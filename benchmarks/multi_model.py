@@ -266,19 +266,13 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=0.0,
                    help="seconds each server idles once up before its traffic starts (its KV prefault runs then)")
     p.add_argument("--out", default=None, help="folder for logs and results.json (default: a temp folder)")
+    one_loop = ", ".join(ONE_LOOP_VARIANTS)
+    switches = ", ".join("switch" + (f"-{k}" if k else "") for k in SWITCH_VARIANTS)
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
-                   help="comma-separated parts: alone, one-loop variants (ONE_LOOP_VARIANTS, run in the order "
-                        "given: one-loop, one-loop-unsliced, one-loop-sliced-before, one-loop-before-tail, one-loop-tail-rules, "
-                        "one-loop-tail-only, one-loop-due-0.4, one-loop-due-0.6, one-loop-due-0.7, one-loop-span, one-loop-before-span, "
-                        "one-loop-span-only, one-loop-own-prefault, one-loop-due-max-0.8, one-loop-due-max-0.85), "
-                        "two-processes (prepare: load both "
-                        "once, so that a switch finds their runtime "
-                        "snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the order "
-                        "given: switch, switch-int4, switch-before, switch-int4-before, switch-unsliced, "
-                        "switch-int4-unsliced, switch-sliced-before, switch-before-tail, switch-int4-before-tail, "
-                        "switch-tail-rules, switch-span, "
-                        "switch-nice19, "
-                        "switch-pack-first, switch-warm-up, switch-whole, switch-int4-whole")
+                   help=f"comma-separated parts: alone, one-loop variants (ONE_LOOP_VARIANTS, run in the order given: "
+                        f"{one_loop}), two-processes (prepare: load both once, so that a switch finds their runtime "
+                        f"snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the "
+                        f"order given: {switches}")
     args = p.parse_args()
     global SETTLE_S
     SETTLE_S = args.settle
