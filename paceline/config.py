@@ -27,6 +27,11 @@ STEP_TARGET_FRACTION = 0.75
 # (67.5 ms) the engine's part of the gap was 59-101 ms in six runs, at 0.35 50-61 ms in four; prompts that pay for
 # the time keep the full target, so the 32-stream probe ran the same steps at both (docs/scheduling.md)
 SHORT_STEP_FRACTION = 0.35
+# The target a step holds to when its prompt chunk is worth a full step but no other prompt waits behind it
+# (Scheduler.step_target_ms), as a fraction of max_step_ms: 72 ms under the 120 ms default. A full-target step buys
+# the prompts queued behind it their turn sooner; with none queued it buys only this prompt a few tens of ms of TTFT
+# and every running stream pays for them in its token gap (docs/scheduling.md, "A calm target")
+CALM_STEP_FRACTION = 0.6
 
 
 # `--max-num-seqs auto` / `--max-num-batched-tokens auto` (core/auto_batch.py): chosen before every step from the
@@ -105,6 +110,10 @@ class SchedulerConfig:
     # derives max_step_ms from its tbt_goal_ms derives this too (SHORT_STEP_FRACTION x max_step_ms)
     short_step_ms: float | None = None
     short_step_ms_given: bool = field(init=False, default=False, repr=False)
+    # the step target for a chunk worth a full step when no other prompt is queued behind it (waiting, swapped or
+    # mid-prefill); 0: off. None: not given; derived like short_step_ms (CALM_STEP_FRACTION x max_step_ms)
+    calm_step_ms: float | None = None
+    calm_step_ms_given: bool = field(init=False, default=False, repr=False)
     # time slices: a request demoted to level L queues as if it had arrived L * level_aging_s after its demotion,
     # so fresh work passes it only for a while (0: strict levels, which can starve it under sustained load)
     level_aging_s: float = 5.0
@@ -125,6 +134,9 @@ class SchedulerConfig:
         self.short_step_ms_given = self.short_step_ms is not None
         if self.short_step_ms is None:
             self.short_step_ms = 0.0
+        self.calm_step_ms_given = self.calm_step_ms is not None
+        if self.calm_step_ms is None:
+            self.calm_step_ms = 0.0
         if self.policy not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {self.policy!r}; choose one of {', '.join(SCHEDULERS)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -141,6 +153,8 @@ class SchedulerConfig:
             raise ValueError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
         if self.short_step_ms < 0:
             raise ValueError(f"short_step_ms must be >= 0, got {self.short_step_ms}")
+        if self.calm_step_ms < 0:
+            raise ValueError(f"calm_step_ms must be >= 0, got {self.calm_step_ms}")
         if self.time_slice_tokens < 0:
             raise ValueError(f"time_slice_tokens must be >= 0, got {self.time_slice_tokens}")
         if self.time_slice_ms < 0:
@@ -216,3 +230,5 @@ class EngineConfig:
             s.max_step_ms = step_target_ms(self.tbt_goal_ms)
             if not s.short_step_ms_given:
                 s.short_step_ms = s.max_step_ms * SHORT_STEP_FRACTION
+            if not s.calm_step_ms_given:
+                s.calm_step_ms = s.max_step_ms * CALM_STEP_FRACTION

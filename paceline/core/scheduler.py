@@ -77,6 +77,7 @@ class Step:
     preempted: set[str] = field(default_factory=set)  # preempted now: not admitted or swapped in again this step
     shape: BatchShape | None = None  # what the step-time model sees of the step so far (max_step_ms only)
     target_ms: float = 0.0  # the smallest step-time target a chunk of this step was sized to (0: none was)
+    queued_prompts: int = 0  # prompts wanting compute when the step began (waiting, swapped, mid-prefill); calm target only
 
     @property
     def budget(self) -> int:
@@ -241,6 +242,10 @@ class Scheduler:
         step = Step(now, self.config.max_num_batched_tokens, SchedulerOutput(now=now))
         if self.config.max_step_ms > 0:
             step.shape = BatchShape()
+            if self.config.calm_step_ms > 0:
+                step.queued_prompts = len(self.waiting) + len(self.swapped) + sum(
+                    1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1
+                    or len(r.token_ids) == len(r.prompt_token_ids))
         if self.slicing:
             preempt_used_slices(self, step)
         self.policy(self, step)
@@ -387,7 +392,7 @@ class Scheduler:
         # step decodes in the next, which the limit bounds again)
         if shape is None or n <= 0 or shape.num_decodes == 0:
             return n
-        target_ms = self.step_target_ms(shape, request, start)
+        target_ms = self.step_target_ms(shape, request, start, others_queued=step.queued_prompts > 1)
         step.target_ms = min(step.target_ms or target_ms, target_ms)
         limit = target_ms / 1000.0 / self.step_time_scale
 
@@ -414,9 +419,10 @@ class Scheduler:
             lo = max(lo, min(n, self.block_size))
         return lo
 
-    def step_target_ms(self, shape: BatchShape, request: Request, start: int) -> float:
+    def step_target_ms(self, shape: BatchShape, request: Request, start: int, others_queued: bool = True) -> float:
         """The step-time target a chunk of `request` from `start` may fill, beside the decodes already in `shape`:
-        max_step_ms when the rest of its prompt is worth that long a step, else short_step_ms.
+        max_step_ms when the rest of its prompt is worth that long a step and other prompts are queued behind it,
+        calm_step_ms when it is worth it but none is (`others_queued`), else short_step_ms.
 
         Why: a step's length is every running stream's token gap, while its prompt chunk only moves one prompt on.
         Throughput decides which matters more: the running decodes cost D / N a token now (D the predicted time of
@@ -426,9 +432,15 @@ class Scheduler:
         step is held short: a lone long prompt beside a few streams (issue 13's stall probe: 1,500 tokens, one
         token out, beside 6 streams) no longer makes every stream wait for a full-target step, while a queue of
         short prompts that will each decode for a while (the 32-stream probe, chat's median request) still gets
-        the full target and enters the batch as fast as before."""
+        the full target and enters the batch as fast as before.
+
+        The calm target: a full step moves the queue behind the prompt on (their TTFT, and the batch fills sooner),
+        but a prompt alone in the queue gains only its own few tens of ms of TTFT from it, which every running
+        stream pays in its token gap; an unsaturated server (chat at 0.5 req/s) is in that case almost always."""
         cfg = self.config
         full, short = cfg.max_step_ms, cfg.short_step_ms
+        if not others_queued and 0 < cfg.calm_step_ms < full:
+            full = cfg.calm_step_ms
         if short <= 0 or short >= full:
             return full
         decodes = BatchShape(num_decodes=shape.num_decodes, num_requests=shape.num_decodes,

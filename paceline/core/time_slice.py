@@ -1,7 +1,8 @@
 """Time slices (`--time-slice-tokens N`, `--time-slice-ms MS`): a decoding request that has used its slice since
 it was last admitted yields its seat to queued work, through the scheduler's own preemption (swap or recompute).
 
-- A slice counts a request's output tokens (or time) since it was last admitted or swapped in; a prompt being
+- A slice counts a request's output tokens (or time) since it was last admitted or swapped in, and ends only once
+  the request has made a token in it (a re-prefill after recompute makes none); a prompt being
   prefilled is never cut by a slice. Only queued work that would not get a seat otherwise takes one this way:
   with free seats nothing is cut.
 - With fcfs or priority order the slices are a multi-level feedback queue between all requests (FastServe's
@@ -32,6 +33,11 @@ def slice_used(sched: Scheduler, r: Request, now: float, doubled: bool = True) -
     """Whether r has run its slice since it was last admitted: level L's (2**L times the first) when `doubled`,
     else the first one (the minimum residency)."""
     cfg = sched.config
+    if r.num_output_tokens <= r.slice_mark:
+        # no token yet in this residency (a recomputed request's re-prefill is not one): cut now, it would lose that
+        # work and could come back to be cut the same way, two clients trading a seat forever (the state machine
+        # found it: fair, recompute, one seat, ms slices shorter than the re-prefill)
+        return False
     scale = 1 << min(r.slice_level, 30) if doubled else 1
     if cfg.time_slice_tokens and r.num_output_tokens - r.slice_mark >= cfg.time_slice_tokens * scale:
         return True

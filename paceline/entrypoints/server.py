@@ -772,6 +772,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_queue_delay_s": (SchedulerConfig, "max_queue_delay_s"),
     "max_step_ms": (SchedulerConfig, "max_step_ms"),
     "short_step_ms": (SchedulerConfig, "short_step_ms"),
+    "calm_step_ms": (SchedulerConfig, "calm_step_ms"),
     "time_slice_tokens": (SchedulerConfig, "time_slice_tokens"),
     "time_slice_ms": (SchedulerConfig, "time_slice_ms"),
     "level_aging_s": (SchedulerConfig, "level_aging_s"),
@@ -784,8 +785,8 @@ _FLAGS: dict[str, tuple[type, str]] = {
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from paceline.config import (PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, STEP_TARGET_FRACTION, int_or_auto,
-                                 scheduler_name)
+    from paceline.config import (CALM_STEP_FRACTION, PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES,
+                                 STEP_TARGET_FRACTION, int_or_auto, scheduler_name)
 
     def flag(name: str, help: str, old: str | None = None, **kw: Any) -> None:
         """--name; `old`: the flag's former spelling, still accepted but not shown."""
@@ -846,6 +847,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
          "below your TBT SLO (0: off)", type=float)
     flag("short_step_ms", "stall-free: the step target for a chunk whose prompt costs more per token it can bring "
          "than a decode costs now (0: off; default 0.35 x the target derived from --tbt-goal-ms)", type=float)
+    flag("calm_step_ms", "stall-free: the step target for a chunk no other prompt is queued behind (0: off; default "
+         f"{CALM_STEP_FRACTION:g} x the target derived from --tbt-goal-ms)", type=float)
     flag("time_slice_tokens", "preempt a decoding request after this many output tokens (doubling per demotion) "
          "when queued work waits for its seat (0: off)", type=int)
     flag("time_slice_ms", "the same in ms of residency (0: off)", type=float)

@@ -205,6 +205,29 @@ def test_slices_in_milliseconds_and_recompute_counts_the_recomputed_tokens():
     assert sched.stats().num_recomputed_tokens == computed and r1.num_output_tokens == 20
 
 
+
+def test_a_slice_never_ends_before_its_first_token_so_recomputed_requests_cannot_trade_a_seat_forever():
+    # the state machine's case: two clients, one seat, recompute, 2 s slices; a resumed request spent its slice
+    # on its re-prefill and was cut right before its next token, every time, each client's recompute making it
+    # the more served one. Now a residency ends only after a token of its own
+    sched = make_scheduler(scheduling_policy="fair", budget=4, max_seqs=1, num_blocks=6, block_size=2,
+                           time_slice_ms=2000, preemption_mode="recompute")
+    r1, r2 = req("r1", 1, max_tokens=11), req("r2", 3, max_tokens=9, client="a")
+    sched.add_request(r1)
+    sched.add_request(r2)
+    tokens_at_cut = {}
+    now = 0.0
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        now += 1.0
+        marks = {r.request_id: r.slice_mark for r in sched.running}
+        out = step(sched, now).out
+        for rid in out.preempted_ids:
+            tokens_at_cut.setdefault(rid, []).append(sched.requests[rid].num_output_tokens - marks[rid])
+    assert not sched.has_unfinished() and r1.num_output_tokens == 11 and r2.num_output_tokens == 9
+    assert tokens_at_cut and all(n >= 1 for cuts in tokens_at_cut.values() for n in cuts), tokens_at_cut
+
 def test_fair_with_slices_gives_the_light_client_a_heavy_clients_seat():
     sched = make_scheduler(scheduling_policy="fair", budget=64, max_seqs=2, time_slice_tokens=4,
                            preemption_mode="swap", host_blocks=200)
