@@ -349,7 +349,7 @@ template <int R, bool NIB>
 __attribute__((noinline)) void tile_rows_vnni(const int8_t* xs, int64_t sstride, const float* a, const float* s,
                                               const int32_t* off, const float* xo, int64_t M, int G,
                                               const uint8_t* tile, const float* b, float* y, c10::BFloat16* ybf,
-                                              int64_t ldy, int nn) {
+                                              int64_t ldy, int nn, const uint8_t* pf) {
   const __m512i low = _mm512_set1_epi8(0x0F), lowd = _mm512_set1_epi32(0x0F);
   const __m512i nibshift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
   // the block's codes as bytes, one step of 4 inputs x 16 columns per 64 bytes, and 64 bytes of slack: an
@@ -359,6 +359,8 @@ __attribute__((noinline)) void tile_rows_vnni(const int8_t* xs, int64_t sstride,
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
     const uint8_t* blk = tile + size_t(g) * block_bytes<NIB>();
+    if (pf != nullptr)  // the next tile's block into L2, a block per block (see run_vnni)
+      for (int l = 0; l < block_bytes<NIB>(); l += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + size_t(g) * block_bytes<NIB>() + l), _MM_HINT_T1);
     const uint8_t* codes = NIB ? steps : blk;  // bytes: the pack's own steps (the scales follow the last one)
     const int8_t* xg = xs + int64_t(g) * STEPS * sstride;
     const int64_t gi = int64_t(g) * M;
@@ -417,18 +419,21 @@ void run_vnni(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N
     for (int t = 0; t < T_; ++t) {
       const uint8_t* tile = w + size_t(t) * G * block_bytes<NIB>();
       const int n0 = t * TILE, nn = int(std::min<int64_t>(TILE, N - n0));
+      // the first pass over a tile pulls the next one into L2
+      const uint8_t* next = t + 1 < T_ ? tile + size_t(G) * block_bytes<NIB>() : nullptr;
       for (int p = 0, m0 = mc; p < passes; ++p) {
         const int R = (mc + mn - m0 + (passes - p) - 1) / (passes - p);  // rows split evenly over the passes
+        const uint8_t* pf = p == 0 ? next : nullptr;
         const int8_t* xr = xs.get() + 4 * int64_t(m0);
         const float *ar = a.get() + m0, *sr = s.get() + m0, *xr_o = xo.get() + m0;
         const int32_t* tr = off.get() + m0;
         float* yr = y == nullptr ? nullptr : y + int64_t(m0) * N + n0;
         c10::BFloat16* yb = ybf == nullptr ? nullptr : ybf + int64_t(m0) * N + n0;
         switch (R) {
-#define W4A8_CASE(n) case n: tile_rows_vnni<n, NIB>(xr, 4 * int64_t(M), ar, sr, tr, xr_o, M, G, tile, b + n0, yr, yb, N, nn); break;
+#define W4A8_CASE(n) case n: tile_rows_vnni<n, NIB>(xr, 4 * int64_t(M), ar, sr, tr, xr_o, M, G, tile, b + n0, yr, yb, N, nn, pf); break;
           W4A8_CASE(1) W4A8_CASE(2) W4A8_CASE(3) W4A8_CASE(4) W4A8_CASE(5) W4A8_CASE(6) W4A8_CASE(7) W4A8_CASE(8)
           W4A8_CASE(9) W4A8_CASE(10) W4A8_CASE(11)
-          default: tile_rows_vnni<12, NIB>(xr, 4 * int64_t(M), ar, sr, tr, xr_o, M, G, tile, b + n0, yr, yb, N, nn); break;
+          default: tile_rows_vnni<12, NIB>(xr, 4 * int64_t(M), ar, sr, tr, xr_o, M, G, tile, b + n0, yr, yb, N, nn, pf); break;
 #undef W4A8_CASE
         }
         m0 += R;
