@@ -42,6 +42,16 @@ activation quantizer searches each block with vector reductions instead of a com
 integer block sums are exact in both and the float32 operations are the same, lane by lane and in the same order,
 so the two builds give the same bits (tests/model/test_w4a8.py checks it). Zen 4 runs a zmm instruction as two
 256-bit halves; zmm still beat ymm VNNI here (fewer instructions a step: one code vector, one broadcast per row).
+The VNNI build's data path (run_vnni): the quantizer writes the int8 activations step-major ([K / 4][M][4]) and
+the per-block values as [G][M], so a pass of R rows reads them through one pointer with constant offsets (row-major,
+the 12 rows' pointers spilled to the stack and were reloaded every block); the quantizer and the tiles share one
+parallel region; bfloat16 sums are rounded and stored from the registers (no float32 scratch of the whole output,
+no zeroed buffers); and the first pass over a tile prefetches the next tile into L2 (a weight streamed from memory
+ran ~10 % slower than one in cache without it). 1.11-1.13x on one layer's four linears at 7-32 rows, the same
+bits (docs/performance.md, 2026-11-24). What bounds it now: on Zen 4 vpdpbusd and the float32 multiply/FMAs share
+the two FMA pipes (a loop of both runs at their summed rate, 3.66 G zmm ops/s a core here), and each row and block
+costs 8 vpdpbusd and 5 multiply/FMAs (scale, minimum, the taken-out element), so these numerics cap the op at 8/13
+of the vpdpbusd rate, ~288 GMAC/s on 2 cores; it runs 230-257 at 32-64 rows.
 `PACELINE_W4A8_ISA=avx2` forces the AVX2 build (A/B runs, tests); the key of a build hashes its flags, so the two
 never share a file. Built with int4_kernel.load_op (same cache, lock and fallback). `PACELINE_W4A8_KERNEL=0` switches it off (the
 model then serves those steps as before; PACELINE_W4A8_LINEARS, llama.py, picks the linears). CUDA never builds it (Int4Linear is CPU only).
@@ -551,7 +561,7 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const
     std::memcpy(b.data(), bf.data_ptr<float>(), sizeof(float) * n);
   }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  auto y = at::empty({M, n}, x.options());  // x's dtype; for bfloat16 the float32 sums go to a scratch first
+  auto y = at::empty({M, n}, x.options());  // x's dtype (the AVX2 build writes bfloat16 through a float32 scratch)
   if (M == 0) return y;
   const int nthreads = std::max(1, at::get_num_threads());
   const int workers = std::min(nthreads, T_);
