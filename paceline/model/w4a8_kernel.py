@@ -47,11 +47,11 @@ the per-block values as [G][M], so a pass of R rows reads them through one point
 the 12 rows' pointers spilled to the stack and were reloaded every block); the quantizer and the tiles share one
 parallel region; bfloat16 sums are rounded and stored from the registers (no float32 scratch of the whole output,
 no zeroed buffers); and the first pass over a tile prefetches the next tile into L2 (a weight streamed from memory
-ran ~10 % slower than one in cache without it). 1.11-1.13x on one layer's four linears at 7-32 rows, the same
-bits (docs/performance.md, 2026-11-24). What bounds it now: on Zen 4 vpdpbusd and the float32 multiply/FMAs share
-the two FMA pipes (a loop of both runs at their summed rate, 3.66 G zmm ops/s a core here), and each row and block
-costs 8 vpdpbusd and 5 multiply/FMAs (scale, minimum, the taken-out element), so these numerics cap the op at 8/13
-of the vpdpbusd rate, ~288 GMAC/s on 2 cores; it runs 230-257 at 32-64 rows.
+ran ~10 % slower than one in cache without it). The same bits; figures in docs/performance.md (2026-11-24). What
+bounds it now: on Zen 4 vpdpbusd and the float32 multiply/FMAs share the FMA pipes (in a loop of independent ones,
+vpdpbusd alone, FMAs alone and a mix of both ran at the same total rate), and each row and block costs 8 vpdpbusd
+and 5 multiplies/FMAs (scale, minimum, the taken-out element), so these numerics cap the op at 8/13 of the
+vpdpbusd rate.
 `PACELINE_W4A8_ISA=avx2` forces the AVX2 build (A/B runs, tests); the key of a build hashes its flags, so the two
 never share a file. Built with int4_kernel.load_op (same cache, lock and fallback). `PACELINE_W4A8_KERNEL=0` switches it off (the
 model then serves those steps as before; PACELINE_W4A8_LINEARS, llama.py, picks the linears). CUDA never builds it (Int4Linear is CPU only).
