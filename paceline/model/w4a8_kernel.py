@@ -230,8 +230,8 @@ void quantize_steps(const T* x, int64_t ldx, int M, int K, int8_t* xs, float* a,
       alignas(16) int32_t q4[8];  // the block's 8 steps of 4 int8 (|q| <= 127: the narrowing never saturates)
       _mm_store_si128(reinterpret_cast<__m128i*>(q4), _mm512_cvtsepi32_epi8(q0));
       _mm_store_si128(reinterpret_cast<__m128i*>(q4 + 4), _mm512_cvtsepi32_epi8(q1));
-      int32_t* out = reinterpret_cast<int32_t*>(xs) + int64_t(g) * STEPS * M + m;
-      for (int st = 0; st < STEPS; ++st) out[int64_t(st) * M] = q4[st];
+      int8_t* out = xs + 4 * (int64_t(g) * STEPS * M + m);  // bytes, read back with memcpy: no type punning
+      for (int st = 0; st < STEPS; ++st) std::memcpy(out + 4 * int64_t(st) * M, q4 + st, 4);
     }
 }
 #define QUANTIZE_ROWS quantize_rows_avx512
