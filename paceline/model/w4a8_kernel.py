@@ -453,7 +453,6 @@ void run_vnni(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N
   }
 }
 #define W4A8_VNNI 1
-#define TILE_ROWS tile_rows_vnni
 #define MAX_ROWS 12
 #define BEST_ROWS 12  // rows per pass when the caller says 0: measured, see the module's docstring
 #else
