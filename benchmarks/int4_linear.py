@@ -16,6 +16,11 @@ micro-kernel pass) against the float32 copy and the int4 op, at the model's shap
 with int4 codes of a random matrix: the bundled model's head is not int4; it is here for its size), interleaved:
 
     python benchmarks/int4_linear.py --w4a8 --rows 1,6,32,64,256,512 --w4a8-variants b4,n4,b6,n5
+
+With `--w4a8-before REV` the w4a8 op as it was at git revision REV (built under its own name) runs beside it, every
+variant with either op, and `--bf16` feeds bfloat16 rows (as the int4 model serves them) instead of float32:
+
+    python benchmarks/int4_linear.py --w4a8 --rows 7,12,32,64 --w4a8-variants n0 --w4a8-before 413c79c --bf16
 """
 from __future__ import annotations
 
@@ -127,13 +132,22 @@ def bench_sweep(shapes: list[tuple[str, int, int]], rows: list[int], repeats: in
         print(f"| {m} | " + " | ".join(f"{t[c]:.1f}" for c in names) + f" | {t['fp32 oneDNN'] / t['int4']:.2f}x |")
 
 
-def bench_w4a8(shapes: list[tuple[str, int, int]], rows: list[int], repeats: int, variants: list[str]) -> None:
-    """variants: b<R> (codes as bytes) or n<R> (nibbles), R rows per micro-kernel pass."""
+def bench_w4a8(shapes: list[tuple[str, int, int]], rows: list[int], repeats: int, variants: list[str],
+               before: str | None = None, bf16: bool = False) -> None:
+    """variants: b<R> (codes as bytes) or n<R> (nibbles), R rows per micro-kernel pass (0: the build's best);
+    before: also the w4a8 op of that git revision; bf16: bfloat16 rows in place of float32."""
     from paceline.model import w4a8_kernel
     op4, op8 = int4_kernel.load(), w4a8_kernel.load()
     if op8 is None:
         raise SystemExit("the C++ w4a8 kernel cannot be built here")
-    names = ["fp32 oneDNN", "int4 op", *(f"w4a8 {v}" for v in variants)]
+    builds = {"": (op8, w4a8_kernel.pack)}
+    if before:
+        old = kernel_module_at(before, "w4a8_kernel")
+        old_op = old.op_for(old.isa())
+        if old_op is None:
+            raise SystemExit(f"the w4a8 op of {before} cannot be built here")
+        builds = {f" @{before}": (old_op, old.pack), **builds}
+    names = ["fp32 oneDNN", "int4 op", *(f"w4a8 {v}{tag}" for tag in builds for v in variants)]
     print("| linear (N x K) | rows | " + " | ".join(f"{n} us" for n in names) + " | " +
           " | ".join(f"{n} GFLOP/s" for n in names[2:]) + " | fp32 / best w4a8 |")
     print("|---|---:|" + "---:|" * (2 * len(names) - 1))
@@ -143,16 +157,18 @@ def bench_w4a8(shapes: list[tuple[str, int, int]], rows: list[int], repeats: int
         codes, scale, lo = int4_codes(w)
         dense = Linear((lo[..., None] + codes.view(n, -1, INT4_GROUP) * scale[..., None]).view(n, k), None, True)
         p4 = int4_kernel.pack(codes, scale, lo + 8 * scale)
-        p8 = {nib: w4a8_kernel.pack(codes, scale, lo, nib) for nib in (False, True)}
+        p8 = {(tag, nib): pack(codes, scale, lo, nib) for tag, (_, pack) in builds.items() for nib in (False, True)}
         for m in rows:
             if name == "lm_head" and m > 64:
                 continue  # a step samples few rows: the LM head never sees hundreds
             x = torch.randn(m, k)
+            xw = x.to(torch.bfloat16) if bf16 else x  # the w4a8 ops' rows (the other two keep float32)
             fns = {"fp32 oneDNN": lambda x=x, dense=dense: dense(x),
                    "int4 op": lambda x=x, n=n, p4=p4: op4(x, p4, n, None)}
-            for v in variants:
-                nib, r = v[0] == "n", int(v[1:])
-                fns[f"w4a8 {v}"] = lambda x=x, n=n, p=p8[nib], nib=nib, r=r: op8(x, p, n, None, nib, r)
+            for tag, (op, _) in builds.items():
+                for v in variants:
+                    nib, r = v[0] == "n", int(v[1:])
+                    fns[f"w4a8 {v}{tag}"] = lambda op=op, x=xw, n=n, p=p8[tag, nib], nib=nib, r=r: op(x, p, n, None, nib, r)
             for f in fns.values():
                 timed(f, 2)
             ts = {key: [] for key in fns}
@@ -168,10 +184,14 @@ def bench_w4a8(shapes: list[tuple[str, int, int]], rows: list[int], repeats: int
             print(f"| {name} ({n} x {k}) | {m} | " + " | ".join(f"{med[c]:.1f}" for c in names) + " | " +
                   " | ".join(f"{2 * m * n * k / med[c] / 1e3:.1f}" for c in names[2:]) +
                   f" | {med['fp32 oneDNN'] / best:.2f}x |", flush=True)
-    print("\n| rows | " + " | ".join(f"{n}: one layer's 4 linears, us" for n in names) + " |")
-    print("|---:|" + "---:|" * len(names))
+    # with --w4a8-before: each variant's time at REV over its time now, for one layer's four linears
+    pairs = [(f"w4a8 {v} @{before}", f"w4a8 {v}") for v in variants] if before else []
+    print("\n| rows | " + " | ".join(f"{n}: one layer's 4 linears, us" for n in names) +
+          "".join(f" | {v}: before / now" for v in variants if before) + " |")
+    print("|---:|" + "---:|" * (len(names) + len(pairs)))
     for m in rows:
-        print(f"| {m} | " + " | ".join(f"{totals[m][c]:.1f}" for c in names) + " |")
+        print(f"| {m} | " + " | ".join(f"{totals[m][c]:.1f}" for c in names) +
+              "".join(f" | {totals[m][a] / totals[m][b]:.3f}x" for a, b in pairs) + " |")
 
 
 def bench_steps(drafts: list[int], repeats: int, ctx: int) -> None:
@@ -218,6 +238,8 @@ def main() -> None:
     p.add_argument("--before", default=None, help="with --sweep: also the int4 op of this git revision")
     p.add_argument("--w4a8", action="store_true", help="the w4a8 op vs the float32 copy and the int4 op over --rows")
     p.add_argument("--w4a8-variants", default="b4,n4", help="with --w4a8: b<R> / n<R>, codes as bytes / nibbles")
+    p.add_argument("--w4a8-before", default=None, help="with --w4a8: also the w4a8 op of this git revision")
+    p.add_argument("--bf16", action="store_true", help="with --w4a8: bfloat16 rows for the w4a8 ops")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -227,7 +249,7 @@ def main() -> None:
     shapes = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
     if args.w4a8:
         bench_w4a8(shapes + [("lm_head", 49152, 576)], [int(r) for r in args.rows.split(",")], args.repeats,
-                   args.w4a8_variants.split(","))
+                   args.w4a8_variants.split(","), args.w4a8_before, args.bf16)
         return
     if args.sweep:
         bench_sweep(shapes, [int(r) for r in args.rows.split(",")], args.repeats, args.before)

@@ -42,6 +42,16 @@ activation quantizer searches each block with vector reductions instead of a com
 integer block sums are exact in both and the float32 operations are the same, lane by lane and in the same order,
 so the two builds give the same bits (tests/model/test_w4a8.py checks it). Zen 4 runs a zmm instruction as two
 256-bit halves; zmm still beat ymm VNNI here (fewer instructions a step: one code vector, one broadcast per row).
+The VNNI build's data path (run_vnni): the quantizer writes the int8 activations step-major ([K / 4][M][4]) and
+the per-block values as [G][M], so a pass of R rows reads them through one pointer with constant offsets (row-major,
+the 12 rows' pointers spilled to the stack and were reloaded every block); the quantizer and the tiles share one
+parallel region; bfloat16 sums are rounded and stored from the registers (no float32 scratch of the whole output,
+no zeroed buffers); and the first pass over a tile prefetches the next tile into L2 (a weight streamed from memory
+ran ~10 % slower than one in cache without it). The same bits; figures in docs/performance.md (2026-11-24). What
+bounds it now: on Zen 4 vpdpbusd and the float32 multiply/FMAs share the FMA pipes (in a loop of independent ones,
+vpdpbusd alone, FMAs alone and a mix of both ran at the same total rate), and each row and block costs 8 vpdpbusd
+and 5 multiplies/FMAs (scale, minimum, the taken-out element), so these numerics cap the op at 8/13 of the
+vpdpbusd rate.
 `PACELINE_W4A8_ISA=avx2` forces the AVX2 build (A/B runs, tests); the key of a build hashes its flags, so the two
 never share a file. Built with int4_kernel.load_op (same cache, lock and fallback). `PACELINE_W4A8_KERNEL=0` switches it off (the
 model then serves those steps as before; PACELINE_W4A8_LINEARS, llama.py, picks the linears). CUDA never builds it (Int4Linear is CPU only).
@@ -77,6 +87,7 @@ SOURCE = r"""
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -159,6 +170,30 @@ void quantize_rows(const T* x, int64_t ldx, int M, int K, int8_t* xq, float* a, 
 // vector reduction, its first index the lowest set bit of an equality mask (the first of equal ones, as above),
 // the rest's maximum a second reduction; max and the integer sum do not depend on their order, and each value's
 // rounding is the same multiply and conversion, so every output equals the AVX2 build's.
+// one block of 32 values: its int8 values (two vectors of 16 int32), and through the references its scale a,
+// sum s, taken-out index ti and value xo
+template <typename T>
+inline void quantize_block_avx512(const T* p, __m512i& q0, __m512i& q1, float& a, float& s, int& ti, float& xo) {
+  alignas(64) float wide[GROUP];
+  const float* blk = block_floats(p, wide);
+  __m512 v0 = _mm512_loadu_ps(blk), v1 = _mm512_loadu_ps(blk + 16);
+  const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
+  const __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(a0, a1)));
+  const uint32_t eq = uint32_t(_mm512_cmp_ps_mask(a0, tv, _CMP_EQ_OQ)) |
+                      (uint32_t(_mm512_cmp_ps_mask(a1, tv, _CMP_EQ_OQ)) << 16);
+  ti = eq ? __builtin_ctz(eq) : 0;  // eq == 0 only for NaNs
+  xo = blk[ti];
+  const __mmask16 k0 = ti < 16 ? __mmask16(1u << ti) : 0, k1 = ti >= 16 ? __mmask16(1u << (ti - 16)) : 0;
+  v0 = _mm512_mask_mov_ps(v0, k0, _mm512_setzero_ps());
+  v1 = _mm512_mask_mov_ps(v1, k1, _mm512_setzero_ps());
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+  q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+  a = amax / 127.0f;
+  s = a * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+}
+
 template <typename T>
 void quantize_rows_avx512(const T* x, int64_t ldx, int M, int K, int8_t* xq, float* a, float* s, int32_t* top,
                           float* xo, int nthreads) {
@@ -166,28 +201,37 @@ void quantize_rows_avx512(const T* x, int64_t ldx, int M, int K, int8_t* xq, flo
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) {
-      alignas(64) float wide[GROUP];
-      const float* blk = block_floats(x + int64_t(m) * ldx + g * GROUP, wide);
-      __m512 v0 = _mm512_loadu_ps(blk), v1 = _mm512_loadu_ps(blk + 16);
-      const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
-      const __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(a0, a1)));
-      const uint32_t eq = uint32_t(_mm512_cmp_ps_mask(a0, tv, _CMP_EQ_OQ)) |
-                          (uint32_t(_mm512_cmp_ps_mask(a1, tv, _CMP_EQ_OQ)) << 16);
-      const int ti = eq ? __builtin_ctz(eq) : 0;  // eq == 0 only for NaNs
-      top[int64_t(m) * G + g] = ti;
-      xo[int64_t(m) * G + g] = blk[ti];
-      const __mmask16 k0 = ti < 16 ? __mmask16(1u << ti) : 0, k1 = ti >= 16 ? __mmask16(1u << (ti - 16)) : 0;
-      v0 = _mm512_mask_mov_ps(v0, k0, _mm512_setzero_ps());
-      v1 = _mm512_mask_mov_ps(v1, k1, _mm512_setzero_ps());
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      __m512i q0, q1;
+      const int64_t i = int64_t(m) * G + g;
+      quantize_block_avx512(x + int64_t(m) * ldx + g * GROUP, q0, q1, a[i], s[i], top[i], xo[i]);
       int8_t* out = xq + int64_t(m) * K + g * GROUP;  // |q| <= 127: the narrowing never saturates
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(q1));
-      const float scale = amax / 127.0f;
-      a[int64_t(m) * G + g] = scale;
-      s[int64_t(m) * G + g] = scale * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    }
+}
+
+// The same values in the layout the VNNI matmul reads (inside one parallel region, hence `omp for`): xq step-major,
+// the M rows' 4 bytes of one step of 4 inputs side by side ([K / 4][M][4]), and a, s, xo as [G][M], so that a pass
+// of R rows reads each with one pointer and constant offsets (row-major, 12 rows' pointers did not fit the 16
+// general registers and the micro-kernel reloaded them from the stack every block: perf annotate, 2026-11-24); in
+// place of the index ti its code's byte offset in the unpacked step buffer of tile_rows_vnni, 64 * (ti / 4) + ti % 4.
+// Blocks, not rows, are split between the threads: a step's M * 4 bytes are then written by one thread.
+template <typename T>
+void quantize_steps(const T* x, int64_t ldx, int M, int K, int8_t* xs, float* a, float* s, int32_t* off, float* xo) {
+  const int G = K / GROUP;
+#pragma omp for schedule(static)
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < M; ++m) {
+      __m512i q0, q1;
+      const int64_t i = int64_t(g) * M + m;
+      int ti;
+      quantize_block_avx512(x + int64_t(m) * ldx + g * GROUP, q0, q1, a[i], s[i], ti, xo[i]);
+      off[i] = 64 * (ti >> 2) + (ti & 3);
+      alignas(16) int32_t q4[8];  // the block's 8 steps of 4 int8 (|q| <= 127: the narrowing never saturates)
+      _mm_store_si128(reinterpret_cast<__m128i*>(q4), _mm512_cvtsepi32_epi8(q0));
+      _mm_store_si128(reinterpret_cast<__m128i*>(q4 + 4), _mm512_cvtsepi32_epi8(q1));
+      int8_t* out = xs + 4 * (int64_t(g) * STEPS * M + m);  // bytes, read back with memcpy: no type punning
+      for (int st = 0; st < STEPS; ++st) std::memcpy(out + 4 * int64_t(st) * M, q4 + st, 4);
     }
 }
 #define QUANTIZE_ROWS quantize_rows_avx512
@@ -297,10 +341,25 @@ inline __m512i step_codes(const uint8_t* blk, int st, __m512i nibshift, __m512i 
   return _mm512_loadu_si512(blk + 64 * st);
 }
 
+// float32 -> bfloat16 of 16 lanes, as c10::BFloat16(float) rounds: to nearest even by adding 0x7FFF plus the
+// kept part's lowest bit, NaN as 0x7FC0
+inline __m256i bf16_round(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// R rows of one tile. xs: the step-major int8 activations (quantize_steps) from the pass's first row on, sstride
+// bytes a step (4 * M); a, s, off, xo: [G][M] from the pass's first row on, M apart per block. The sums go to y
+// (float32) or, where ybf is given, straight to bfloat16 (no float32 scratch of the whole output, no second pass).
 template <int R, bool NIB>
-__attribute__((noinline)) void tile_rows_vnni(const int8_t* xq, int64_t K, const float* a, const float* s,
-                                              const int32_t* top, const float* xo, int G, const uint8_t* tile,
-                                              const float* b, float* y, int64_t ldy, int nn, float*) {
+__attribute__((noinline)) void tile_rows_vnni(const int8_t* xs, int64_t sstride, const float* a, const float* s,
+                                              const int32_t* off, const float* xo, int64_t M, int G,
+                                              const uint8_t* tile, const float* b, float* y, c10::BFloat16* ybf,
+                                              int64_t ldy, int nn, const uint8_t* pf) {
   const __m512i low = _mm512_set1_epi8(0x0F), lowd = _mm512_set1_epi32(0x0F);
   const __m512i nibshift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
   // the block's codes as bytes, one step of 4 inputs x 16 columns per 64 bytes, and 64 bytes of slack: an
@@ -310,18 +369,22 @@ __attribute__((noinline)) void tile_rows_vnni(const int8_t* xq, int64_t K, const
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
     const uint8_t* blk = tile + size_t(g) * block_bytes<NIB>();
+    if (pf != nullptr)  // the next tile's block into L2, a block per block (see run_vnni)
+      for (int l = 0; l < block_bytes<NIB>(); l += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + size_t(g) * block_bytes<NIB>() + l), _MM_HINT_T1);
     const uint8_t* codes = NIB ? steps : blk;  // bytes: the pack's own steps (the scales follow the last one)
-    const int8_t* xg = xq + g * GROUP;
+    const int8_t* xg = xs + int64_t(g) * STEPS * sstride;
+    const int64_t gi = int64_t(g) * M;
     __m512i c[R];
     for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int st = 0; st < STEPS; ++st) {
       const __m512i w = step_codes<NIB>(blk, st, nibshift, low);
       if (NIB) _mm512_store_si512(steps + 64 * st, w);
+      const int8_t* xst = xg + st * sstride;
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         int32_t x4;
-        std::memcpy(&x4, xg + r * K + 4 * st, 4);
+        std::memcpy(&x4, xst + 4 * r, 4);
         c[r] = _mm512_dpbusd_epi32(c[r], w, _mm512_set1_epi32(x4));
       }
     }
@@ -329,18 +392,67 @@ __attribute__((noinline)) void tile_rows_vnni(const int8_t* xq, int64_t K, const
     const __m512 d = _mm512_loadu_ps(sc), m = _mm512_loadu_ps(sc + 16);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512 ar = _mm512_set1_ps(a[r * G + g]), sr = _mm512_set1_ps(s[r * G + g]);
+      const __m512 ar = _mm512_set1_ps(a[gi + r]), sr = _mm512_set1_ps(s[gi + r]);
       f[r] = _mm512_fmadd_ps(m, sr, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c[r]), d), ar, f[r]));
-      const int ti = top[r * G + g];  // the taken-out element: its 16 codes, w = d * q + m, times it
-      const __m512i q = _mm512_and_si512(_mm512_loadu_si512(codes + 64 * (ti >> 2) + (ti & 3)), lowd);
-      f[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m), _mm512_set1_ps(xo[r * G + g]), f[r]);
+      // the taken-out element: its 16 codes, w = d * q + m, times it
+      const __m512i q = _mm512_and_si512(_mm512_loadu_si512(codes + off[gi + r]), lowd);
+      f[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m), _mm512_set1_ps(xo[gi + r]), f[r]);
     }
   }
   const __m512 bv = _mm512_loadu_ps(b);
   const __mmask16 keep = __mmask16((1u << nn) - 1);  // the last tile of an output size not a multiple of 16
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, _mm512_add_ps(f[r], bv));
+  for (int r = 0; r < R; ++r) {
+    if (ybf != nullptr)
+      _mm256_mask_storeu_epi16(ybf + r * ldy, keep, bf16_round(_mm512_add_ps(f[r], bv)));
+    else
+      _mm512_mask_storeu_ps(y + r * ldy, keep, _mm512_add_ps(f[r], bv));
+  }
 }
-#define TILE_ROWS tile_rows_vnni
+
+// run's VNNI form: the quantizer and the tiles in one parallel region (one fork and join a call, not two), the
+// activations in quantize_steps's layout
+template <bool NIB, typename T>
+void run_vnni(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N, const float* b, float* y,
+              c10::BFloat16* ybf, int nthreads, int max_r) {
+  const int G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
+  // not std::vector: its zeroing of every buffer took ~4 % of a 32-row call (perf, 2026-11-24); each is written
+  // whole by the quantizer before it is read
+  std::unique_ptr<int8_t[]> xs(new int8_t[size_t(M) * K]);
+  std::unique_ptr<float[]> a(new float[size_t(M) * G]), s(new float[size_t(M) * G]), xo(new float[size_t(M) * G]);
+  std::unique_ptr<int32_t[]> off(new int32_t[size_t(M) * G]);
+#pragma omp parallel num_threads(nthreads)
+  {
+  quantize_steps<T>(x, ldx, M, K, xs.get(), a.get(), s.get(), off.get(), xo.get());  // ends in a barrier
+  for (int mc = 0; mc < M; mc += ROW_CHUNK) {  // a chunk's int8 rows stay in L2 while every tile runs over them
+    const int mn = std::min(ROW_CHUNK, M - mc), passes = (mn + max_r - 1) / max_r;
+#pragma omp for schedule(static) nowait
+    for (int t = 0; t < T_; ++t) {
+      const uint8_t* tile = w + size_t(t) * G * block_bytes<NIB>();
+      const int n0 = t * TILE, nn = int(std::min<int64_t>(TILE, N - n0));
+      // the first pass over a tile pulls the next one into L2
+      const uint8_t* next = t + 1 < T_ ? tile + size_t(G) * block_bytes<NIB>() : nullptr;
+      for (int p = 0, m0 = mc; p < passes; ++p) {
+        const int R = (mc + mn - m0 + (passes - p) - 1) / (passes - p);  // rows split evenly over the passes
+        const uint8_t* pf = p == 0 ? next : nullptr;
+        const int8_t* xr = xs.get() + 4 * int64_t(m0);
+        const float *ar = a.get() + m0, *sr = s.get() + m0, *xr_o = xo.get() + m0;
+        const int32_t* tr = off.get() + m0;
+        float* yr = y == nullptr ? nullptr : y + int64_t(m0) * N + n0;
+        c10::BFloat16* yb = ybf == nullptr ? nullptr : ybf + int64_t(m0) * N + n0;
+        switch (R) {
+#define W4A8_CASE(n) case n: tile_rows_vnni<n, NIB>(xr, 4 * int64_t(M), ar, sr, tr, xr_o, M, G, tile, b + n0, yr, yb, N, nn, pf); break;
+          W4A8_CASE(1) W4A8_CASE(2) W4A8_CASE(3) W4A8_CASE(4) W4A8_CASE(5) W4A8_CASE(6) W4A8_CASE(7) W4A8_CASE(8)
+          W4A8_CASE(9) W4A8_CASE(10) W4A8_CASE(11)
+          default: tile_rows_vnni<12, NIB>(xr, 4 * int64_t(M), ar, sr, tr, xr_o, M, G, tile, b + n0, yr, yb, N, nn, pf); break;
+#undef W4A8_CASE
+        }
+        m0 += R;
+      }
+    }
+  }
+  }
+}
+#define W4A8_VNNI 1
 #define MAX_ROWS 12
 #define BEST_ROWS 12  // rows per pass when the caller says 0: measured, see the module's docstring
 #else
@@ -349,6 +461,7 @@ __attribute__((noinline)) void tile_rows_vnni(const int8_t* xq, int64_t K, const
 #define BEST_ROWS 4
 #endif
 
+#ifndef W4A8_VNNI  // the AVX2 build's output path (the VNNI build's is run_vnni)
 // rows x nn float32 sums (row stride ld) -> bfloat16 (row stride ld), rounded to nearest even as at::Tensor::to
 // does, NaN as its quiet NaN: written tile by tile while the sums are in L1, in place of an aten copy of the whole
 // output (a torch profile put that and the input's widening at ~8 % of a 32-decode step; whole steps measured
@@ -394,6 +507,7 @@ void run(const int8_t* xq, const float* a, const float* s, const int32_t* top, c
   }
   }
 }
+#endif
 
 // x as rows the quantizer reads in place: float32 or bfloat16, unit stride along K
 at::Tensor as_rows(const at::Tensor& x_in) {
@@ -446,20 +560,35 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const
     std::memcpy(b.data(), bf.data_ptr<float>(), sizeof(float) * n);
   }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  auto y = at::empty({M, n}, x.options());  // x's dtype; for bfloat16 the float32 sums go to a scratch first
+  auto y = at::empty({M, n}, x.options());  // x's dtype (the AVX2 build writes bfloat16 through a float32 scratch)
   if (M == 0) return y;
   const int nthreads = std::max(1, at::get_num_threads());
+  const int workers = std::min(nthreads, T_);
+#ifdef W4A8_VNNI
+  // the VNNI build writes bfloat16 outputs straight from the micro-kernel's registers, rounded as c10 rounds
+  float* yf = bf16 ? nullptr : y.data_ptr<float>();
+  c10::BFloat16* yb = bf16 ? y.data_ptr<c10::BFloat16>() : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (x.scalar_type() == at::kFloat) {
+    if (nibbles) run_vnni<true>(x.data_ptr<float>(), x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
+    else run_vnni<false>(x.data_ptr<float>(), x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
+  } else {
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    if (nibbles) run_vnni<true>(xb, x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
+    else run_vnni<false>(xb, x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
+  }
+#else
   std::vector<int8_t> xq(size_t(M) * K);
   std::vector<float> a(size_t(M) * G), s(size_t(M) * G), xo(size_t(M) * G), sums(bf16 ? size_t(M) * n : 0);
   std::vector<int32_t> top(size_t(M) * G);
   quantize(x, M, K, xq.data(), a.data(), s.data(), top.data(), xo.data(), std::min(nthreads, M));
-  const int workers = std::min(nthreads, T_);
   float* yf = bf16 ? sums.data() : y.data_ptr<float>();
   c10::BFloat16* ybf = bf16 ? y.data_ptr<c10::BFloat16>() : nullptr;
   if (nibbles) run<true>(xq.data(), a.data(), s.data(), top.data(), xo.data(), M, K, w.data_ptr<uint8_t>(), n,
                          b.data(), yf, workers, int(max_rows), ybf);
   else run<false>(xq.data(), a.data(), s.data(), top.data(), xo.data(), M, K, w.data_ptr<uint8_t>(), n, b.data(),
                   yf, workers, int(max_rows), ybf);
+#endif
   return y;
 }
 

@@ -171,6 +171,37 @@ def test_vnni_build_gives_the_avx2_builds_bits(nibbles):
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX512-VNNI")
+def test_vnni_build_writes_bfloat16_as_the_avx2_build_and_torch_round():
+    """The VNNI build writes bfloat16 sums straight from its registers (its own rounding), the AVX2 build through
+    c10's scalar conversion: the same bits, and Tensor.to's, at ties (to even), overflow (to inf), infinities and
+    subnormals; NaN stays NaN. All-zero codes, scales and minimums make y the bias exactly, so the bias picks the
+    values rounded; then random bfloat16 rows (step-major quantization of bfloat16 inputs) at several widths."""
+    avx2, vnni = w4a8_kernel.op_for("avx2"), w4a8_kernel.op_for("vnni")
+    special = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -8 + 2 ** -20, float("inf"), float("-inf"),
+               3.4028234663852886e38, -3.4028234663852886e38, 1e-40, -1e-40, 0.0, 3.0, -2.5, 65504.0]
+    bias = torch.cat([torch.tensor(special), torch.randn(45 - len(special), generator=torch.Generator().manual_seed(9))])
+    zero_pack = w4a8_kernel.pack(torch.zeros(45, 64, dtype=torch.long), torch.zeros(45, 2), torch.zeros(45, 2), True)
+    x = torch.zeros(13, 64, dtype=torch.bfloat16)
+    want = bias.to(torch.bfloat16).expand(13, 45).view(torch.int16)
+    for op in (avx2, vnni):
+        assert torch.equal(op(x, zero_pack, 45, bias, True, 0).view(torch.int16), want)
+    nan_bias = bias.clone()
+    nan_bias[7] = float("nan")
+    got, ref = vnni(x, zero_pack, 45, nan_bias, True, 0), avx2(x, zero_pack, 45, nan_bias, True, 0)
+    assert got[:, 7].isnan().all() and torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    g = torch.Generator().manual_seed(12)
+    for n, k in ((45, 288), (160, 576), (37, 1536)):
+        codes, scale, lo = _weight(n, k, n + k)
+        for nibbles in (True, False):
+            packed = w4a8_kernel.pack(codes, scale, lo, nibbles)
+            for m in (1, 7, 12, 32, 71):
+                xb = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+                got = vnni(xb, packed, n, None, nibbles, 0)
+                assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16),
+                                                                   avx2(xb, packed, n, None, nibbles, 0).view(torch.int16))
+
+
 def test_isa_choice_and_switch(monkeypatch):
     """vnni only where /proc/cpuinfo says so; PACELINE_W4A8_ISA=avx2 forces the AVX2 build; the two builds never
     share a file or a namespace; bad values and a VNNI build on a CPU without it are plain errors."""
