@@ -359,7 +359,7 @@ INT4_BF16_FROM_ROWS_VNNI = 72
 def int4_bf16_from_rows() -> int:
     """From how many rows an int4 model's bf16 steps run the dense bf16 copy: where the w4a8 op's VNNI build serves
     the rows below, later (INT4_BF16_FROM_ROWS_VNNI), else INT4_BF16_FROM_ROWS."""
-    return INT4_BF16_FROM_ROWS_VNNI if w4a8_kernel.isa() == "vnni" else INT4_BF16_FROM_ROWS
+    return dense_rows_from_env() or (INT4_BF16_FROM_ROWS_VNNI if w4a8_kernel.isa() == "vnni" else INT4_BF16_FROM_ROWS)
 
 
 # what an int4 model's bfloat16 steps of many rows run: "bf16" (the dense bfloat16 copy from int4_bf16_from_rows()
@@ -393,6 +393,24 @@ INT4_INT8_FROM_ROWS = 72
 # 97.50 % and perplexity 21.278 (fp32 21.273), with qkv too 96.97 %. PACELINE_INT4_INT8_LINEARS=o:gate_up / "all"
 # picks them for models built afterwards.
 INT4_INT8_LINEARS: tuple[str, ...] = ("o", "gate_up")
+
+
+def int4_dense_from_rows(choice: str) -> int:
+    """From how many rows an int4 model's steps leave the w4a8 / int4 ops for the dense path `choice` ("bf16" or
+    "int8"): PACELINE_INT4_DENSE_FROM_ROWS (A/B runs; every dense linear alike) or the measured default."""
+    return dense_rows_from_env() or (int4_bf16_from_rows() if choice == "bf16" else INT4_INT8_FROM_ROWS)
+
+
+def dense_rows_from_env() -> int:
+    """PACELINE_INT4_DENSE_FROM_ROWS as an int, 0 when unset."""
+    env = os.environ.get("PACELINE_INT4_DENSE_FROM_ROWS", "")
+    try:
+        rows = int(env) if env else 0
+    except ValueError:
+        rows = -1
+    if env and rows < W4A8_FROM_ROWS:
+        raise ValueError(f"PACELINE_INT4_DENSE_FROM_ROWS must be an integer >= {W4A8_FROM_ROWS}, got {env!r}")
+    return rows
 INT4_INT8_OUTLIERS = 4
 
 
@@ -681,7 +699,7 @@ class LlamaModel(nn.Module):
         choice = int4_wide_choice(int4_wide) if quantization == "int4" else None
         if quantization == "int4" and wide is None and embed.dtype == torch.bfloat16 and choice in ("bf16", "int8"):
             self.int4_dense = choice
-            default_from = int4_bf16_from_rows() if choice == "bf16" else INT4_INT8_FROM_ROWS
+            default_from = int4_dense_from_rows(choice)
             self.int4_bf16_from = default_from if int4_bf16_from is None else int4_bf16_from
         self.layers = nn.ModuleList(LlamaLayer(arch, w, pack, quantization, embed.dtype, wide, int4_rows,
                                                self.int4_bf16_from, self.int4_dense) for w in layers)

@@ -185,3 +185,15 @@ def test_int4_int8_outliers_from_env(monkeypatch):
         monkeypatch.setenv("PACELINE_INT4_INT8_OUTLIERS", bad)
         with pytest.raises(ValueError, match="PACELINE_INT4_INT8_OUTLIERS"):
             llama.int4_int8_outliers()
+
+
+def test_int4_dense_from_rows_env(monkeypatch):
+    monkeypatch.delenv("PACELINE_INT4_DENSE_FROM_ROWS", raising=False)
+    assert llama.int4_dense_from_rows("int8") == llama.INT4_INT8_FROM_ROWS
+    assert llama.int4_dense_from_rows("bf16") == llama.int4_bf16_from_rows()
+    monkeypatch.setenv("PACELINE_INT4_DENSE_FROM_ROWS", "256")  # every dense linear alike, qkv and down included
+    assert llama.int4_dense_from_rows("int8") == llama.int4_dense_from_rows("bf16") == llama.int4_bf16_from_rows() == 256
+    for bad in ("3", "x", "-5"):
+        monkeypatch.setenv("PACELINE_INT4_DENSE_FROM_ROWS", bad)
+        with pytest.raises(ValueError, match="PACELINE_INT4_DENSE_FROM_ROWS"):
+            llama.int4_dense_from_rows("int8")
