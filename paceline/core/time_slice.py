@@ -34,9 +34,9 @@ def slice_used(sched: Scheduler, r: Request, now: float, doubled: bool = True) -
     else the first one (the minimum residency)."""
     cfg = sched.config
     if r.num_output_tokens <= r.slice_mark:
-        # no token yet in this residency (a recomputed request's re-prefill is not one): cut now, it would lose that
-        # work and could come back to be cut the same way, two clients trading a seat forever (the state machine
-        # found it: fair, recompute, one seat, ms slices shorter than the re-prefill)
+        # no token yet in this residency (a recomputed request's re-prefill makes none): cut now, it would lose
+        # that work and could come back only to be cut the same way, two clients trading a seat forever (the state
+        # machine found it: fair, recompute, one seat, ms slices no longer than the re-prefill)
         return False
     scale = 1 << min(r.slice_level, 30) if doubled else 1
     if cfg.time_slice_tokens and r.num_output_tokens - r.slice_mark >= cfg.time_slice_tokens * scale:

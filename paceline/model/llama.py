@@ -393,6 +393,7 @@ INT4_INT8_FROM_ROWS = 72
 # 97.50 % and perplexity 21.278 (fp32 21.273), with qkv too 96.97 %. PACELINE_INT4_INT8_LINEARS=o:gate_up / "all"
 # picks them for models built afterwards.
 INT4_INT8_LINEARS: tuple[str, ...] = ("o", "gate_up")
+INT4_INT8_OUTLIERS = 4
 
 
 def int4_dense_from_rows(choice: str) -> int:
@@ -411,7 +412,6 @@ def dense_rows_from_env() -> int:
     if env and rows < W4A8_FROM_ROWS:
         raise ValueError(f"PACELINE_INT4_DENSE_FROM_ROWS must be an integer >= {W4A8_FROM_ROWS}, got {env!r}")
     return rows
-INT4_INT8_OUTLIERS = 4
 
 
 def int4_int8_outliers() -> int:
