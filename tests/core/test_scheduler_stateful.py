@@ -47,10 +47,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 slice_tokens=st.sampled_from([0, 0, 1, 3]),
                 slice_ms=st.sampled_from([0.0, 0.0, 2000.0]),
                 level_aging=st.sampled_from([0.0, 3.0]),
-                short_step=st.booleans())
+                short_step=st.booleans(), calm_step=st.booleans())
     def setup(self, policy, scheduling, mode, block_size, num_blocks, budget, max_seqs, host_blocks, threshold,
               partial, aging, wait_ms, step_ms, spec=None, slice_tokens=0, slice_ms=0.0, level_aging=0.0,
-              short_step=False) -> None:
+              short_step=False, calm_step=False) -> None:
         if policy == "static":
             slice_tokens, slice_ms = 0, 0.0
         self.sched = make_scheduler(policy, budget=budget, max_seqs=max_seqs, num_blocks=num_blocks,
@@ -63,7 +63,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                                                   adaptive=spec[2])
                                     if spec else None, time_slice_tokens=slice_tokens, time_slice_ms=slice_ms,
                                     level_aging_s=level_aging,
-                                    short_step_ms=step_ms / 2 if short_step and policy == "stall-free" else 0.0)
+                                    short_step_ms=step_ms / 2 if short_step and policy == "stall-free" else 0.0,
+                                    calm_step_ms=step_ms * 0.7 if calm_step and policy == "stall-free" else 0.0)
         self.capacity = num_blocks * block_size
         self.now = 0.0
         self.count = 0
