@@ -4,7 +4,7 @@ it was last admitted yields its seat to queued work, through the scheduler's own
 - A slice counts a request's output tokens (or time) since it was last admitted or swapped in, and ends only once
   the request has made a token in it (a re-prefill after recompute makes none); a prompt being
   prefilled is never cut by a slice. Only queued work that would not get a seat otherwise takes one this way:
-  with free seats nothing is cut.
+  with free seats nothing is cut, however long the queue (what holds it then is memory or the token budget).
 - With fcfs or priority order the slices are a multi-level feedback queue between all requests (FastServe's
   skip-join MLFQ preempts the same way): a cut request is demoted one level, and level L's slice is 2**L times
   the first, so a long generation is preempted about log2(length / slice) times, not length / slice times.
@@ -76,6 +76,11 @@ def preempt_used_slices(sched: Scheduler, step: Step) -> int:
     if not resident:
         return 0
     free_seats = max(0, sched.config.max_num_seqs - len(sched.running))
+    if free_seats and (sched.waiting or sched.swapped):
+        # a seat is free and still work queues: memory or the token budget holds it, not seats, and a cut would
+        # free a seat it does not need and the victim's progress (the state machine found recompute thrash that
+        # way: 4 free seats, 7 queued, a request one token from the end cut for the 5th, which got no KV anyway)
+        return 0
     k = len(resident) + free_seats
     rank = sched.rank
     queued = sorted(sched.waiting.first(k) + sched.swapped.first(k), key=rank)[free_seats:k]

@@ -338,3 +338,18 @@ def test_config_checks():
         SchedulerConfig(time_slice_tokens=-1)
     with pytest.raises(ValueError, match="time_slice_ms"):
         SchedulerConfig(time_slice_ms=-1.0)
+
+
+def test_no_slice_is_cut_while_a_seat_is_free():
+    # memory, not seats, holds the queue: 1 request runs in 5 seats with its 1-token slice used and 6 wait. A cut
+    # for the queue's 5th (beyond the 4 free seats) freed a seat nobody lacked and, under recompute, the victim's
+    # progress: the long state-machine run found requests one token from their end cut that way, forever
+    sched = make_scheduler(budget=64, max_seqs=5, num_blocks=6, block_size=4, time_slice_tokens=1,
+                           preemption_mode="recompute")
+    sched.add_request(req("big", 12, max_tokens=8))
+    run(sched, 0.0, lambda: sched.requests["big"].num_output_tokens >= 2)
+    for i in range(6):
+        sched.add_request(req(f"w{i}", 12, max_tokens=4, arrival=0.5))
+    out = step(sched, 50.0).out
+    assert "big" not in out.preempted_ids and sched.num_slice_preemptions == 0
+    assert sched.num_waiting >= 5  # the KV, not the seats, kept them out
