@@ -77,7 +77,9 @@ class Step:
     preempted: set[str] = field(default_factory=set)  # preempted now: not admitted or swapped in again this step
     shape: BatchShape | None = None  # what the step-time model sees of the step so far (max_step_ms only)
     target_ms: float = 0.0  # the smallest step-time target a chunk of this step was sized to (0: none was)
-    queued_prompts: int = 0  # prompts wanting compute when the step began (waiting, swapped, mid-prefill); calm target only
+    # whether more than one prompt wanted compute when the step began (waiting, swapped, mid-prefill): the calm
+    # target's question (Scheduler.others_queued), answered on the step's first chunk only
+    others_queued: bool | None = None
 
     @property
     def budget(self) -> int:
@@ -242,10 +244,6 @@ class Scheduler:
         step = Step(now, self.config.max_num_batched_tokens, SchedulerOutput(now=now))
         if self.config.max_step_ms > 0:
             step.shape = BatchShape()
-            if self.config.calm_step_ms > 0:
-                step.queued_prompts = len(self.waiting) + len(self.swapped) + sum(
-                    1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1
-                    or len(r.token_ids) == len(r.prompt_token_ids))
         if self.slicing:
             preempt_used_slices(self, step)
         self.policy(self, step)
@@ -392,7 +390,9 @@ class Scheduler:
         # step decodes in the next, which the limit bounds again)
         if shape is None or n <= 0 or shape.num_decodes == 0:
             return n
-        target_ms = self.step_target_ms(shape, request, start, others_queued=step.queued_prompts > 1)
+        if step.others_queued is None:
+            step.others_queued = self.config.calm_step_ms <= 0 or self.others_queued()
+        target_ms = self.step_target_ms(shape, request, start, others_queued=step.others_queued)
         step.target_ms = min(step.target_ms or target_ms, target_ms)
         limit = target_ms / 1000.0 / self.step_time_scale
 
@@ -418,6 +418,15 @@ class Scheduler:
         if shape.num_prefill_tokens == 0:
             lo = max(lo, min(n, self.block_size))
         return lo
+
+    def others_queued(self) -> bool:
+        """Whether more than one prompt wants compute now: waiting, swapped out, or running but not yet decoding."""
+        queued = len(self.waiting) + len(self.swapped)
+        for r in self.running:
+            if queued > 1:
+                break
+            queued += not r.is_decoding
+        return queued > 1
 
     def step_target_ms(self, shape: BatchShape, request: Request, start: int, others_queued: bool = True) -> float:
         """The step-time target a chunk of `request` from `start` may fill, beside the decodes already in `shape`:

@@ -71,19 +71,18 @@ def preempt_used_slices(sched: Scheduler, step: Step) -> int:
     int4 speed, recompute) the cuts within one client that the MLFQ made were two thirds of all preemptions and
     cost 1.7 % of the output tokens; demoting the victims cost more in a 40 s window (fresh prompts of the heavy
     client passed its swapped-out decodes): benchmarks/summaries/fairness.md."""
+    if len(sched.running) < sched.config.max_num_seqs:
+        # a free seat: the queue, if any, is held by memory or the token budget, not seats, and a cut would free a
+        # seat nobody lacks and the victim's progress (the state machine found recompute thrash that way: 4 free
+        # seats, 7 queued, a request one token from its end cut for the 5th, which got no KV anyway)
+        return 0
     fair = sched.fair
     resident = [r for r in sched.running if r.is_decoding and slice_used(sched, r, step.now, doubled=fair is None)]
     if not resident:
         return 0
-    free_seats = max(0, sched.config.max_num_seqs - len(sched.running))
-    if free_seats and (sched.waiting or sched.swapped):
-        # a seat is free and still work queues: memory or the token budget holds it, not seats, and a cut would
-        # free a seat it does not need and the victim's progress (the state machine found recompute thrash that
-        # way: 4 free seats, 7 queued, a request one token from the end cut for the 5th, which got no KV anyway)
-        return 0
-    k = len(resident) + free_seats
+    k = len(resident)
     rank = sched.rank
-    queued = sorted(sched.waiting.first(k) + sched.swapped.first(k), key=rank)[free_seats:k]
+    queued = sorted(sched.waiting.first(k) + sched.swapped.first(k), key=rank)[:k]
     # (the rank a queued request must beat, the victim's rank now, request); under fair no demotion, and _owed
     # implies the queued request ranks first (a higher priority, or the same and a lower counter)
     victims = [(rank(r) if fair is not None else _rank_demoted(sched, r, step.now), rank(r), r) for r in resident]

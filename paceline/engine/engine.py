@@ -259,7 +259,7 @@ class Engine:
                      # the kernels' switches read from the environment (what an int4 model's steps run, and which
                      # build of the w4a8 and attention ops: an AVX2 build's steps cost more than an AVX-512 one's)
                      ":".join(llama.w4a8_linears()), llama.int4_wide_choice(), w4a8_kernel.isa(),
-                     os.environ.get("PACELINE_INT4_DENSE_FROM_ROWS", ""),
+                     llama.dense_rows_from_env(),
                      attention_kernel.isa(), llama.w8a8_build()):
             h.update(f"{part}\0".encode())
         for src in sources:

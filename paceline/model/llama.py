@@ -399,7 +399,7 @@ INT4_INT8_OUTLIERS = 4
 def int4_dense_from_rows(choice: str) -> int:
     """From how many rows an int4 model's steps leave the w4a8 / int4 ops for the dense path `choice` ("bf16" or
     "int8"): PACELINE_INT4_DENSE_FROM_ROWS (A/B runs; every dense linear alike) or the measured default."""
-    return dense_rows_from_env() or (int4_bf16_from_rows() if choice == "bf16" else INT4_INT8_FROM_ROWS)
+    return int4_bf16_from_rows() if choice == "bf16" else dense_rows_from_env() or INT4_INT8_FROM_ROWS
 
 
 def dense_rows_from_env() -> int:

@@ -205,7 +205,6 @@ def test_slices_in_milliseconds_and_recompute_counts_the_recomputed_tokens():
     assert sched.stats().num_recomputed_tokens == computed and r1.num_output_tokens == 20
 
 
-
 def test_a_slice_never_ends_before_its_first_token_so_recomputed_requests_cannot_trade_a_seat_forever():
     # the state machine's case: two clients, one seat, recompute, 2 s slices; a resumed request spent its slice
     # on its re-prefill and was cut right before its next token, every time, each client's recompute making it
@@ -227,6 +226,7 @@ def test_a_slice_never_ends_before_its_first_token_so_recomputed_requests_cannot
             tokens_at_cut.setdefault(rid, []).append(sched.requests[rid].num_output_tokens - marks[rid])
     assert not sched.has_unfinished() and r1.num_output_tokens == 11 and r2.num_output_tokens == 9
     assert tokens_at_cut and all(n >= 1 for cuts in tokens_at_cut.values() for n in cuts), tokens_at_cut
+
 
 def test_fair_with_slices_gives_the_light_client_a_heavy_clients_seat():
     sched = make_scheduler(scheduling_policy="fair", budget=64, max_seqs=2, time_slice_tokens=4,
