@@ -123,6 +123,11 @@ SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "1") != "0"
 # step log of 15:43 UTC, at 0.8, float32's steps of 2 decodes and a 16-token chunk (50-56 ms of their own) were held
 # to ~7.3 ms per int4 round and its gaps were ~138 ms, at its 1.2x-alone bound; int4's gaps in those rounds ~18.5 ms
 SLICE_SPAN = os.environ.get("PACELINE_SLICE_SPAN", "1") != "0"
+# The span rule's "gap alone" is the model's calm step target (core/scheduler.py step_target_ms) while at most one of
+# its prompts is queued, as its scheduler then holds its steps to that when it runs alone: since the calm target
+# (2026-11-24 19:30 UTC) float32's p99 gap alone fell from ~120 to ~70 ms, while the span rule still let its steps
+# span the whole 120 ms target beside int4 (run W, docs/multi-model.md). PACELINE_SLICE_CALM=0: the whole target (A/B)
+SLICE_CALM = os.environ.get("PACELINE_SLICE_CALM", "1") != "0"
 SLICE_DUE_MAX = float(os.environ.get("PACELINE_SLICE_DUE_MAX", "0.9"))
 # Every model's KV prefault paced by the whole loop (_pace_prefaults); PACELINE_LOOP_PREFAULT=0: each Engine paces its
 # own by its own requests only, as before 2026-11-24 16:00 UTC (the A/B)
@@ -230,6 +235,7 @@ class MultiEngine:
         self.config = config  # the server's settings; AsyncEngine reads config.scheduler.max_waiting_requests
         self.engines: dict[str, Engine] = {}
         self._step_ms: dict[str, float] = {}  # each model's own max_step_ms, before the division by busy models
+        self._calm_ms: dict[str, float] = {}  # and its own calm_step_ms, the span rule's bound (SLICE_CALM)
         self._budget: dict[str, int] = {}  # each model's own token budget, before a cap for the other's streams
         self._owner: dict[str, str] = {}  # request id -> model
         self._since: dict[str, float] = {}  # model -> when its streams started waiting for the loop
@@ -261,6 +267,7 @@ class MultiEngine:
             timeline.mark("joined")
             self._debut[name] = timeline
         self._step_ms[name] = engine.scheduler.config.max_step_ms
+        self._calm_ms[name] = engine.scheduler.config.calm_step_ms
         self._budget[name] = engine.scheduler.config.max_num_batched_tokens
 
     def remove_model(self, name: str) -> Engine:
@@ -275,6 +282,7 @@ class MultiEngine:
         if debut is not None:  # it never produced a token: what waited for that goes on now
             debut.finish()
         self._step_ms.pop(name, None)
+        self._calm_ms.pop(name, None)
         self._budget.pop(name, None)
         self._since.pop(name, None)
         for learned in (self._layers, self._tail_s, self._decode_s):
@@ -496,7 +504,7 @@ class MultiEngine:
         predicted own time, `rest`, must fit in what is left of the target, `left`: rest x (1 + round / g) <= left,
         so g >= rest x round / (left - rest). g stays within [what SLICE_DUE gives, SLICE_DUE_MAX x their step]: a
         short-step model's gap is its step plus g, and its own 1.2x-alone bound is what caps it."""
-        target = self._step_ms.get(name, 0.0) / 1e3
+        target = self._gap_alone_s(name)
         if target <= 0 or name in self._debut or run.predicted_s is None or not has_streams(self.engines[name]):
             return watch
         rest = max(run.predicted_s - own_s, 0.0)
@@ -505,6 +513,16 @@ class MultiEngine:
         need = rest * round_s / (left - rest) if left > rest else math.inf
         return [(max(start_by, self._since.get(other, 0.0) + self._loop_s
                      + min(need, SLICE_DUE_MAX * self._stream_step_s(other))), other) for start_by, other in watch]
+
+    def _gap_alone_s(self, name: str) -> float:
+        """About `name`'s stream gap served alone (the span rule's bound): its whole step-time target, or its calm
+        target while at most one of its prompts is queued (SLICE_CALM)."""
+        target = self._step_ms.get(name, 0.0)
+        sched = self.engines[name].scheduler
+        calm = self._calm_ms.get(name, 0.0)
+        if SLICE_CALM and 0 < calm < target and not sched.others_queued():
+            target = calm
+        return target / 1e3
 
     def _preemptors(self, name: str, busy: list[str]) -> list[tuple[float, str]]:
         """(when due, model) of every other model that may preempt `name`'s step (see _advance)."""

@@ -364,6 +364,32 @@ def test_a_step_that_would_outlast_its_target_lets_the_other_model_wait_longer(t
     assert not has_streams(engines["qwen2"]) and due(0.045) == pytest.approx(10.005)
 
 
+def test_the_span_rule_aims_at_the_calm_target_while_no_other_prompt_of_its_model_queues(tiny_dirs, monkeypatch):
+    """SLICE_CALM: served alone, a model whose queue holds at most one prompt runs calm steps (core/scheduler.py), so
+    its streams' gap alone is about its calm target, and the span rule aims at that: qwen2 (whole target 120 ms, calm
+    72 ms) with 20 ms of its own to run, 50 ms after its streams' last step, 22 ms left: each llama round must leave it
+    g >= 20 x 11 / 2 ms, capped at SLICE_DUE_MAX x 10 ms; against the whole target (70 ms left) g = 20 x 11 / 50 ms.
+    With two prompts of its own queued, its steps alone would fill the whole target: that is the bound again."""
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
+    monkeypatch.setattr(multi_module, "SLICE_DUE_MAX", 0.8)
+    engines, multi = both_streaming(tiny_dirs)
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.010)
+    multi._step_ms["qwen2"], multi._calm_ms["qwen2"] = 120.0, 72.0
+    multi._since = {"llama": 10.0, "qwen2": 9.95}
+    multi._loop_s = 0.001
+    watch = multi._preemptors("qwen2", ["llama", "qwen2"])
+    run = multi_module._Run(iter(()), True, 9.99, predicted_s=0.020)
+    calm_due = multi._span_due("qwen2", run, watch, 10.0, 0.0)[0][0]
+    assert calm_due == pytest.approx(10.0 + 0.001 + 0.008)
+    monkeypatch.setattr(multi_module, "SLICE_CALM", False)
+    assert multi._span_due("qwen2", run, watch, 10.0, 0.0)[0][0] == pytest.approx(10.0 + 0.001 + 0.020 * 0.011 / 0.050)
+    monkeypatch.setattr(multi_module, "SLICE_CALM", True)
+    for rid in ("q2", "q3"):  # two prompts queued behind the stream
+        engines["qwen2"].add_request(rid, "a b c", GREEDY)
+    assert engines["qwen2"].scheduler.others_queued()
+    assert multi._span_due("qwen2", run, watch, 10.0, 0.0)[0][0] == pytest.approx(10.0 + 0.001 + 0.020 * 0.011 / 0.050)
+
+
 def test_a_sliced_step_learns_its_predicted_time_once_scheduled(tiny_dirs, monkeypatch):
     monkeypatch.setattr(multi_module, "SLICE_SPAN", True)
     engines, multi = both_streaming(tiny_dirs)
