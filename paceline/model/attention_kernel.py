@@ -271,6 +271,35 @@ inline vf vexp_finite(vf x) {
 inline vf vexp(vf x) {
   return vexp_finite(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
 }
+// The prompt tiles' softmax runs in base 2: scores are scaled by log2 e along with 1/sqrt(d), so that e^x is
+// 2^t = 2^f 2^floor(t) with f = t - floor(t) in [0, 1) (vreduceps, exact) and no range reduction by ln 2; 2^f by
+// a degree-DEG polynomial fitted for relative error on [0, 1), times 2^floor(t) by scalef (a very negative t
+// gives 0, never NaN). Relative error with float32 Horner steps (numpy check, 2026-11-24): degree 5 1.5e-7 (the
+// degree-6 Taylor e^x above: 1.2e-7), degree 3 7.5e-5, a fiftieth of bfloat16's rounding of P. Degree 5 plus
+// the fmsub costs 8 ops per vector where the e^x path costs 12, degree 3 costs 6.
+constexpr float SOFTMAX_UNIT = 1.44269504088896341f;  // score units per nat
+template <int DEG>
+inline vf vexp_unit(vf t) {  // e^(t / SOFTMAX_UNIT) = 2^t for finite t
+#ifdef __AVX512DQ__
+  const vf f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+  const vf f = _mm512_sub_ps(t, _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#endif
+  vf p;
+  if constexpr (DEG == 3) {
+    p = _mm512_fmadd_ps(_mm512_set1_ps(7.802402973e-02f), f, _mm512_set1_ps(2.260670662e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.958339810e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999251366e-01f));
+  } else {
+    static_assert(DEG == 5, "degree 3 or 5");
+    p = _mm512_fmadd_ps(_mm512_set1_ps(1.877572737e-03f), f, _mm512_set1_ps(8.989344351e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.582631752e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.401536107e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931530833e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999999404e-01f));
+  }
+  return _mm512_scalef_ps(p, t);
+}
 // s * a - b
 inline vf vfmsub(vf s, vf a, vf b) { return _mm512_fmsub_ps(s, a, b); }
 // keys per score block and V columns per P.V block, by row vectors per panel: at most 24 accumulators
@@ -294,6 +323,8 @@ inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm256_blendv_ps(b, a, _m
 inline vf vexp(vf x) { return exp8(x); }
 inline vf vexp_finite(vf x) { return exp8(x); }  // exp8 builds 2^n from exponent bits: it needs its clamps
 inline vf vfmsub(vf s, vf a, vf b) { return _mm256_fmsub_ps(s, a, b); }
+constexpr float SOFTMAX_UNIT = 1.0f;  // natural units: exp8 has its own range reduction
+template <int DEG> inline vf vexp_unit(vf t) { return exp8(t); }
 constexpr int jb_for(int rv) { return rv == 1 ? 10 : 6; }
 constexpr int cb_for(int rv) { return rv == 1 ? 8 : 4; }
 #endif
@@ -430,7 +461,14 @@ void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const
 #endif
     for (int j = 0; j < n; j += JB) tile_scores<RV, JB>(qt + o, ld, ch.k + j, d, st + size_t(j) * ld);
   vf alpha[RV];
-  const vf ninf = vset1(-std::numeric_limits<float>::infinity()), zero = vzero(), scv = vset1(sc);
+  // scv scales unscaled scores into SOFTMAX_UNIT units; m holds the running max in those units
+  const vf ninf = vset1(-std::numeric_limits<float>::infinity()), zero = vzero(), scv = vset1(sc * SOFTMAX_UNIT);
+#ifdef PL_BF16_DOT
+  // the bfloat16 pairs of P: 32 words (p_j lanes 0-15, then p_j+1's) into 16 dwords (p_j[r], p_j+1[r])
+  const __m512i pair_idx = _mm512_setr_epi32(0x100000, 0x110001, 0x120002, 0x130003, 0x140004, 0x150005, 0x160006,
+                                             0x170007, 0x180008, 0x190009, 0x1a000a, 0x1b000b, 0x1c000c, 0x1d000d,
+                                             0x1e000e, 0x1f000f);
+#endif
   for (int r = 0; r < RV; ++r) {
     const vf lim = vload(pos + r * VW), m0 = vload(m + r * VW);
     // the max of the unscaled scores, scaled once (sc > 0); two chains halve the wait on vmax's latency
@@ -451,30 +489,41 @@ void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const
       mr0 = vmax(mr0, s0);
     }
     const vf mx = vmax(m0, vmul(vmax(mr0, mr1), scv));
-    // a row that sees nothing yet keeps m = -inf: shift it by 0 so that exp never sees inf - inf
+    // a row that sees nothing yet keeps m = -inf: shift it by 0 so that exp never sees inf - inf; m0 = -inf gives
+    // alpha 0 (clamped: vexp_unit wants finite t)
     const vf safe = vsel_le(mx, ninf, zero, mx);
-    alpha[r] = vexp(vsub(m0, safe));
+    alpha[r] = vexp_unit<5>(vmax(vsub(m0, safe), vset1(-200.0f)));
     vf sum = zero;
-    for (int j = 0; j < n; ++j) {
-      float* sp = st + size_t(j) * ld + r * VW;
-      vf p = vexp_finite(vfmsub(vload(sp), scv, safe));
-      if (diag) p = vsel_le(vset1(float(c0 + j)), lim, p, zero);
-      vstore(sp, p);
-      sum = vadd(sum, p);
-    }
+#ifdef PL_BF16_DOT
+    if (ch.qp) {
+      // P straight into bfloat16 pairs of positions: never stored as float32. Degree 3: P is rounded to 8 bits
+      for (int j = 0; j < n; j += 2) {
+        const float* sp = st + size_t(j) * ld + r * VW;
+        vf p0 = vexp_unit<3>(vfmsub(vload(sp), scv, safe));
+        vf p1 = j + 1 < n ? vexp_unit<3>(vfmsub(vload(sp + ld), scv, safe)) : zero;
+        if (diag) {
+          p0 = vsel_le(vset1(float(c0 + j)), lim, p0, zero);
+          p1 = vsel_le(vset1(float(c0 + j + 1)), lim, p1, zero);
+        }
+        sum = vadd(sum, vadd(p0, p1));
+        const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+        _mm512_storeu_si512(ch.pp + size_t(j / 2) * ld + o + r * VW, _mm512_permutexvar_epi16(pair_idx, w));
+      }
+    } else
+#endif
+      for (int j = 0; j < n; ++j) {
+        float* sp = st + size_t(j) * ld + r * VW;
+        vf p = vexp_unit<5>(vfmsub(vload(sp), scv, safe));
+        if (diag) p = vsel_le(vset1(float(c0 + j)), lim, p, zero);
+        vstore(sp, p);
+        sum = vadd(sum, p);
+      }
     vstore(l + r * VW, vfma(vload(l + r * VW), alpha[r], sum));
     vstore(m + r * VW, mx);
   }
 #ifdef PL_BF16_DOT
   if (ch.qp) {
     const int n2 = (n + 1) / 2;
-    for (int j2 = 0; j2 < n2; ++j2)
-      for (int r = 0; r < RV; ++r) {
-        const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(vload(st + size_t(2 * j2) * ld + r * VW)));
-        const vf pb = 2 * j2 + 1 < n ? vload(st + size_t(2 * j2 + 1) * ld + r * VW) : zero;
-        const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(pb));
-        _mm512_storeu_si512(ch.pp + size_t(j2) * ld + o + r * VW, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-      }
     int c = 0;
     for (; c + CB <= d; c += CB) dot_pv<RV, CB>(ch.pp + o, ld, ch.vp, d, n2, c, alpha, ot);
     for (; c < d; ++c) dot_pv<RV, 1>(ch.pp + o, ld, ch.vp, d, n2, c, alpha, ot);
@@ -1292,6 +1341,8 @@ def _flags(target: str) -> list[str]:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
         if "avx512_bf16" in int4_kernel.cpu_flags():  # bfloat16 pair dot products for a bfloat16 cache
             flags += ["-mavx512bf16"]
+        if "avx512dq" in int4_kernel.cpu_flags():  # vreduceps: the prompt tiles' exp splits t in one op
+            flags += ["-mavx512dq"]
     return flags
 
 
