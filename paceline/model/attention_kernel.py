@@ -86,6 +86,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #ifdef __AVX2__
@@ -564,12 +565,46 @@ inline void transpose16(__m512* m) {
 }
 #endif
 
+// One KV head's context of one sequence, packed once per call for all of its prompt-chunk items (bf16 pairs):
+// key rows contiguous ([end + JB_MAX][d/2] pairs, the padding zero) and value pairs ([(end+1)/2][d], pairs of
+// positions 2j, 2j+1; past the end zero). Without it every item gathers and pairs every chunk it reads again: a
+// 1,500-token prompt's chunks were gathered and paired ~47 times each (pointers and pairing ~6 % of its attention)
+struct KvPack { const uint32_t* k = nullptr; const uint32_t* v = nullptr; };
+constexpr int PACK_PAD = 12;  // key rows past the end: the widest score block (jb_for(1)) less one, rounded up
+inline int64_t pack_words(int end, int d) { return int64_t(end + PACK_PAD) * (d / 2) + int64_t((end + 1) / 2) * d; }
+
+#ifdef PL_BF16_DOT
+// positions c0..c1-1 (c0 even) of KV head h of one sequence into its pack at `dst`; the chunk holding the end also
+// writes the padding
+inline void pack_kv(const c10::BFloat16* kc, const c10::BFloat16* vc, int64_t blk_stride, int64_t tok_stride,
+                    int bs, const int32_t* table, int h, int d, int end, int c0, int c1, uint32_t* dst) {
+  alignas(64) static const uint16_t zeros[256] = {};
+  uint32_t* kp = dst;
+  uint32_t* vp = dst + int64_t(end + PACK_PAD) * (d / 2);
+  auto off = [&](int p) { return int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h) * d; };
+  for (int p = c0; p < c1; p += 2) {
+    const int64_t o0 = off(p);
+    const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + o0);
+    const uint16_t* v1 = zeros;
+    std::memcpy(kp + int64_t(p) * (d / 2), kc + o0, sizeof(uint16_t) * d);
+    if (p + 1 < end) {
+      const int64_t o1 = off(p + 1);
+      v1 = reinterpret_cast<const uint16_t*>(vc + o1);
+      std::memcpy(kp + int64_t(p + 1) * (d / 2), kc + o1, sizeof(uint16_t) * d);
+    }
+    pair_rows(v0, v1, vp + int64_t(p / 2) * d, d);
+  }
+  if (c1 == end) std::memset(kp + int64_t(end) * (d / 2), 0, sizeof(uint32_t) * PACK_PAD * (d / 2));
+}
+#endif
+
 // A work item of ntok tokens and one KV head h0, as attend() computes it, in transposed row tiles.
 template <typename T>
 void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int d, const T* kc,
                   const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table, int row0,
-                  int start, int ntok, float scale) {
+                  int start, int ntok, float scale, const KvPack& pk) {
   constexpr int JB_MAX = jb_for(1) > jb_for(2) ? jb_for(1) : jb_for(2);
+  static_assert(PACK_PAD >= JB_MAX, "a pack's padding covers the widest score block");
   const int R = ntok * G, nrv = (R + VW - 1) / VW, ld = nrv * VW;
   bool bf = false;
 #ifdef PL_BF16_DOT
@@ -658,6 +693,13 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
   const int end = start + ntok;
   for (int c0 = 0; c0 < end; c0 += KC) {
     const int n = std::min(KC, end - c0);
+#ifdef PL_BF16_DOT
+    if (bf && pk.k) {  // the sequence's packed K rows and V pairs (their padding covers the last score block)
+      for (int j = 0; j < n + JB_MAX; ++j) kdrow[j] = pk.k + size_t(c0 + j) * (d / 2);
+      ch.vp = pk.v + size_t(c0 / 2) * d;
+    } else
+#endif
+    {
     // position c0 + j lies in block table[blk], slot `slot`: counted along, not divided per position (an integer
     // division per position was ~3 % of a 1,500-token chunk's attention)
     int blk = c0 / bs, slot = c0 % bs;
@@ -686,10 +728,12 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
         pair_rows(reinterpret_cast<const uint16_t*>(vrow[j]),
                   reinterpret_cast<const uint16_t*>(j + 1 < n ? vrow[j + 1] : zrow), vp + size_t(j / 2) * d, d);
 #endif
+    }
     const bool diag = c0 + n - 1 > start;  // the first token cannot see the chunk's last position
     const float sc = bf ? scale : 1.0f;
-    for (int rv0 = 0; rv0 < nrv;) {
-      const int rv = std::min(RV_MAX, nrv - rv0);
+    for (int rv0 = 0; rv0 < nrv;) {  // panels of at most RV_MAX row vectors, balanced (6: 3 + 3, not 4 + 2)
+      const int left = (nrv - rv0 + RV_MAX - 1) / RV_MAX;
+      const int rv = (nrv - rv0 + left - 1) / left;
       switch (rv) {
         case 1: tile_panel<1>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc); break;
         case 2: tile_panel<2>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc); break;
@@ -1343,15 +1387,52 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   float* op = out.data_ptr<float>();
   const int nitems = int(items.size());
   const int nthreads = std::max(1, std::min(at::get_num_threads(), nitems));
+  // bf16 packs (KvPack) of the sequences whose chunk spans two items or more per KV head: words from pack_at[i]
+  std::vector<int64_t> pack_at(S, -1);
+  std::unique_ptr<uint32_t[]> packs;  // not value-initialised: pack_kv writes every word
   auto run = [&](auto* kc, auto* vc) {
+#ifdef PL_BF16_DOT
+    if constexpr (std::is_same<std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>, c10::BFloat16>::value) {
+      if (d % 32 == 0 && d <= 256) {
+        struct Task { int seq, head, c0; };
+        std::vector<Task> tasks;
+        int64_t words = 0;
+        for (int i = 0; i < S; ++i) {
+          if (sq[3 * i + 1] < 2 * TQ) continue;
+          const int end = sq[3 * i + 2] + sq[3 * i + 1];
+          pack_at[i] = words;
+          words += pack_words(end, int(d)) * kvh;
+          for (int h = 0; h < kvh; ++h)
+            for (int c0 = 0; c0 < end; c0 += KC) tasks.push_back({i, h, c0});
+        }
+        if (words) {
+          packs.reset(new uint32_t[words]);
+          const int ntasks = int(tasks.size());
+#pragma omp parallel for schedule(static) num_threads(std::max(1, std::min(at::get_num_threads(), ntasks)))
+          for (int w = 0; w < ntasks; ++w) {
+            const Task& t = tasks[w];
+            const int end = sq[3 * t.seq + 2] + sq[3 * t.seq + 1];
+            pack_kv(kc, vc, blk_stride, tok_stride, int(bs), bt + int64_t(t.seq) * max_blocks, t.head, int(d), end,
+                    t.c0, std::min(end, t.c0 + KC), packs.get() + pack_at[t.seq] + pack_words(end, int(d)) * t.head);
+          }
+        }
+      }
+    }
+#endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int w = 0; w < nitems; ++w) {
       const Item& it = items[w];
       const int32_t* s = sq + 3 * it.seq;
 #ifdef PL_TILE
       if (it.heads == 1 && it.ntok > FEW_TOKENS) {  // a prompt chunk's slice: the row tiles
+        KvPack pk;
+        if (pack_at[it.seq] >= 0) {
+          const int end = s[2] + s[1];
+          pk.k = packs.get() + pack_at[it.seq] + pack_words(end, int(d)) * it.head0;
+          pk.v = pk.k + int64_t(end + PACK_PAD) * (d / 2);
+        }
         attend_tiles(qp, q.stride(0), op, H, G, it.head0, int(d), kc, vc, blk_stride, tok_stride, int(bs),
-                     bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
+                     bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale), pk);
         continue;
       }
 #endif
