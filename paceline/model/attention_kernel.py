@@ -252,6 +252,8 @@ inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 // a where pos <= lim, else b
 inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pos, lim, _CMP_LE_OQ), b, a); }
+// whether a < b in any lane
+inline bool vany_lt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ) != 0; }
 // vexp for finite x: no clamps (scalef takes any n: a very negative x gives 0, a large one inf, never NaN); the
 // prompt tiles' exp of s - max, where s and max are finite and lanes past the mask are dropped after
 inline vf vexp_finite(vf x) {
@@ -321,6 +323,7 @@ inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(pos, lim, _CMP_LE_OQ)); }
+inline bool vany_lt(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_LT_OQ)) != 0; }
 inline vf vexp(vf x) { return exp8(x); }
 inline vf vexp_finite(vf x) { return exp8(x); }  // exp8 builds 2^n from exponent bits: it needs its clamps
 inline vf vfmsub(vf s, vf a, vf b) { return _mm256_fmsub_ps(s, a, b); }
@@ -349,12 +352,16 @@ inline void tile_scores(const float* qt, int ld, const float* const* k, int d, f
     for (int r = 0; r < RV; ++r) vstore(st + size_t(u) * ld + r * VW, a[u][r]);
 }
 
-// ot[c0 + u][.] = alpha * ot[c0 + u][.] + sum_j v[j][c0 + u] * pt[j][.] for CB columns u, RV row vectors
+// ot[c0 + u][.] = alpha * ot[c0 + u][.] + sum_j v[j][c0 + u] * pt[j][.] for CB columns u, RV row vectors (alpha
+// null: 1)
 template <int RV, int CB>
 inline void tile_pv(const float* pt, int ld, const float* const* v, int n, int c0, const vf* alpha, float* ot) {
   vf a[CB][RV];
   for (int u = 0; u < CB; ++u)
-    for (int r = 0; r < RV; ++r) a[u][r] = vmul(alpha[r], vload(ot + size_t(c0 + u) * ld + r * VW));
+    for (int r = 0; r < RV; ++r) {
+      const vf x = vload(ot + size_t(c0 + u) * ld + r * VW);
+      a[u][r] = alpha ? vmul(alpha[r], x) : x;
+    }
   for (int j = 0; j < n; ++j) {
     vf pv[RV];
     for (int r = 0; r < RV; ++r) pv[r] = vload(pt + size_t(j) * ld + r * VW);
@@ -392,12 +399,15 @@ inline void dot_scores(const uint32_t* qp, int ld, const uint32_t* const* k, int
 }
 
 // ot[c0 + u][.] = alpha * ot[c0 + u][.] + sum over position pairs of (v[j][c], v[j+1][c]) . (p[j][.], p[j+1][.]);
-// pp[j/2][r] and vp[j/2][c] hold the pairs
+// pp[j/2][r] and vp[j/2][c] hold the pairs; alpha null: 1
 template <int RV, int CB>
 inline void dot_pv(const uint32_t* pp, int ld, const uint32_t* vp, int d, int n2, int c0, const vf* alpha, float* ot) {
   vf a[CB][RV];
   for (int u = 0; u < CB; ++u)
-    for (int r = 0; r < RV; ++r) a[u][r] = vmul(alpha[r], vload(ot + size_t(c0 + u) * ld + r * VW));
+    for (int r = 0; r < RV; ++r) {
+      const vf x = vload(ot + size_t(c0 + u) * ld + r * VW);
+      a[u][r] = alpha ? vmul(alpha[r], x) : x;
+    }
   for (int j = 0; j < n2; ++j) {
     __m512bh pv[RV];
     for (int r = 0; r < RV; ++r) pv[r] = (__m512bh)_mm512_loadu_si512(pp + size_t(j) * ld + r * VW);
@@ -462,6 +472,7 @@ void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const
 #endif
     for (int j = 0; j < n; j += JB) tile_scores<RV, JB>(qt + o, ld, ch.k + j, d, st + size_t(j) * ld);
   vf alpha[RV];
+  bool rescale = false;
   // scv scales unscaled scores into SOFTMAX_UNIT units; m holds the running max in those units
   const vf ninf = vset1(-std::numeric_limits<float>::infinity()), zero = vzero(), scv = vset1(sc * SOFTMAX_UNIT);
 #ifdef PL_BF16_DOT
@@ -493,7 +504,10 @@ void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const
     // a row that sees nothing yet keeps m = -inf: shift it by 0 so that exp never sees inf - inf; m0 = -inf gives
     // alpha 0 (clamped: vexp_unit wants finite t)
     const vf safe = vsel_le(mx, ninf, zero, mx);
-    alpha[r] = vexp_unit<5>(vmax(vsub(m0, safe), vset1(-200.0f)));
+    // rows whose max stayed keep alpha exactly 1 (the polynomial's 2^0 is 1 - 6e-8); where no row's max moved, P.V
+    // skips the rescale of its accumulators (the usual case once a row has seen its largest scores)
+    alpha[r] = vsel_le(mx, m0, vset1(1.0f), vexp_unit<5>(vmax(vsub(m0, safe), vset1(-200.0f))));
+    rescale = rescale || vany_lt(m0, mx);
     vf sum = zero;
 #ifdef PL_BF16_DOT
     if (ch.qp) {
@@ -526,14 +540,16 @@ void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const
   if (ch.qp) {
     const int n2 = (n + 1) / 2;
     int c = 0;
-    for (; c + CB <= d; c += CB) dot_pv<RV, CB>(ch.pp + o, ld, ch.vp, d, n2, c, alpha, ot);
-    for (; c < d; ++c) dot_pv<RV, 1>(ch.pp + o, ld, ch.vp, d, n2, c, alpha, ot);
+    const vf* al = rescale ? alpha : nullptr;
+    for (; c + CB <= d; c += CB) dot_pv<RV, CB>(ch.pp + o, ld, ch.vp, d, n2, c, al, ot);
+    for (; c < d; ++c) dot_pv<RV, 1>(ch.pp + o, ld, ch.vp, d, n2, c, al, ot);
     return;
   }
 #endif
   int c = 0;
-  for (; c + CB <= d; c += CB) tile_pv<RV, CB>(st, ld, ch.v, n, c, alpha, ot);
-  for (; c < d; ++c) tile_pv<RV, 1>(st, ld, ch.v, n, c, alpha, ot);
+  const vf* al = rescale ? alpha : nullptr;
+  for (; c + CB <= d; c += CB) tile_pv<RV, CB>(st, ld, ch.v, n, c, al, ot);
+  for (; c < d; ++c) tile_pv<RV, 1>(st, ld, ch.v, n, c, al, ot);
 }
 
 #if defined(__AVX512F__)
