@@ -14,7 +14,10 @@ and the online softmax runs along the rows in whole vectors; the decode loops re
 reuse a key over at most 3 rows. Built for AVX-512 where /proc/cpuinfo lists avx512f/bw/vl (16-float vectors, 32
 registers), and with AVX512_BF16 a bfloat16 cache's chunks whose queries are bfloat16 values (a bfloat16 model's)
 use pair dot products (vdpbf16ps), twice float32's multiply-adds per instruction; P is then rounded to bfloat16
-for P.V, as torch's bfloat16 SDPA does.
+for P.V, as torch's bfloat16 SDPA does. There a sequence whose chunk spans two items or more per KV head first
+packs its context once (K rows contiguous, V rows interleaved into the pairs P.V needs) for all of its items. The
+tiles' softmax runs in base 2 (scores scaled by log2 e), so exp is a split by vreduceps, a short polynomial and
+scalef.
 
 Decodes (items of up to FEW_TOKENS tokens) in the AVX-512 build take a third loop nest, `attend_rows`, where
 head_dim is 32, 64 or 128: a decode has only its GQA group's rows (3), too few for row vectors, so the context
