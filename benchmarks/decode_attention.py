@@ -49,6 +49,7 @@ VARIANTS = {"gather + SDPA": "0", "C++ op": "1"}
 LAYER_SHAPES = {
     "fresh 512": [(0, 512)],
     "512 at 1,000": [(1000, 512)],
+    "1500 whole": [(0, 1500)],
     "64 at 1,000 + 6 decodes": [(1000, 64)] + [(c - 1, 1) for c in (150, 250, 350, 450, 500, 1900)],
     "32 decodes at 100-200": [(100 + 3 * i - 1, 1) for i in range(32)],
     "fresh 48 + 32 decodes": [(0, 48)] + [(100 + 3 * i - 1, 1) for i in range(32)],

@@ -14,7 +14,10 @@ and the online softmax runs along the rows in whole vectors; the decode loops re
 reuse a key over at most 3 rows. Built for AVX-512 where /proc/cpuinfo lists avx512f/bw/vl (16-float vectors, 32
 registers), and with AVX512_BF16 a bfloat16 cache's chunks whose queries are bfloat16 values (a bfloat16 model's)
 use pair dot products (vdpbf16ps), twice float32's multiply-adds per instruction; P is then rounded to bfloat16
-for P.V, as torch's bfloat16 SDPA does.
+for P.V, as torch's bfloat16 SDPA does. There a sequence whose chunk spans two items or more per KV head first
+packs its context once (K rows contiguous, V rows interleaved into the pairs P.V needs) for all of its items. The
+tiles' softmax runs in base 2 (scores scaled by log2 e), so exp is a split by vreduceps, a short polynomial and
+scalef.
 
 Decodes (items of up to FEW_TOKENS tokens) in the AVX-512 build take a third loop nest, `attend_rows`, where
 head_dim is 32, 64 or 128: a decode has only its GQA group's rows (3), too few for row vectors, so the context
@@ -86,6 +89,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #ifdef __AVX2__
@@ -251,6 +255,8 @@ inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 // a where pos <= lim, else b
 inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pos, lim, _CMP_LE_OQ), b, a); }
+// whether a < b in any lane
+inline bool vany_lt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ) != 0; }
 // vexp for finite x: no clamps (scalef takes any n: a very negative x gives 0, a large one inf, never NaN); the
 // prompt tiles' exp of s - max, where s and max are finite and lanes past the mask are dropped after
 inline vf vexp_finite(vf x) {
@@ -270,6 +276,35 @@ inline vf vexp_finite(vf x) {
 // e^x as exp8 below, 16 lanes: vexp_finite after exp8's clamps
 inline vf vexp(vf x) {
   return vexp_finite(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
+}
+// The prompt tiles' softmax runs in base 2: scores are scaled by log2 e along with 1/sqrt(d), so that e^x is
+// 2^t = 2^f 2^floor(t) with f = t - floor(t) in [0, 1) (vreduceps, exact) and no range reduction by ln 2; 2^f by
+// a degree-DEG polynomial fitted for relative error on [0, 1), times 2^floor(t) by scalef (a very negative t
+// gives 0, never NaN). Relative error with float32 Horner steps (numpy check, 2026-11-24): degree 5 1.5e-7 (the
+// degree-6 Taylor e^x above: 1.2e-7), degree 3 7.5e-5, a fiftieth of bfloat16's rounding of P. Degree 5 plus
+// the fmsub costs 8 ops per vector where the e^x path costs 12, degree 3 costs 6.
+constexpr float SOFTMAX_UNIT = 1.44269504088896341f;  // score units per nat
+template <int DEG>
+inline vf vexp_unit(vf t) {  // e^(t / SOFTMAX_UNIT) = 2^t for finite t
+#ifdef __AVX512DQ__
+  const vf f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+  const vf f = _mm512_sub_ps(t, _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#endif
+  vf p;
+  if constexpr (DEG == 3) {
+    p = _mm512_fmadd_ps(_mm512_set1_ps(7.802402973e-02f), f, _mm512_set1_ps(2.260670662e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.958339810e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999251366e-01f));
+  } else {
+    static_assert(DEG == 5, "degree 3 or 5");
+    p = _mm512_fmadd_ps(_mm512_set1_ps(1.877572737e-03f), f, _mm512_set1_ps(8.989344351e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.582631752e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.401536107e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931530833e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999999404e-01f));
+  }
+  return _mm512_scalef_ps(p, t);
 }
 // s * a - b
 inline vf vfmsub(vf s, vf a, vf b) { return _mm512_fmsub_ps(s, a, b); }
@@ -291,9 +326,12 @@ inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(pos, lim, _CMP_LE_OQ)); }
+inline bool vany_lt(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_LT_OQ)) != 0; }
 inline vf vexp(vf x) { return exp8(x); }
 inline vf vexp_finite(vf x) { return exp8(x); }  // exp8 builds 2^n from exponent bits: it needs its clamps
 inline vf vfmsub(vf s, vf a, vf b) { return _mm256_fmsub_ps(s, a, b); }
+constexpr float SOFTMAX_UNIT = 1.0f;  // natural units: exp8 has its own range reduction
+template <int DEG> inline vf vexp_unit(vf t) { return exp8(t); }
 constexpr int jb_for(int rv) { return rv == 1 ? 10 : 6; }
 constexpr int cb_for(int rv) { return rv == 1 ? 8 : 4; }
 #endif
@@ -317,12 +355,16 @@ inline void tile_scores(const float* qt, int ld, const float* const* k, int d, f
     for (int r = 0; r < RV; ++r) vstore(st + size_t(u) * ld + r * VW, a[u][r]);
 }
 
-// ot[c0 + u][.] = alpha * ot[c0 + u][.] + sum_j v[j][c0 + u] * pt[j][.] for CB columns u, RV row vectors
+// ot[c0 + u][.] = alpha * ot[c0 + u][.] + sum_j v[j][c0 + u] * pt[j][.] for CB columns u, RV row vectors (alpha
+// null: 1)
 template <int RV, int CB>
 inline void tile_pv(const float* pt, int ld, const float* const* v, int n, int c0, const vf* alpha, float* ot) {
   vf a[CB][RV];
   for (int u = 0; u < CB; ++u)
-    for (int r = 0; r < RV; ++r) a[u][r] = vmul(alpha[r], vload(ot + size_t(c0 + u) * ld + r * VW));
+    for (int r = 0; r < RV; ++r) {
+      const vf x = vload(ot + size_t(c0 + u) * ld + r * VW);
+      a[u][r] = alpha ? vmul(alpha[r], x) : x;
+    }
   for (int j = 0; j < n; ++j) {
     vf pv[RV];
     for (int r = 0; r < RV; ++r) pv[r] = vload(pt + size_t(j) * ld + r * VW);
@@ -360,12 +402,15 @@ inline void dot_scores(const uint32_t* qp, int ld, const uint32_t* const* k, int
 }
 
 // ot[c0 + u][.] = alpha * ot[c0 + u][.] + sum over position pairs of (v[j][c], v[j+1][c]) . (p[j][.], p[j+1][.]);
-// pp[j/2][r] and vp[j/2][c] hold the pairs
+// pp[j/2][r] and vp[j/2][c] hold the pairs; alpha null: 1
 template <int RV, int CB>
 inline void dot_pv(const uint32_t* pp, int ld, const uint32_t* vp, int d, int n2, int c0, const vf* alpha, float* ot) {
   vf a[CB][RV];
   for (int u = 0; u < CB; ++u)
-    for (int r = 0; r < RV; ++r) a[u][r] = vmul(alpha[r], vload(ot + size_t(c0 + u) * ld + r * VW));
+    for (int r = 0; r < RV; ++r) {
+      const vf x = vload(ot + size_t(c0 + u) * ld + r * VW);
+      a[u][r] = alpha ? vmul(alpha[r], x) : x;
+    }
   for (int j = 0; j < n2; ++j) {
     __m512bh pv[RV];
     for (int r = 0; r < RV; ++r) pv[r] = (__m512bh)_mm512_loadu_si512(pp + size_t(j) * ld + r * VW);
@@ -430,7 +475,15 @@ void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const
 #endif
     for (int j = 0; j < n; j += JB) tile_scores<RV, JB>(qt + o, ld, ch.k + j, d, st + size_t(j) * ld);
   vf alpha[RV];
-  const vf ninf = vset1(-std::numeric_limits<float>::infinity()), zero = vzero(), scv = vset1(sc);
+  bool rescale = false;
+  // scv scales unscaled scores into SOFTMAX_UNIT units; m holds the running max in those units
+  const vf ninf = vset1(-std::numeric_limits<float>::infinity()), zero = vzero(), scv = vset1(sc * SOFTMAX_UNIT);
+#ifdef PL_BF16_DOT
+  // the bfloat16 pairs of P: 32 words (p_j lanes 0-15, then p_j+1's) into 16 dwords (p_j[r], p_j+1[r])
+  const __m512i pair_idx = _mm512_setr_epi32(0x100000, 0x110001, 0x120002, 0x130003, 0x140004, 0x150005, 0x160006,
+                                             0x170007, 0x180008, 0x190009, 0x1a000a, 0x1b000b, 0x1c000c, 0x1d000d,
+                                             0x1e000e, 0x1f000f);
+#endif
   for (int r = 0; r < RV; ++r) {
     const vf lim = vload(pos + r * VW), m0 = vload(m + r * VW);
     // the max of the unscaled scores, scaled once (sc > 0); two chains halve the wait on vmax's latency
@@ -451,47 +504,126 @@ void tile_panel(const float* qt, float* st, float* ot, float* m, float* l, const
       mr0 = vmax(mr0, s0);
     }
     const vf mx = vmax(m0, vmul(vmax(mr0, mr1), scv));
-    // a row that sees nothing yet keeps m = -inf: shift it by 0 so that exp never sees inf - inf
+    // a row that sees nothing yet keeps m = -inf: shift it by 0 so that exp never sees inf - inf; m0 = -inf gives
+    // alpha 0 (clamped: vexp_unit wants finite t)
     const vf safe = vsel_le(mx, ninf, zero, mx);
-    alpha[r] = vexp(vsub(m0, safe));
+    // rows whose max stayed keep alpha exactly 1 (the polynomial's 2^0 is 1 - 6e-8); where no row's max moved, P.V
+    // skips the rescale of its accumulators (the usual case once a row has seen its largest scores)
+    alpha[r] = vsel_le(mx, m0, vset1(1.0f), vexp_unit<5>(vmax(vsub(m0, safe), vset1(-200.0f))));
+    rescale = rescale || vany_lt(m0, mx);
     vf sum = zero;
-    for (int j = 0; j < n; ++j) {
-      float* sp = st + size_t(j) * ld + r * VW;
-      vf p = vexp_finite(vfmsub(vload(sp), scv, safe));
-      if (diag) p = vsel_le(vset1(float(c0 + j)), lim, p, zero);
-      vstore(sp, p);
-      sum = vadd(sum, p);
-    }
+#ifdef PL_BF16_DOT
+    if (ch.qp) {
+      // P straight into bfloat16 pairs of positions: never stored as float32. Degree 3: P is rounded to 8 bits
+      for (int j = 0; j < n; j += 2) {
+        const float* sp = st + size_t(j) * ld + r * VW;
+        vf p0 = vexp_unit<3>(vfmsub(vload(sp), scv, safe));
+        vf p1 = j + 1 < n ? vexp_unit<3>(vfmsub(vload(sp + ld), scv, safe)) : zero;
+        if (diag) {
+          p0 = vsel_le(vset1(float(c0 + j)), lim, p0, zero);
+          p1 = vsel_le(vset1(float(c0 + j + 1)), lim, p1, zero);
+        }
+        sum = vadd(sum, vadd(p0, p1));
+        const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+        _mm512_storeu_si512(ch.pp + size_t(j / 2) * ld + o + r * VW, _mm512_permutexvar_epi16(pair_idx, w));
+      }
+    } else
+#endif
+      for (int j = 0; j < n; ++j) {
+        float* sp = st + size_t(j) * ld + r * VW;
+        vf p = vexp_unit<5>(vfmsub(vload(sp), scv, safe));
+        if (diag) p = vsel_le(vset1(float(c0 + j)), lim, p, zero);
+        vstore(sp, p);
+        sum = vadd(sum, p);
+      }
     vstore(l + r * VW, vfma(vload(l + r * VW), alpha[r], sum));
     vstore(m + r * VW, mx);
   }
 #ifdef PL_BF16_DOT
   if (ch.qp) {
     const int n2 = (n + 1) / 2;
-    for (int j2 = 0; j2 < n2; ++j2)
-      for (int r = 0; r < RV; ++r) {
-        const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(vload(st + size_t(2 * j2) * ld + r * VW)));
-        const vf pb = 2 * j2 + 1 < n ? vload(st + size_t(2 * j2 + 1) * ld + r * VW) : zero;
-        const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(pb));
-        _mm512_storeu_si512(ch.pp + size_t(j2) * ld + o + r * VW, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-      }
     int c = 0;
-    for (; c + CB <= d; c += CB) dot_pv<RV, CB>(ch.pp + o, ld, ch.vp, d, n2, c, alpha, ot);
-    for (; c < d; ++c) dot_pv<RV, 1>(ch.pp + o, ld, ch.vp, d, n2, c, alpha, ot);
+    const vf* al = rescale ? alpha : nullptr;
+    for (; c + CB <= d; c += CB) dot_pv<RV, CB>(ch.pp + o, ld, ch.vp, d, n2, c, al, ot);
+    for (; c < d; ++c) dot_pv<RV, 1>(ch.pp + o, ld, ch.vp, d, n2, c, al, ot);
     return;
   }
 #endif
   int c = 0;
-  for (; c + CB <= d; c += CB) tile_pv<RV, CB>(st, ld, ch.v, n, c, alpha, ot);
-  for (; c < d; ++c) tile_pv<RV, 1>(st, ld, ch.v, n, c, alpha, ot);
+  const vf* al = rescale ? alpha : nullptr;
+  for (; c + CB <= d; c += CB) tile_pv<RV, CB>(st, ld, ch.v, n, c, al, ot);
+  for (; c < d; ++c) tile_pv<RV, 1>(st, ld, ch.v, n, c, al, ot);
 }
+
+#if defined(__AVX512F__)
+#define PL_TRANSPOSE 1
+// m[k] = row k of a 16 x 16 block of dwords -> m[k] = its column k: pairs of rows interleaved, then pairs of
+// pairs, then 128-bit lanes gathered (64 shuffles where scalar moves take 256 inserts or extracts and stores)
+inline void transpose16(__m512* m) {
+  __m512 t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(m[2 * k], m[2 * k + 1]);  // lane L: rows 2k, 2k+1 at columns 4L, 4L+1
+    t[2 * k + 1] = _mm512_unpackhi_ps(m[2 * k], m[2 * k + 1]);  // columns 4L+2, 4L+3
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c] lane L: rows 4g..4g+3 of column 4L + c
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * g + 2]), e = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512 a = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), b = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 e = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD), f = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    m[c] = _mm512_shuffle_f32x4(a, b, 0x88);
+    m[8 + c] = _mm512_shuffle_f32x4(a, b, 0xDD);
+    m[4 + c] = _mm512_shuffle_f32x4(e, f, 0x88);
+    m[12 + c] = _mm512_shuffle_f32x4(e, f, 0xDD);
+  }
+}
+#endif
+
+// One KV head's context of one sequence, packed once per call for all of its prompt-chunk items (bf16 pairs):
+// key rows contiguous ([end + JB_MAX][d/2] pairs, the padding zero) and value pairs ([(end+1)/2][d], pairs of
+// positions 2j, 2j+1; past the end zero). Without it every item gathers and pairs every chunk it reads again: a
+// 1,500-token prompt's chunks were gathered and paired ~47 times each (pointers and pairing ~6 % of its attention)
+struct KvPack { const uint32_t* k = nullptr; const uint32_t* v = nullptr; };
+constexpr int PACK_PAD = 12;  // key rows past the end: the widest score block (jb_for(1)) less one, rounded up
+inline int64_t pack_words(int end, int d) { return int64_t(end + PACK_PAD) * (d / 2) + int64_t((end + 1) / 2) * d; }
+
+#ifdef PL_BF16_DOT
+// positions c0..c1-1 (c0 even) of KV head h of one sequence into its pack at `dst`; the chunk holding the end also
+// writes the padding
+inline void pack_kv(const c10::BFloat16* kc, const c10::BFloat16* vc, int64_t blk_stride, int64_t tok_stride,
+                    int bs, const int32_t* table, int h, int d, int end, int c0, int c1, uint32_t* dst) {
+  alignas(64) static const uint16_t zeros[256] = {};
+  uint32_t* kp = dst;
+  uint32_t* vp = dst + int64_t(end + PACK_PAD) * (d / 2);
+  auto off = [&](int p) { return int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h) * d; };
+  for (int p = c0; p < c1; p += 2) {
+    const int64_t o0 = off(p);
+    const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + o0);
+    const uint16_t* v1 = zeros;
+    std::memcpy(kp + int64_t(p) * (d / 2), kc + o0, sizeof(uint16_t) * d);
+    if (p + 1 < end) {
+      const int64_t o1 = off(p + 1);
+      v1 = reinterpret_cast<const uint16_t*>(vc + o1);
+      std::memcpy(kp + int64_t(p + 1) * (d / 2), kc + o1, sizeof(uint16_t) * d);
+    }
+    pair_rows(v0, v1, vp + int64_t(p / 2) * d, d);
+  }
+  if (c1 == end) std::memset(kp + int64_t(end) * (d / 2), 0, sizeof(uint32_t) * PACK_PAD * (d / 2));
+}
+#endif
 
 // A work item of ntok tokens and one KV head h0, as attend() computes it, in transposed row tiles.
 template <typename T>
 void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int d, const T* kc,
                   const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table, int row0,
-                  int start, int ntok, float scale) {
+                  int start, int ntok, float scale, const KvPack& pk) {
   constexpr int JB_MAX = jb_for(1) > jb_for(2) ? jb_for(1) : jb_for(2);
+  static_assert(PACK_PAD >= JB_MAX, "a pack's padding covers the widest score block");
   const int R = ntok * G, nrv = (R + VW - 1) / VW, ld = nrv * VW;
   bool bf = false;
 #ifdef PL_BF16_DOT
@@ -513,7 +645,6 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
   uint32_t* qp = reinterpret_cast<uint32_t*>(zrow + d);  // bf16 only: q^T pairs, P pairs, V pairs
   uint32_t* pp = qp + size_t(ld) * (d / 2);
   uint32_t* vp = pp + size_t(ld) * (KC / 2 + 1);
-  std::fill(qt, qt + size_t(ld) * d, 0.0f);
   std::fill(ot, ot + size_t(ld) * d, 0.0f);
   std::fill(zrow, zrow + d, 0.0f);
   for (int r = 0; r < ld; ++r) {
@@ -521,20 +652,57 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
     l[r] = 0.0f;
     pos[r] = r < R ? float(start + r / G) : std::numeric_limits<float>::infinity();
   }
-  for (int t = 0; t < ntok; ++t)
-    for (int g = 0; g < G; ++g) {
-      const float* src = q + (int64_t(row0) + t) * q_stride + (int64_t(h0) * G + g) * d;
-      const int r = t * G + g;
-      for (int i = 0; i < d; ++i) qt[size_t(i) * ld + r] = src[i] * scale;
-    }
-  if (bf) {  // the pairs of the unscaled queries (exact: they are bfloat16 values); padded rows zero
-    std::fill(qp, qp + size_t(ld) * (d / 2), 0u);
-    for (int t = 0; t < ntok; ++t)
-      for (int g = 0; g < G; ++g) {
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(q + (int64_t(row0) + t) * q_stride + (int64_t(h0) * G + g) * d);
-        const int r = t * G + g;
+  // query row r (token r / G, head h0 G + r % G), unscaled
+  auto qrow = [&](int r) { return q + (int64_t(row0) + r / G) * q_stride + (int64_t(h0) * G + r % G) * d; };
+  // q^T for the float32 tiles (scaled), or (bf) the pairs of the unscaled queries (exact: they are bfloat16 values),
+  // padded rows zero; 16 x 16 blocks through registers where d allows (the scalar stores of one column element at a
+  // time were ~4 % of a 1,500-token chunk's attention)
+#ifdef PL_TRANSPOSE
+  if (bf) {
+    // dword k of a pair vector: the high words of floats 2k and 2k+1 of 32 (word 4k+1 and 4k+3 of a:b)
+    const __m512i hi_idx = _mm512_setr_epi32(0x30001, 0x70005, 0xb0009, 0xf000d, 0x130011, 0x170015, 0x1b0019, 0x1f001d,
+                                             0x230021, 0x270025, 0x2b0029, 0x2f002d, 0x330031, 0x370035, 0x3b0039, 0x3f003d);
+    for (int rb = 0; rb < nrv; ++rb)
+      for (int c = 0; c < d / 32; ++c) {
+        __m512 blk[16];
+        for (int k = 0; k < 16; ++k) {
+          const int r = rb * 16 + k;
+          if (r >= R) { blk[k] = _mm512_setzero_ps(); continue; }
+          const float* src = qrow(r) + 32 * c;
+          blk[k] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(_mm512_castps_si512(_mm512_loadu_ps(src)), hi_idx,
+                                                                  _mm512_castps_si512(_mm512_loadu_ps(src + 16))));
+        }
+        transpose16(blk);
+        for (int k = 0; k < 16; ++k) _mm512_storeu_ps(reinterpret_cast<float*>(qp) + size_t(16 * c + k) * ld + 16 * rb, blk[k]);
+      }
+  } else if (d % 16 == 0) {
+    const __m512 scv = _mm512_set1_ps(scale);
+    for (int rb = 0; rb < nrv; ++rb)
+      for (int c = 0; c < d / 16; ++c) {
+        __m512 blk[16];
+        for (int k = 0; k < 16; ++k) {
+          const int r = rb * 16 + k;
+          blk[k] = r < R ? _mm512_mul_ps(scv, _mm512_loadu_ps(qrow(r) + 16 * c)) : _mm512_setzero_ps();
+        }
+        transpose16(blk);
+        for (int k = 0; k < 16; ++k) _mm512_storeu_ps(qt + size_t(16 * c + k) * ld + 16 * rb, blk[k]);
+      }
+  } else
+#endif
+  {
+    if (bf) {
+      std::fill(qp, qp + size_t(ld) * (d / 2), 0u);
+      for (int r = 0; r < R; ++r) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(qrow(r));
         for (int i = 0; i < d; i += 2) qp[size_t(i / 2) * ld + r] = (src[i] >> 16) | (src[i + 1] & 0xffff0000u);
       }
+    } else {
+      std::fill(qt, qt + size_t(ld) * d, 0.0f);
+      for (int r = 0; r < R; ++r) {
+        const float* src = qrow(r);
+        for (int i = 0; i < d; ++i) qt[size_t(i) * ld + r] = src[i] * scale;
+      }
+    }
   }
   const float* krow[KC + JB_MAX];
   const float* vrow[KC];
@@ -544,9 +712,19 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
   const int end = start + ntok;
   for (int c0 = 0; c0 < end; c0 += KC) {
     const int n = std::min(KC, end - c0);
+#ifdef PL_BF16_DOT
+    if (bf && pk.k) {  // the sequence's packed K rows and V pairs (their padding covers the last score block)
+      for (int j = 0; j < n + JB_MAX; ++j) kdrow[j] = pk.k + size_t(c0 + j) * (d / 2);
+      ch.vp = pk.v + size_t(c0 / 2) * d;
+    } else
+#endif
+    {
+    // position c0 + j lies in block table[blk], slot `slot`: counted along, not divided per position (an integer
+    // division per position was ~3 % of a 1,500-token chunk's attention)
+    int blk = c0 / bs, slot = c0 % bs;
     for (int j = 0; j < n; ++j) {
-      const int p = c0 + j;
-      const int64_t off = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h0) * d;
+      const int64_t off = int64_t(table[blk]) * blk_stride + int64_t(slot) * tok_stride + int64_t(h0) * d;
+      if (++slot == bs) { slot = 0; ++blk; }
       if constexpr (std::is_same<T, float>::value) {
         krow[j] = kc + off;
         vrow[j] = vc + off;
@@ -569,10 +747,12 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
         pair_rows(reinterpret_cast<const uint16_t*>(vrow[j]),
                   reinterpret_cast<const uint16_t*>(j + 1 < n ? vrow[j + 1] : zrow), vp + size_t(j / 2) * d, d);
 #endif
+    }
     const bool diag = c0 + n - 1 > start;  // the first token cannot see the chunk's last position
     const float sc = bf ? scale : 1.0f;
-    for (int rv0 = 0; rv0 < nrv;) {
-      const int rv = std::min(RV_MAX, nrv - rv0);
+    for (int rv0 = 0; rv0 < nrv;) {  // panels of at most RV_MAX row vectors, balanced (6: 3 + 3, not 4 + 2)
+      const int left = (nrv - rv0 + RV_MAX - 1) / RV_MAX;
+      const int rv = (nrv - rv0 + left - 1) / left;
       switch (rv) {
         case 1: tile_panel<1>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc); break;
         case 2: tile_panel<2>(qt, st, ot, m, l, pos, ld, rv0, ch, n, d, c0, diag, sc); break;
@@ -582,13 +762,27 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
       rv0 += rv;
     }
   }
-  for (int t = 0; t < ntok; ++t)
-    for (int g = 0; g < G; ++g) {
-      const int r = t * G + g;
-      const float inv = 1.0f / l[r];
-      float* dst = out + ((int64_t(row0) + t) * H + int64_t(h0) * G + g) * d;
-      for (int i = 0; i < d; ++i) dst[i] = ot[size_t(i) * ld + r] * inv;
+  // out row r (token r / G, head h0 G + r % G) = its column of out^T / l[r]
+  auto orow = [&](int r) { return out + ((int64_t(row0) + r / G) * H + int64_t(h0) * G + r % G) * d; };
+#ifdef PL_TRANSPOSE
+  if (d % 16 == 0) {
+    for (int rb = 0; rb < nrv; ++rb) {
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + 16 * rb));  // padded rows: unused
+      for (int c = 0; c < d / 16; ++c) {
+        __m512 blk[16];
+        for (int k = 0; k < 16; ++k) blk[k] = _mm512_mul_ps(inv, _mm512_loadu_ps(ot + size_t(16 * c + k) * ld + 16 * rb));
+        transpose16(blk);
+        for (int k = 0; k < 16 && rb * 16 + k < R; ++k) _mm512_storeu_ps(orow(rb * 16 + k) + 16 * c, blk[k]);
+      }
     }
+    return;
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    const float inv = 1.0f / l[r];
+    float* dst = orow(r);
+    for (int i = 0; i < d; ++i) dst[i] = ot[size_t(i) * ld + r] * inv;
+  }
 }
 #endif
 
@@ -1212,15 +1406,52 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   float* op = out.data_ptr<float>();
   const int nitems = int(items.size());
   const int nthreads = std::max(1, std::min(at::get_num_threads(), nitems));
+  // bf16 packs (KvPack) of the sequences whose chunk spans two items or more per KV head: words from pack_at[i]
+  std::vector<int64_t> pack_at(S, -1);
+  std::unique_ptr<uint32_t[]> packs;  // not value-initialised: pack_kv writes every word
   auto run = [&](auto* kc, auto* vc) {
+#ifdef PL_BF16_DOT
+    if constexpr (std::is_same<std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>, c10::BFloat16>::value) {
+      if (d % 32 == 0 && d <= 256) {
+        struct Task { int seq, head, c0; };
+        std::vector<Task> tasks;
+        int64_t words = 0;
+        for (int i = 0; i < S; ++i) {
+          if (sq[3 * i + 1] < 2 * TQ) continue;
+          const int end = sq[3 * i + 2] + sq[3 * i + 1];
+          pack_at[i] = words;
+          words += pack_words(end, int(d)) * kvh;
+          for (int h = 0; h < kvh; ++h)
+            for (int c0 = 0; c0 < end; c0 += KC) tasks.push_back({i, h, c0});
+        }
+        if (words) {
+          packs.reset(new uint32_t[words]);
+          const int ntasks = int(tasks.size());
+#pragma omp parallel for schedule(static) num_threads(std::max(1, std::min(at::get_num_threads(), ntasks)))
+          for (int w = 0; w < ntasks; ++w) {
+            const Task& t = tasks[w];
+            const int end = sq[3 * t.seq + 2] + sq[3 * t.seq + 1];
+            pack_kv(kc, vc, blk_stride, tok_stride, int(bs), bt + int64_t(t.seq) * max_blocks, t.head, int(d), end,
+                    t.c0, std::min(end, t.c0 + KC), packs.get() + pack_at[t.seq] + pack_words(end, int(d)) * t.head);
+          }
+        }
+      }
+    }
+#endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int w = 0; w < nitems; ++w) {
       const Item& it = items[w];
       const int32_t* s = sq + 3 * it.seq;
 #ifdef PL_TILE
       if (it.heads == 1 && it.ntok > FEW_TOKENS) {  // a prompt chunk's slice: the row tiles
+        KvPack pk;
+        if (pack_at[it.seq] >= 0) {
+          const int end = s[2] + s[1];
+          pk.k = packs.get() + pack_at[it.seq] + pack_words(end, int(d)) * it.head0;
+          pk.v = pk.k + int64_t(end + PACK_PAD) * (d / 2);
+        }
         attend_tiles(qp, q.stride(0), op, H, G, it.head0, int(d), kc, vc, blk_stride, tok_stride, int(bs),
-                     bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
+                     bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale), pk);
         continue;
       }
 #endif
@@ -1292,6 +1523,8 @@ def _flags(target: str) -> list[str]:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
         if "avx512_bf16" in int4_kernel.cpu_flags():  # bfloat16 pair dot products for a bfloat16 cache
             flags += ["-mavx512bf16"]
+        if "avx512dq" in int4_kernel.cpu_flags():  # vreduceps: the prompt tiles' exp splits t in one op
+            flags += ["-mavx512dq"]
     return flags
 
 

@@ -143,3 +143,25 @@ def test_many_decodes_equal_each_decode_alone(monkeypatch, cache_dtype):
         alone, _, _ = _paged_step(shape[i:i + 1], 3, 9, 64, cache_dtype, True, seed=11, first=i)
         assert torch.equal(out[i], alone[0])
         torch.testing.assert_close(out[i], refs[i][0], atol=4e-3, rtol=4e-3)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_prompt_chunk_rows_equal_those_of_a_shorter_chunk(cache_dtype):
+    """A chunk of 45 tokens over 100 earlier positions, then its first 16 tokens alone: the first work item's rows
+    are the same bits. With a bfloat16 cache the long chunk's K/V are packed once for all its items (rows copied,
+    values paired) while the 16-token chunk gathers and pairs them in place: the same arithmetic on other copies."""
+    from paceline.model.attention import build_metadata, paged_attention
+
+    bs, kvh, h, d, start = 16, 3, 9, 64, 100
+    g = torch.Generator().manual_seed(3)
+    nb = -(-(start + 45) // bs) + 2
+    table = torch.randperm(nb, generator=g).tolist()[:-(-(start + 45) // bs)]
+    k_cache = torch.randn(nb, bs, kvh, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(nb, bs, kvh, d, generator=g).to(cache_dtype)
+    q = torch.randn(45, h, d, generator=g).to(torch.bfloat16).float()
+    k, v = torch.randn(45, kvh, d, generator=g), torch.randn(45, kvh, d, generator=g)
+    outs = []
+    for n in (45, 16):
+        meta = build_metadata([SeqSlice(start, n, table)], bs, kernel=True)
+        outs.append(paged_attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, d ** -0.5))
+    assert torch.equal(outs[0][:16], outs[1])
