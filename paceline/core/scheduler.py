@@ -389,8 +389,12 @@ class Scheduler:
         shape = step.shape
         # no decode in the step: no stream waits on it, so only the token budget bounds it. A lone prompt then runs in
         # big chunks, several times faster per token on a CPU than step-target-sized ones (a prompt finishing in this
-        # step decodes in the next, which the limit bounds again)
-        if shape is None or n <= 0 or shape.num_decodes == 0:
+        # step decodes in the next, which the limit bounds again). Not when this slice is itself a decode: a request
+        # swapped back in (or readmitted with all but its last token cached) one token from its end counts as one,
+        # and joining chunks sized without a decode it made its stream wait for all of them (long state-machine runs)
+        if shape is None or n <= 0:
+            return n
+        if shape.num_decodes == 0 and not (n == 1 and start + 1 == len(request.token_ids) > len(request.prompt_token_ids)):
             return n
         if step.others_queued is None:
             step.others_queued = self.config.calm_step_ms <= 0 or self.others_queued()

@@ -278,6 +278,19 @@ def test_found_by_a_longer_run_a_static_batch_member_swapped_out_under_fair():
     m.teardown()
 
 
+def test_found_by_a_longer_run_a_swapped_in_decode_after_a_swapped_in_chunk() -> None:
+    """A longer randomized run found this (2026-11-24, also on 93b966a): under max_step_ms a swapped-out prompt
+    coming back was sized with no decode in the step (only the token budget bounds such a step), then a swapped-out
+    request one token from its end came back after it as a decode, and the step broke its limit (90 ms for 30)."""
+    m = SchedulerMachine()
+    m.setup(policy="stall-free", scheduling="fcfs", mode="auto", block_size=8, num_blocks=11, budget=20, max_seqs=4,
+            host_blocks=8, threshold=0, partial=0, aging=0.0, wait_ms=0.0, step_ms=30.0)
+    for max_tokens, prefix, prompt_len in [(33, None, 6), (1, 1, 1), (25, 1, 1), (35, 0, 11), (19, None, 13),
+                                           (1, 1, 1), (1, 0, 19)]:
+        m.arrive(max_tokens=max_tokens, prefix=prefix, priority=0, prompt_len=prompt_len, salt=None, seed=0)
+    m.teardown()
+
+
 # Recompute thrash with a KV cache of a few blocks: long randomized runs (PACELINE_HYPOTHESIS_EXAMPLES=600, about one
 # run in three, 2026-11-24) found these; shrunk (by removing rules while the old code still failed) from the
 # recorded examples. Before the anchor (Scheduler.anchor) their drains ran 562-1,026 preemptions and hit the step
