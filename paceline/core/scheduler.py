@@ -501,8 +501,8 @@ class Scheduler:
         while True:
             victim = self.pick_victim(step, protect=anchor)
             if victim is None:
-                # nobody but requests resumed in this step could give blocks (any other asker is its own last
-                # candidate): the anchor sits this step out and keeps its KV; next step they are victims like any
+                # nobody but requests resumed in this step could give blocks (an asker other than the anchor is its
+                # own last candidate): the anchor sits this step out and keeps its KV; next step they are candidates
                 return False
             self.preempt(step, victim)
             if victim is request:
