@@ -513,8 +513,8 @@ class Scheduler:
         return True
 
     def anchor(self) -> Request | None:
-        """The running request that memory pressure never takes KV from (run_running): of those preempted before,
-        the first by progress_rank, the earliest admitted among equals; None while no running request has been.
+        """The running request that memory pressure never takes KV from (run_running): the first by progress_rank
+        (the earliest admitted among equals) once it has been preempted before; None while that request has not.
 
         Why: under recompute a victim loses its whole context. When the victim follows an order that moves with
         the work itself (fair's counters grow with the tokens a client ran, recomputed ones included), the request
@@ -525,18 +525,13 @@ class Scheduler:
 
         The anchor's key does not move while it runs: (aged) priority and arrival, under time slices the MLFQ level
         too, which changes only when a cut takes the request out of running. So it keeps its blocks until it
-        finishes, a slice cuts it after it made a token, a higher priority preempts it, or a request of a better key
-        that was preempted before is admitted (and is the anchor then); alone it always fits, since add_request
-        refuses a request the whole cache could not hold. Only requests preempted before qualify: a request's first
-        preemption still follows the order (under fair, the most-served client's request goes), and only a request
-        going round again is held."""
-        best, best_key = None, None
-        for r in self.running:
-            if r.preemption_times:
-                key = self.progress_rank(r)
-                if best is None or key < best_key:
-                    best, best_key = r, key
-        return best
+        finishes, a slice cuts it after it made a token, a higher priority preempts it, or a better-keyed request
+        is admitted (which is the anchor once it has been preempted once); alone it always fits, since add_request
+        refuses a request the whole cache could not hold. The first of all running requests, so a lower priority
+        is never held against a higher one. Only once preempted before: its first preemption still follows the order
+        (under fair, the most-served client's request goes), and only a request going round again is held."""
+        best = min(self.running, key=self.progress_rank, default=None)  # min: the first among equals
+        return best if best is not None and best.preemption_times else None
 
     def pick_victim(self, step: Step, candidates: list[Request] | None = None,
                     protect: Request | None = None) -> Request | None:
