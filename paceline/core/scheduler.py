@@ -108,6 +108,8 @@ class Scheduler:
         self.slicing = config.time_slice_tokens > 0 or config.time_slice_ms > 0
         self.rank = rank_function(config.scheduling_policy, config.priority_aging_s, levels=self.slicing,
                                   level_aging_s=config.level_aging_s)
+        # who keeps its KV under memory pressure (anchor()): the rank without fair's counters, which move every step
+        self.progress_rank = self.rank
         self.by_priority = config.scheduling_policy in ("priority", "fair")
         self.fair = FairShare() if config.scheduling_policy == "fair" else None
         if self.fair is not None:  # counters change as steps run: one queue per client, the least served first
@@ -387,8 +389,12 @@ class Scheduler:
         shape = step.shape
         # no decode in the step: no stream waits on it, so only the token budget bounds it. A lone prompt then runs in
         # big chunks, several times faster per token on a CPU than step-target-sized ones (a prompt finishing in this
-        # step decodes in the next, which the limit bounds again)
-        if shape is None or n <= 0 or shape.num_decodes == 0:
+        # step decodes in the next, which the limit bounds again). Not when this slice is itself a decode: a request
+        # swapped back in (or readmitted with all but its last token cached) one token from its end counts as one,
+        # and joining chunks sized without a decode it made its stream wait for all of them (long state-machine runs)
+        if shape is None or n <= 0:
+            return n
+        if shape.num_decodes == 0 and not (n == 1 and start + 1 == len(request.token_ids) > len(request.prompt_token_ids)):
             return n
         if step.others_queued is None:
             step.others_queued = self.config.calm_step_ms <= 0 or self.others_queued()
@@ -488,24 +494,54 @@ class Scheduler:
             self.add_scheduled(step, request, num_tokens)  # fast path: most decodes fit their last block
             return True
         allocate = self.kv.allocate
-        while not allocate(request, num_tokens):
-            victim = self.pick_victim(step)
+        if allocate(request, num_tokens):
+            self.add_scheduled(step, request, num_tokens)
+            return True
+        anchor = self.anchor()  # only once memory runs short: a scan of the running requests
+        while True:
+            victim = self.pick_victim(step, protect=anchor)
             if victim is None:
+                # nobody but requests resumed in this step could give blocks (an asker other than the anchor is its
+                # own last candidate): the anchor sits this step out and keeps its KV; next step they are candidates
                 return False
             self.preempt(step, victim)
             if victim is request:
                 return False
+            if allocate(request, num_tokens):
+                break
         self.add_scheduled(step, request, num_tokens)
         return True
 
-    def pick_victim(self, step: Step, candidates: list[Request] | None = None) -> Request | None:
+    def anchor(self) -> Request | None:
+        """The running request that memory pressure never takes KV from (run_running): the first by progress_rank
+        (the earliest admitted among equals) once it has been preempted before; None while that request has not.
+
+        Why: under recompute a victim loses its whole context. When the victim follows an order that moves with
+        the work itself (fair's counters grow with the tokens a client ran, recomputed ones included), the request
+        that got furthest is the one evicted next, and with a KV cache that holds one or two requests nothing ever
+        finished (a recorded state-machine example under fair: 796 preemptions in a 1,596-step drain). And a
+        request that ranks first may find no victim but itself: requests admitted before its chunk in the same step
+        are not preempted in it (under time slices, equal-ranked waiting prompts go before running ones).
+
+        The anchor's key does not move while it runs: (aged) priority and arrival, under time slices the MLFQ level
+        too, which changes only when a cut takes the request out of running. So it keeps its blocks until it
+        finishes, a slice cuts it after it made a token, a higher priority preempts it, or a better-keyed request
+        is admitted (which is the anchor once it has been preempted once); alone it always fits, since add_request
+        refuses a request the whole cache could not hold. The first of all running requests, so a lower priority
+        is never held against a higher one. Only once preempted before: its first preemption still follows the order
+        (under fair, the most-served client's request goes), and only a request going round again is held."""
+        best = min(self.running, key=self.progress_rank, default=None)  # min: the first among equals
+        return best if best is not None and best.preemption_times else None
+
+    def pick_victim(self, step: Step, candidates: list[Request] | None = None,
+                    protect: Request | None = None) -> Request | None:
         """The lowest-ranked running request (largest priority value, then latest arrival; under fcfs the
-        latest arrival) that was not resumed in this step."""
+        latest arrival) that was not resumed in this step, other than `protect`."""
         resumed = step.resumed
         pool = candidates if candidates is not None else self.running
         best, best_key = None, None
         for r in pool:
-            if r.request_id in resumed:
+            if r.request_id in resumed or r is protect:
                 continue
             key = self.rank(r)
             if best is None or key >= best_key:

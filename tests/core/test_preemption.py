@@ -249,3 +249,25 @@ def test_bad_input_is_a_value_error() -> None:
     from paceline.core.outputs import StepResult
     with pytest.raises(ValueError, match="no token"):
         sched.update(out, StepResult(), 0.0)
+
+
+def test_a_request_preempted_before_is_not_held_against_a_higher_priority():
+    """The anchor (Scheduler.anchor) is the first of all running requests: a low-priority request that went round
+    before keeps no KV against a higher priority's growth (the first version held it, and evicted the higher one)."""
+    sched = make_scheduler(scheduling_policy="priority", budget=64, num_blocks=9, block_size=4,
+                           preemption_mode="recompute")
+    low = make_request("low", 8, max_tokens=20, priority=3)
+    high = make_request("high", 8, max_tokens=20, priority=0, arrival=1.0)
+    sched.add_request(low)
+    sched.add_request(high)
+    step(sched, 0.0)
+    assert low.status is RequestStatus.RUNNING and high.status is RequestStatus.RUNNING
+    low.preemption_times.append(0.0)  # as if it had been recomputed once already
+    assert sched.anchor() is None  # high ranks first and has not been preempted
+    now = 1.0
+    while low.num_preemptions == 1:
+        step(sched, now)
+        now += 1.0
+    assert high.num_preemptions == 0 and low.status is RequestStatus.WAITING
+    high.preemption_times.append(now)
+    assert sched.anchor() is high

@@ -276,3 +276,66 @@ def test_found_by_a_longer_run_a_static_batch_member_swapped_out_under_fair():
     m.end_one(how=None, pick=16)
     m.end_one(how='abort', pick=1)
     m.teardown()
+
+
+def test_found_by_a_longer_run_a_swapped_in_decode_after_a_swapped_in_chunk() -> None:
+    """A longer randomized run found this (2026-11-24, also on 93b966a): under max_step_ms a swapped-out prompt
+    coming back was sized with no decode in the step (only the token budget bounds such a step), then a swapped-out
+    request one token from its end came back after it as a decode, and the step broke its limit (90 ms for 30)."""
+    m = SchedulerMachine()
+    m.setup(policy="stall-free", scheduling="fcfs", mode="auto", block_size=8, num_blocks=11, budget=20, max_seqs=4,
+            host_blocks=8, threshold=0, partial=0, aging=0.0, wait_ms=0.0, step_ms=30.0)
+    for max_tokens, prefix, prompt_len in [(33, None, 6), (1, 1, 1), (25, 1, 1), (35, 0, 11), (19, None, 13),
+                                           (1, 1, 1), (1, 0, 19)]:
+        m.arrive(max_tokens=max_tokens, prefix=prefix, priority=0, prompt_len=prompt_len, salt=None, seed=0)
+    m.teardown()
+
+
+# Recompute thrash with a KV cache of a few blocks: long randomized runs (PACELINE_HYPOTHESIS_EXAMPLES=600, about one
+# run in three, 2026-11-24) found these; shrunk (by removing rules while the old code still failed) from the
+# recorded examples. Before the anchor (Scheduler.anchor) their drains ran 562-1,026 preemptions and hit the step
+# bound; now each drains in under 80 steps.
+
+def test_found_by_a_longer_run_fair_evicted_the_request_that_got_furthest() -> None:
+    """fair, no slices: a running request's client becomes the more served as it runs, so the victim of the other
+    client's growth was always the request that had got furthest, by recompute; two clients traded the cache."""
+    m = SchedulerMachine()
+    m.setup(policy="stall-free", scheduling="fair", mode="recompute", block_size=2, num_blocks=14, budget=36,
+            max_seqs=5, host_blocks=0, threshold=5, partial=0, aging=0.0, wait_ms=0.0, step_ms=0.0, calm_step=True)
+    m.arrive(client="", max_tokens=38, prefix=None, priority=0, prompt_len=6, salt=None, seed=498)
+    m.arrive(client="a", max_tokens=12, prefix=None, priority=3, prompt_len=3, salt=None, seed=65)
+    m.step(seed=19227, steps=1)
+    m.step(seed=0, steps=1)
+    m.arrive(client="a", max_tokens=13, prefix=None, priority=2, prompt_len=12, salt=None, seed=984)
+    m.arrive(client="b", max_tokens=35, prefix=1, priority=2, prompt_len=2, salt=None, seed=0)
+    m.step(seed=11955, steps=4)
+    m.arrive(client="a", max_tokens=16, prefix=None, priority=2, prompt_len=10, salt=None, seed=0)
+    m.arrive(client="b", max_tokens=26, prefix=1, priority=2, prompt_len=12, salt="x", seed=319)
+    m.teardown()
+
+
+def test_found_by_a_longer_run_admissions_took_the_blocks_of_a_request_near_its_end() -> None:
+    """fcfs, token slices (prompts mid-prefill run in rank order after the waiting prompts that rank before them):
+    four equal-ranked prompts; each step a waiting one was admitted first and took the free blocks, and the running
+    one, 3 tokens from its end, found nobody to evict but itself (admissions are not preempted in their step)."""
+    m = SchedulerMachine()
+    m.setup(policy="stall-free", scheduling="fcfs", mode="recompute", block_size=2, num_blocks=16, budget=22,
+            max_seqs=3, host_blocks=0, threshold=5, partial=0, aging=0.0, wait_ms=0.0, step_ms=0.0, slice_tokens=3)
+    m.arrive(client="", max_tokens=1, prefix=0, priority=0, prompt_len=1, salt=None, seed=1)
+    m.arrive(client="", max_tokens=34, prefix=None, priority=0, prompt_len=12, salt=None, seed=512)
+    m.arrive(client="", max_tokens=1, prefix=None, priority=0, prompt_len=21, salt=None, seed=0)
+    m.arrive(client="", max_tokens=1, prefix=None, priority=0, prompt_len=21, salt=None, seed=0)
+    m.teardown()
+
+
+def test_found_by_a_longer_run_two_prompts_that_fit_only_one_at_a_time() -> None:
+    """fcfs, 1-token slices, 7 blocks of 8: a 42- and a 33-token prompt each fit alone, not together; the waiting
+    one, admitted first with its prefix-cache hit, took the running one's blocks every step, and they swapped
+    places forever (1,026 preemptions in 1,052 steps)."""
+    m = SchedulerMachine()
+    m.setup(policy="stall-free", scheduling="fcfs", mode="recompute", block_size=8, num_blocks=7, budget=45,
+            max_seqs=5, host_blocks=0, threshold=5, partial=0, aging=0.0, wait_ms=0.0, step_ms=0.0, slice_tokens=1)
+    m.arrive(client="", max_tokens=34, prefix=1, priority=0, prompt_len=3, salt=None, seed=0)
+    m.arrive(client="", max_tokens=1, prefix=0, priority=0, prompt_len=19, salt=None, seed=0)
+    m.arrive(client="", max_tokens=1, prefix=0, priority=0, prompt_len=11, salt="x", seed=0)
+    m.teardown()
