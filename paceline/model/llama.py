@@ -222,9 +222,11 @@ class W8A8Linear:
         self.dtype = dtype
         self.op = w8a8_kernel.load()  # None: the same definition in torch ops (slower)
         # the build whose gated op serves gated() (a name, not the op: the model's snapshot pickles this object),
-        # None where it does not (op off, or PACELINE_W8A8_FUSED_SILU=0)
-        self.gated_build = (w8a8_kernel.isa() if self.op is not None and w8a8_fused_silu()
+        # None where it does not (op off, or PACELINE_W8A8_FUSED_SILU=0); and whether it rounds gate and up first
+        fused = w8a8_fused_silu()
+        self.gated_build = (w8a8_kernel.isa() if self.op is not None and fused != "0"
                             and w8a8_kernel.load_gated() is not None else None)
+        self.gated_rounded = fused == "1"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -238,23 +240,33 @@ class W8A8Linear:
 
     def gated(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a gate/up linear's product (gate its first half of columns) in one op: the epilogue
-        that holds a row's float32 gate and up values writes the gated row, so the [rows, N] product is never
-        written and read back by silu_mul. Its inputs are float32, not the bfloat16-rounded product silu_mul
-        reads, so its bits differ from that path (within bfloat16 rounding). None where it cannot run."""
+        that holds a row's gate and up values writes the gated row, so the [rows, N] product is never written
+        and read back by silu_mul. By default (gated_rounded) gate and up are rounded to bfloat16 first and the
+        SiLU is silu_mul's own arithmetic: the same bits as `silu_mul(self(x))`. None where it cannot run."""
         op = w8a8_kernel.gated_op_for(self.gated_build) if self.gated_build is not None else None
         if op is None:
             return None
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        y = op(rows, self.wq, self.col_scale, self.bias, self.inv_smooth, self.outliers)
+        y = op(rows, self.wq, self.col_scale, self.bias, self.inv_smooth, self.outliers, self.gated_rounded)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def w8a8_fused_silu() -> bool:
-    """Whether W8A8Linears built now fuse gate_up's SiLU * up into the op (W8A8Linear.gated): on unless
-    PACELINE_W8A8_FUSED_SILU=0 (A/B runs of speed and quality)."""
-    return os.environ.get("PACELINE_W8A8_FUSED_SILU", "1") != "0"
+# PACELINE_W8A8_FUSED_SILU, for W8A8Linears built afterwards: "1" (default) gate_up's SiLU * up in the int8 op's
+# epilogue with the unfused path's bits; "f32" from the float32 gate and up values (not rounded to bf16 first, a
+# reciprocal in place of the division: 1.5-3.7 % faster on gate_up than "1", but top-1 agreement with fp32 97.09 %
+# against 97.28 %, perplexity 22.399 against 22.405: benchmarks/summaries/w8a8.md, 2026-11-24 23:16-23:19 UTC);
+# "0" silu_mul after the op (A/B runs)
+W8A8_FUSED_SILU = ("1", "f32", "0")
+
+
+def w8a8_fused_silu() -> str:
+    """PACELINE_W8A8_FUSED_SILU: one of W8A8_FUSED_SILU."""
+    value = os.environ.get("PACELINE_W8A8_FUSED_SILU", "1")
+    if value not in W8A8_FUSED_SILU:
+        raise ValueError(f"PACELINE_W8A8_FUSED_SILU must be one of {', '.join(W8A8_FUSED_SILU)}, got {value!r}")
+    return value
 
 
 # What the wide steps' linears run (LlamaModel's wide_linears): "fp32", float32 copies of the weights; "int8",
@@ -478,7 +490,7 @@ def w8a8_build() -> str:
     """Which build of the int8 x int8 op serves an "int8" model's many-row steps ("off": torch ops), for keys of
     measured step times (the engine's start-up profile): the torch fallback's steps cost more."""
     build = w8a8_kernel.isa() if w8a8_kernel.enabled() else "off"
-    return f"{build}:{'+'.join(int4_int8_linears())}:t{int4_int8_outliers()}" + ("" if w8a8_fused_silu() else ":nosilu")
+    return f"{build}:{'+'.join(int4_int8_linears())}:t{int4_int8_outliers()}" + {"1": "", "f32": ":silu32", "0": ":nosilu"}[w8a8_fused_silu()]
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

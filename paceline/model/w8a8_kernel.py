@@ -233,23 +233,42 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, j);
 }
 
-// one row of a gate/up linear (gate the first I = N / 2 columns, up the rest): y[i] = silu(g[i]) * u[i] with g and
-// u the float32 values scale_row would round, y [I]
-template <typename T>
+// a float32 vector rounded to bfloat16 (nearest even, as store16) and kept as float32
+inline __m512 round_bf16(__m512 v) {
+  __m512i i = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  i = _mm512_add_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_castsi512_ps(_mm512_and_si512(i, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline __m512 round_to(__m512 v, const float*) { return v; }
+inline __m512 round_to(__m512 v, const bf16*) { return round_bf16(v); }
+
+// one row of a gate/up linear (gate the first I = N / 2 columns, up the rest): y[i] = silu(g[i]) * u[i], y [I].
+// rounded: g and u rounded to T first and silu(g) = g / (1 + e^-g) with a true division: the bits of scale_row's
+// output followed by fused_kernel's silu_mul (the same e^x polynomial and operations), only without writing and
+// reading back the [rows, N] product. Else from the float32 g and u, the reciprocal as vrcp14ps and one Newton
+// step (~2^-28 relative) in place of vdivps.
+template <typename T, bool rounded>
 inline void gated_row(const int32_t* acc, float a, const float* cs, const float* b, int64_t N, T* y,
                       int outliers, const int32_t* idx, const float* val, const int8_t* wq) {
   const int64_t I = N / 2;
   const __m512 av = _mm512_set1_ps(a), one = _mm512_set1_ps(1.0f);
   for (int64_t n = 0; n < I; n += 16) {
     const __mmask16 m = tail(I - n);
-    const __m512 g = scaled16(acc, av, cs, b, n, m, outliers, idx, val, wq, N);
-    const __m512 u = scaled16(acc, av, cs, b, n + I, m, outliers, idx, val, wq, N);
-    // silu(g) = g / (1 + e^-g); the reciprocal as vrcp14ps and one Newton step (~2^-28 relative, so within an
-    // ulp or two of the division) rather than vdivps, whose throughput bounded this loop
+    __m512 g = scaled16(acc, av, cs, b, n, m, outliers, idx, val, wq, N);
+    __m512 u = scaled16(acc, av, cs, b, n + I, m, outliers, idx, val, wq, N);
+    if (rounded) {
+      g = round_to(g, y);
+      u = round_to(u, y);
+    }
     const __m512 d = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-    const __m512 r0 = _mm512_rcp14_ps(d);
-    const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.0f)));
-    store16(y + n, _mm512_mul_ps(_mm512_mul_ps(g, r), u), m);
+    if (rounded) {
+      store16(y + n, _mm512_mul_ps(_mm512_div_ps(g, d), u), m);
+    } else {
+      const __m512 r0 = _mm512_rcp14_ps(d);
+      const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.0f)));
+      store16(y + n, _mm512_mul_ps(_mm512_mul_ps(g, r), u), m);
+    }
   }
 }
 #else
@@ -283,7 +302,10 @@ inline void scale_row(const int32_t* acc, float a, const float* cs, const float*
   }
 }
 
-template <typename T>
+inline float round_to(float v, const float*) { return v; }
+inline float round_to(float v, const bf16*) { return float(bf16(v)); }
+
+template <typename T, bool rounded>
 inline void gated_row(const int32_t* acc, float a, const float* cs, const float* b, int64_t N, T* y,
                       int outliers, const int32_t* idx, const float* val, const int8_t* wq) {
   const int64_t I = N / 2;
@@ -296,6 +318,7 @@ inline void gated_row(const int32_t* acc, float a, const float* cs, const float*
     g *= cs[n];
     u *= cs[n + I];
     if (b) { g += b[n]; u += b[n + I]; }
+    if (rounded) { g = round_to(g, y); u = round_to(u, y); }
     from_float(y + n, g / (1.0f + std::exp(-g)) * u);
   }
 }
@@ -348,14 +371,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> w8a8_quantize(
 
 template <typename T>
 void scale_rows(const at::Tensor& acc, const float* a, const float* cs, const float* b, at::Tensor& y, int outliers,
-                const int32_t* idx, const float* val, const int8_t* wq, bool gated) {
+                const int32_t* idx, const float* val, const int8_t* wq, bool gated, bool rounded) {
   const int64_t M = acc.size(0), N = acc.size(1), ldy = y.size(1);
   const int32_t* ap = acc.data_ptr<int32_t>();
   T* yp = reinterpret_cast<T*>(y.data_ptr());
 #pragma omp parallel for schedule(static) num_threads(threads_for(M * N))
   for (int64_t m = 0; m < M; ++m) {
-    if (gated)
-      gated_row<T>(ap + m * N, a[m], cs, b, N, yp + m * ldy, outliers, idx + m * MAX_OUTLIERS, val + m * MAX_OUTLIERS, wq);
+    if (gated && rounded)
+      gated_row<T, true>(ap + m * N, a[m], cs, b, N, yp + m * ldy, outliers, idx + m * MAX_OUTLIERS, val + m * MAX_OUTLIERS, wq);
+    else if (gated)
+      gated_row<T, false>(ap + m * N, a[m], cs, b, N, yp + m * ldy, outliers, idx + m * MAX_OUTLIERS, val + m * MAX_OUTLIERS, wq);
     else
       scale_row<T>(ap + m * N, a[m], cs, b, N, yp + m * ldy, outliers, idx + m * MAX_OUTLIERS, val + m * MAX_OUTLIERS, wq);
   }
@@ -363,10 +388,11 @@ void scale_rows(const at::Tensor& acc, const float* a, const float* cs, const fl
 
 // x [M, K] float32 or bfloat16, wq [K, N] int8 (contiguous where outliers > 0, else any strides torch._int_mm
 // takes), col_scale [N] float32, bias [N] or None, inv_smooth [K] or None, outliers 0..8 -> [M, N] in x's dtype;
-// gated (N even): [M, N / 2], silu(y[:, :N/2]) * y[:, N/2:] from y's float32 values
+// gated (N even): [M, N / 2], silu(y[:, :N/2]) * y[:, N/2:] from y rounded to x's dtype (rounded) or its float32
+// values
 at::Tensor product(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& col_scale,
                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& inv_smooth,
-                   int64_t outliers, bool gated) {
+                   int64_t outliers, bool gated, bool rounded) {
   check_x(x, inv_smooth);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kChar && wq.size(0) == K, "wq must be an int8 [K, N] tensor");
@@ -388,30 +414,30 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
   const int o = int(outliers);
   if (x.scalar_type() == at::kFloat)
     scale_rows<float>(acc, a.data_ptr<float>(), col_scale.data_ptr<float>(), bp, y, o, idx.data_ptr<int32_t>(),
-                      val.data_ptr<float>(), wq.data_ptr<int8_t>(), gated);
+                      val.data_ptr<float>(), wq.data_ptr<int8_t>(), gated, rounded);
   else
     scale_rows<bf16>(acc, a.data_ptr<float>(), col_scale.data_ptr<float>(), bp, y, o, idx.data_ptr<int32_t>(),
-                     val.data_ptr<float>(), wq.data_ptr<int8_t>(), gated);
+                     val.data_ptr<float>(), wq.data_ptr<int8_t>(), gated, rounded);
   return y;
 }
 
 at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& col_scale,
                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& inv_smooth,
                    int64_t outliers) {
-  return product(x, wq, col_scale, bias, inv_smooth, outliers, false);
+  return product(x, wq, col_scale, bias, inv_smooth, outliers, false, false);
 }
 
 at::Tensor w8a8_mm_silu(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& col_scale,
                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& inv_smooth,
-                        int64_t outliers) {
-  return product(x, wq, col_scale, bias, inv_smooth, outliers, true);
+                        int64_t outliers, bool rounded) {
+  return product(x, wq, col_scale, bias, inv_smooth, outliers, true, rounded);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(NAMESPACE, m) {
   m.def("w8a8_mm(Tensor x, Tensor wq, Tensor col_scale, Tensor? bias, Tensor? inv_smooth, int outliers) -> Tensor");
-  m.def("w8a8_mm_silu(Tensor x, Tensor wq, Tensor col_scale, Tensor? bias, Tensor? inv_smooth, int outliers) -> Tensor");
+  m.def("w8a8_mm_silu(Tensor x, Tensor wq, Tensor col_scale, Tensor? bias, Tensor? inv_smooth, int outliers, bool rounded) -> Tensor");
   m.def("w8a8_quantize(Tensor x, Tensor? inv_smooth, int outliers) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) {
@@ -484,8 +510,9 @@ _gated_ops: dict[str, Callable | None] = {}  # gated_op_for's answers (a gate_up
 
 
 def gated_op_for(which: str) -> Callable | None:
-    """The gated op `(x, wq, col_scale, bias, inv_smooth, outliers) -> silu(y[:, :N/2]) * y[:, N/2:]` of one build
-    (`reference_gated`), or None where op_for(which) is None."""
+    """The gated op `(x, wq, col_scale, bias, inv_smooth, outliers, rounded) -> silu(y[:, :N/2]) * y[:, N/2:]` of
+    one build (`reference_gated`), or None where op_for(which) is None. rounded: y rounded to x's dtype first and
+    the SiLU as fused_kernel's silu_mul computes it (the unfused path's bits); else from y's float32 values."""
     if which not in _gated_ops:
         _gated_ops[which] = (None if op_for(which) is None
                              else getattr(torch.ops, _library(which)[1]).w8a8_mm_silu)
@@ -525,10 +552,12 @@ def reference(x: torch.Tensor, wq: torch.Tensor, col_scale: torch.Tensor, bias: 
 
 
 def reference_gated(x: torch.Tensor, wq: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                    inv_smooth: torch.Tensor | None = None, outliers: int = 0) -> torch.Tensor:
-    """The gated op's definition: silu(gate) * up from the product's float32 values (gate its first N / 2
-    columns), rounded once to x's dtype."""
+                    inv_smooth: torch.Tensor | None = None, outliers: int = 0, rounded: bool = True) -> torch.Tensor:
+    """The gated op's definition: silu(gate) * up (gate the product's first N / 2 columns) from the product rounded
+    to x's dtype (rounded) or its float32 values, computed in float32 and rounded once to x's dtype."""
     y = _reference_f32(x, wq, col_scale, bias, inv_smooth, outliers)
+    if rounded:
+        y = y.to(x.dtype).float()
     g, u = y.chunk(2, dim=1)
     return (torch.nn.functional.silu(g) * u).to(x.dtype)
 
