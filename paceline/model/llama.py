@@ -255,9 +255,9 @@ class W8A8Linear:
 
 # PACELINE_W8A8_FUSED_SILU, for W8A8Linears built afterwards: "1" (default) gate_up's SiLU * up in the int8 op's
 # epilogue with the unfused path's bits; "f32" from the float32 gate and up values (not rounded to bf16 first, a
-# reciprocal in place of the division: 1.5-3.7 % faster on gate_up than "1", but top-1 agreement with fp32 97.09 %
-# against 97.28 %, perplexity 22.399 against 22.405: benchmarks/summaries/w8a8.md, 2026-11-24 23:16-23:19 UTC);
-# "0" silu_mul after the op (A/B runs)
+# reciprocal in place of the division: ~8 % faster on gate_up at 1,500 rows, no faster at 160-512, and top-1
+# agreement with fp32 97.08 % against 97.28 %, perplexity 22.398 against 22.404: benchmarks/summaries/w8a8.md,
+# 2026-11-24 23:16-23:33 UTC); "0" silu_mul after the op (A/B runs)
 W8A8_FUSED_SILU = ("1", "f32", "0")
 
 

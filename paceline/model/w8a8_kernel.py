@@ -24,6 +24,10 @@ Numerics (the reference is `reference` below, torch ops on the same definition):
   conversion to float32 rounds above 2^24.
 - inv_smooth (optional, [K]): x is multiplied by it channel by channel before the quantization (SmoothQuant: the
   weight's columns were multiplied by its inverse at load, so the product is unchanged).
+- gated (`w8a8_mm_silu`, gate_up's product: gate the first N / 2 columns, up the rest): silu(gate) * up written
+  by the epilogue, [M, N / 2], so the [M, N] product is never written and read back by a separate pass; with
+  `rounded` gate and up are first rounded to x's dtype and the SiLU is fused_kernel's silu_mul arithmetic (the
+  unfused path's bits), else it is computed from the float32 values (`reference_gated`).
 
 Two builds of the one source: "avx512" (AVX-512 F/BW/VL intrinsics, 16 floats a vector and masked tails) where
 /proc/cpuinfo lists those flags, else "generic" (plain loops, the int4 op's AVX2 flags for the compiler to vectorize;
