@@ -351,3 +351,20 @@ def test_bundled_model_fused_silu_against_unfused(monkeypatch):
     agree = (f32.argmax(-1) == unfused.argmax(-1)).float().mean()
     # measured 2026-11-24 23:15 UTC: cosine min 0.987 (one position), the rest >= 0.997; top-1 agreement 98 %
     assert cos.mean() > 0.998 and cos.min() > 0.98 and agree >= 0.9, (cos.mean(), cos.min(), agree)
+
+
+@pytest.mark.skipif(not HAS_OP or w8a8_kernel.isa() != "avx512" or fused_kernel.load() is None,
+                    reason="needs the w8a8 op's AVX-512 build and the fused ops")
+def test_rounded_gated_silu_equals_silu_mul_for_every_bfloat16_gate():
+    """The rounded form's SiLU (its own e^x and division, 16 lanes): for every finite bfloat16 gate value, the
+    only gates it sees in a bf16 step, silu_mul's bits. Gates and ups come in exactly as the bias (zero weights);
+    the output in float32 shows silu(g) * u unrounded, so the quotient must match, not just its bf16 rounding."""
+    g = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    g = g[torch.isfinite(g)]
+    g = torch.cat([g, torch.zeros((-g.numel()) % 16)])
+    i = g.numel()
+    gated, silu_mul = w8a8_kernel.gated_op_for("avx512"), fused_kernel.load().silu_mul
+    x, wq, cs = torch.ones(1, 16), torch.zeros(16, 2 * i, dtype=torch.int8), torch.ones(2 * i)
+    for u in (1.0, -0.7):
+        both = torch.cat([g, torch.full((i,), u)])
+        assert torch.equal(gated(x, wq, cs, both, None, 0, True)[0], silu_mul(both[None])[0])
