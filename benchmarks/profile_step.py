@@ -152,7 +152,9 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
 
     # w4a8=all / down:o / none: the layer linears that run the int4 x int8 op; fused=0: the layers' norms, RoPE and
     # SiLU * up as torch's ops (fused_kernel.py off). Both are read from the environment while the model is built.
-    for key, var in (("w4a8", "PACELINE_W4A8_LINEARS"), ("fused", "PACELINE_FUSED_KERNEL")):
+    # w8a8_silu=0: gate_up's SiLU * up as silu_mul after the int8 op, not in its epilogue
+    for key, var in (("w4a8", "PACELINE_W4A8_LINEARS"), ("fused", "PACELINE_FUSED_KERNEL"),
+                     ("w8a8_silu", "PACELINE_W8A8_FUSED_SILU")):
         if key in model_kw:
             value = model_kw.pop(key)
             with patch.dict(os.environ, {var: "" if value is None else str(value)}):
@@ -160,6 +162,17 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     rev = model_kw.pop("kernels", None)
     if rev is not None:  # kernels=REV: the w4a8 and attention ops as they were at git revision REV, for this runner
         return _with_kernels_at(str(rev), lambda: make_runner(ckpt, mode, blocks, bs, **model_kw))
+    rev = model_kw.pop("w8a8_kernel", None)
+    if rev is not None:  # w8a8_kernel=REV: the int8 x int8 op of revision REV (held by the model's W8A8Linears)
+        from benchmarks.int4_linear import kernel_module_at
+        from paceline.model import w8a8_kernel
+        old, saved = kernel_module_at(str(rev), "w8a8_kernel"), (w8a8_kernel.load, w8a8_kernel.load_gated)
+        w8a8_kernel.load = old.load
+        w8a8_kernel.load_gated = getattr(old, "load_gated", lambda: None)
+        try:
+            return make_runner(ckpt, mode, blocks, bs, **model_kw)
+        finally:
+            w8a8_kernel.load, w8a8_kernel.load_gated = saved
     rev = model_kw.pop("int4_kernel", None)
     if rev is not None:
         from benchmarks.int4_linear import kernel_module_at

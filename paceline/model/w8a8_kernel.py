@@ -24,6 +24,10 @@ Numerics (the reference is `reference` below, torch ops on the same definition):
   conversion to float32 rounds above 2^24.
 - inv_smooth (optional, [K]): x is multiplied by it channel by channel before the quantization (SmoothQuant: the
   weight's columns were multiplied by its inverse at load, so the product is unchanged).
+- gated (`w8a8_mm_silu`, gate_up's product: gate the first N / 2 columns, up the rest): silu(gate) * up written
+  by the epilogue, [M, N / 2], so the [M, N] product is never written and read back by a separate pass; with
+  `rounded` gate and up are first rounded to x's dtype and the SiLU is fused_kernel's silu_mul arithmetic (the
+  unfused path's bits), else it is computed from the float32 values (`reference_gated`).
 
 Two builds of the one source: "avx512" (AVX-512 F/BW/VL intrinsics, 16 floats a vector and masked tails) where
 /proc/cpuinfo lists those flags, else "generic" (plain loops, the int4 op's AVX2 flags for the compiler to vectorize;
@@ -81,18 +85,9 @@ inline void store16(bf16* p, __m512 v, __mmask16 k) {  // round to nearest even,
 }
 inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
-// one row: v = x * s (s = inv_smooth or 1) into buf; the `outliers` largest |v| are taken out (their index and
-// value kept, 0 left in their place, the first index on a tie); q = round(v * 127 / max|v|) over the rest; returns
-// max|v| / 127 of the rest
-template <typename T>
-inline float quantize_row(const T* x, const float* s, int64_t K, int8_t* q, float* buf, int outliers,
-                          int32_t* out_idx, float* out_val) {
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = tail(K - k);
-    __m512 v = load16(x + k, m);
-    if (s) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, s + k));
-    _mm512_mask_storeu_ps(buf + k, m, v);
-  }
+// the outliers' search where pass 1 could not narrow it (a row with more than MAX_CAND values at or above its
+// threshold, e.g. mostly zeros): `outliers` + 1 passes over buf, each taking the first index of the largest |v|
+inline float take_outliers_slow(float* buf, int64_t K, int outliers, int32_t* out_idx, float* out_val) {
   float amax = 0.0f;
   for (int t = 0; t <= outliers; ++t) {
     __m512 mx = _mm512_setzero_ps();
@@ -111,14 +106,106 @@ inline float quantize_row(const T* x, const float* s, int64_t K, int8_t* q, floa
     out_val[t] = buf[at];
     buf[at] = 0.0f;
   }
+  return amax;
+}
+
+// candidates kept by the threshold pass before a row falls back to take_outliers_slow
+constexpr int MAX_CAND = 64;
+
+// one row: v = x * s (s = inv_smooth or 1) into buf; the `outliers` largest |v| are taken out (their index and
+// value kept, 0 left in their place, the first index on a tie); q = round(v * 127 / max|v|) over the rest; returns
+// max|v| / 127 of the rest.
+// Why three passes and not outliers + 1 searches (the first version; that search was most of this function's
+// time): the 16 lanes' largest |v| are 16 distinct values of the row, so the (outliers + 1)-th largest of them, tau,
+// is at most the row's (outliers + 1)-th largest |v|: every value taken out, and the largest one left, is >= tau.
+// One pass finds the lanes' maxima (while it converts), one collects the few values >= tau in index order, and the
+// choice among them is the same as searching the whole row (the first index on a tie). Bit for bit the first
+// version's result; rows with more than MAX_CAND candidates (ties, zeros) run that version.
+template <typename T>
+inline float quantize_row(const T* x, const float* s, int64_t K, int8_t* q, float* buf, int outliers,
+                          int32_t* out_idx, float* out_val) {
+  __m512 mx0 = _mm512_setzero_ps(), mx1 = _mm512_setzero_ps();  // two chains: vmaxps' latency, not its throughput
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512 v0 = load16(x + k, 0xFFFF), v1 = load16(x + k + 16, 0xFFFF);
+    if (s) {
+      v0 = _mm512_mul_ps(v0, _mm512_loadu_ps(s + k));
+      v1 = _mm512_mul_ps(v1, _mm512_loadu_ps(s + k + 16));
+    }
+    _mm512_storeu_ps(buf + k, v0);
+    _mm512_storeu_ps(buf + k + 16, v1);
+    mx0 = _mm512_max_ps(mx0, _mm512_abs_ps(v0));
+    mx1 = _mm512_max_ps(mx1, _mm512_abs_ps(v1));
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 m = tail(K - k);
+    __m512 v = load16(x + k, m);
+    if (s) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, s + k));
+    _mm512_mask_storeu_ps(buf + k, m, v);
+    mx0 = _mm512_max_ps(mx0, _mm512_abs_ps(v));  // masked-off lanes are 0: never above a real |v|
+  }
+  const __m512 mx = _mm512_max_ps(mx0, mx1);
+  float amax = _mm512_reduce_max_ps(mx);
+  if (outliers > 0) {
+    alignas(64) float lane[16];
+    _mm512_store_ps(lane, mx);
+    std::nth_element(lane, lane + outliers, lane + 16, [](float a, float b) { return a > b; });
+    const float tau = lane[outliers];
+    // candidates in index order: vpcompressd into a register and a plain store (its memory form is slow on Zen 4)
+    alignas(64) int32_t cidx[MAX_CAND + 16];
+    alignas(64) float cabs[MAX_CAND + 16];
+    int nc = 0;
+    const __m512 tv = _mm512_set1_ps(tau);
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    bool overflow = tau <= 0.0f;  // every value is a candidate: the plain search costs no more
+    for (k = 0; k < K && !overflow; k += 16) {
+      const __mmask16 m = tail(K - k);
+      const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, buf + k));
+      const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, a, tv, _CMP_GE_OQ);
+      if (!hit) continue;
+      const int cnt = __builtin_popcount(unsigned(hit));
+      if (nc + cnt > MAX_CAND) { overflow = true; break; }
+      _mm512_storeu_si512(cidx + nc, _mm512_maskz_compress_epi32(hit, _mm512_add_epi32(iota, _mm512_set1_epi32(int32_t(k)))));
+      _mm512_storeu_ps(cabs + nc, _mm512_maskz_compress_ps(hit, a));
+      nc += cnt;
+    }
+    if (overflow) {
+      amax = take_outliers_slow(buf, K, outliers, out_idx, out_val);
+    } else {
+      for (int t = 0; t < outliers; ++t) {
+        int best = 0;  // strictly larger only: the first index on a tie
+        for (int j = 1; j < nc; ++j) if (cabs[j] > cabs[best]) best = j;
+        out_idx[t] = cidx[best];
+        out_val[t] = buf[cidx[best]];
+        buf[cidx[best]] = 0.0f;
+        cabs[best] = -1.0f;  // taken
+      }
+      amax = 0.0f;  // at least one candidate is left (nc >= outliers + 1), and it is >= every non-candidate
+      for (int j = 0; j < nc; ++j) amax = std::max(amax, cabs[j]);
+    }
+  }
   const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  for (int64_t k = 0; k < K; k += 16) {
+  for (k = 0; k < K; k += 16) {
     const __mmask16 m = tail(K - k);
     const __m512 v = _mm512_maskz_loadu_ps(m, buf + k);
     // cvtps rounds half to even (the default MXCSR mode); |v * inv| <= 127, so the narrowing never saturates
     _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv))));
   }
   return amax / 127.0f;
+}
+
+// columns n..n+15 (mask m) of one row: (float(acc) * a + sum_t val[t] * wq[idx[t], n]) * cs (+ b), float32;
+// wq [K, ldw] contiguous
+inline __m512 scaled16(const int32_t* acc, __m512 av, const float* cs, const float* b, int64_t n, __mmask16 m,
+                       int outliers, const int32_t* idx, const float* val, const int8_t* wq, int64_t ldw) {
+  __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + n)), av);
+  for (int t = 0; t < outliers; ++t) {
+    const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, wq + int64_t(idx[t]) * ldw + n)));
+    v = _mm512_fmadd_ps(_mm512_set1_ps(val[t]), w, v);
+  }
+  v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, cs + n));
+  if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, b + n));
+  return v;
 }
 
 // one row: y = (float(acc) * a + sum_t val[t] * wq[idx[t], :]) * cs (+ b); wq [K, N] contiguous
@@ -128,14 +215,64 @@ inline void scale_row(const int32_t* acc, float a, const float* cs, const float*
   const __m512 av = _mm512_set1_ps(a);
   for (int64_t n = 0; n < N; n += 16) {
     const __mmask16 m = tail(N - n);
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + n)), av);
-    for (int t = 0; t < outliers; ++t) {
-      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, wq + int64_t(idx[t]) * N + n)));
-      v = _mm512_fmadd_ps(_mm512_set1_ps(val[t]), w, v);
+    store16(y + n, scaled16(acc, av, cs, b, n, m, outliers, idx, val, wq, N), m);
+  }
+}
+
+// e^x: x clamped to [-87, 88], e^x = 2^j * e^r with j = round(x / ln 2) and |r| <= ln 2 / 2 (ln 2 split in two
+// for an exact r), e^r by its Taylor polynomial to degree 6 (relative error ~1e-7), 2^j applied by vscalefps
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 j = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(j, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(j, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, j);
+}
+
+// a float32 vector rounded to bfloat16 (nearest even, as store16) and kept as float32
+inline __m512 round_bf16(__m512 v) {
+  __m512i i = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  i = _mm512_add_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_castsi512_ps(_mm512_and_si512(i, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline __m512 round_to(__m512 v, const float*) { return v; }
+inline __m512 round_to(__m512 v, const bf16*) { return round_bf16(v); }
+
+// one row of a gate/up linear (gate the first I = N / 2 columns, up the rest): y[i] = silu(g[i]) * u[i], y [I].
+// rounded: g and u rounded to T first and silu(g) = g / (1 + e^-g) with a true division: the bits of scale_row's
+// output followed by fused_kernel's silu_mul (the same e^x polynomial and operations), only without writing and
+// reading back the [rows, N] product. Else from the float32 g and u, the reciprocal as vrcp14ps and one Newton
+// step (~2^-28 relative) in place of vdivps.
+template <typename T, bool rounded>
+inline void gated_row(const int32_t* acc, float a, const float* cs, const float* b, int64_t N, T* y,
+                      int outliers, const int32_t* idx, const float* val, const int8_t* wq) {
+  const int64_t I = N / 2;
+  const __m512 av = _mm512_set1_ps(a), one = _mm512_set1_ps(1.0f);
+  for (int64_t n = 0; n < I; n += 16) {
+    const __mmask16 m = tail(I - n);
+    __m512 g = scaled16(acc, av, cs, b, n, m, outliers, idx, val, wq, N);
+    __m512 u = scaled16(acc, av, cs, b, n + I, m, outliers, idx, val, wq, N);
+    if (rounded) {
+      g = round_to(g, y);
+      u = round_to(u, y);
     }
-    v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, cs + n));
-    if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, b + n));
-    store16(y + n, v, m);
+    const __m512 d = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    if (rounded) {
+      store16(y + n, _mm512_mul_ps(_mm512_div_ps(g, d), u), m);
+    } else {
+      const __m512 r0 = _mm512_rcp14_ps(d);
+      const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.0f)));
+      store16(y + n, _mm512_mul_ps(_mm512_mul_ps(g, r), u), m);
+    }
   }
 }
 #else
@@ -166,6 +303,27 @@ inline void scale_row(const int32_t* acc, float a, const float* cs, const float*
     v *= cs[n];
     if (b) v += b[n];
     from_float(y + n, v);
+  }
+}
+
+inline float round_to(float v, const float*) { return v; }
+inline float round_to(float v, const bf16*) { return float(bf16(v)); }
+
+template <typename T, bool rounded>
+inline void gated_row(const int32_t* acc, float a, const float* cs, const float* b, int64_t N, T* y,
+                      int outliers, const int32_t* idx, const float* val, const int8_t* wq) {
+  const int64_t I = N / 2;
+  for (int64_t n = 0; n < I; ++n) {
+    float g = float(acc[n]) * a, u = float(acc[n + I]) * a;
+    for (int t = 0; t < outliers; ++t) {
+      g += val[t] * float(wq[int64_t(idx[t]) * N + n]);
+      u += val[t] * float(wq[int64_t(idx[t]) * N + n + I]);
+    }
+    g *= cs[n];
+    u *= cs[n + I];
+    if (b) { g += b[n]; u += b[n + I]; }
+    if (rounded) { g = round_to(g, y); u = round_to(u, y); }
+    from_float(y + n, g / (1.0f + std::exp(-g)) * u);
   }
 }
 #endif
@@ -217,25 +375,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> w8a8_quantize(
 
 template <typename T>
 void scale_rows(const at::Tensor& acc, const float* a, const float* cs, const float* b, at::Tensor& y, int outliers,
-                const int32_t* idx, const float* val, const int8_t* wq) {
-  const int64_t M = acc.size(0), N = acc.size(1);
+                const int32_t* idx, const float* val, const int8_t* wq, bool gated, bool rounded) {
+  const int64_t M = acc.size(0), N = acc.size(1), ldy = y.size(1);
   const int32_t* ap = acc.data_ptr<int32_t>();
   T* yp = reinterpret_cast<T*>(y.data_ptr());
 #pragma omp parallel for schedule(static) num_threads(threads_for(M * N))
-  for (int64_t m = 0; m < M; ++m)
-    scale_row<T>(ap + m * N, a[m], cs, b, N, yp + m * N, outliers, idx + m * MAX_OUTLIERS, val + m * MAX_OUTLIERS, wq);
+  for (int64_t m = 0; m < M; ++m) {
+    if (gated && rounded)
+      gated_row<T, true>(ap + m * N, a[m], cs, b, N, yp + m * ldy, outliers, idx + m * MAX_OUTLIERS, val + m * MAX_OUTLIERS, wq);
+    else if (gated)
+      gated_row<T, false>(ap + m * N, a[m], cs, b, N, yp + m * ldy, outliers, idx + m * MAX_OUTLIERS, val + m * MAX_OUTLIERS, wq);
+    else
+      scale_row<T>(ap + m * N, a[m], cs, b, N, yp + m * ldy, outliers, idx + m * MAX_OUTLIERS, val + m * MAX_OUTLIERS, wq);
+  }
 }
 
 // x [M, K] float32 or bfloat16, wq [K, N] int8 (contiguous where outliers > 0, else any strides torch._int_mm
-// takes), col_scale [N] float32, bias [N] or None, inv_smooth [K] or None, outliers 0..8 -> [M, N] in x's dtype
-at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& col_scale,
+// takes), col_scale [N] float32, bias [N] or None, inv_smooth [K] or None, outliers 0..8 -> [M, N] in x's dtype;
+// gated (N even): [M, N / 2], silu(y[:, :N/2]) * y[:, N/2:] from y rounded to x's dtype (rounded) or its float32
+// values
+at::Tensor product(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& col_scale,
                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& inv_smooth,
-                   int64_t outliers) {
+                   int64_t outliers, bool gated, bool rounded) {
   check_x(x, inv_smooth);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kChar && wq.size(0) == K, "wq must be an int8 [K, N] tensor");
   TORCH_CHECK(outliers == 0 || wq.is_contiguous(), "wq must be contiguous when outliers are taken out");
   const int64_t N = wq.size(1);
+  TORCH_CHECK(!gated || N % 2 == 0, "a gated product needs an even N (gate, then up)");
   TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() && col_scale.numel() == N,
               "col_scale must be a contiguous float32 [N] tensor");
   at::Tensor b;
@@ -243,7 +410,7 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == N, "bias must have N elements");
   }
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, gated ? N / 2 : N}, x.options());
   if (M == 0) return y;
   auto [xq, a, idx, val] = w8a8_quantize(x, inv_smooth, outliers);
   const at::Tensor acc = at::_int_mm(xq, wq).contiguous();
@@ -251,21 +418,35 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& 
   const int o = int(outliers);
   if (x.scalar_type() == at::kFloat)
     scale_rows<float>(acc, a.data_ptr<float>(), col_scale.data_ptr<float>(), bp, y, o, idx.data_ptr<int32_t>(),
-                      val.data_ptr<float>(), wq.data_ptr<int8_t>());
+                      val.data_ptr<float>(), wq.data_ptr<int8_t>(), gated, rounded);
   else
     scale_rows<bf16>(acc, a.data_ptr<float>(), col_scale.data_ptr<float>(), bp, y, o, idx.data_ptr<int32_t>(),
-                     val.data_ptr<float>(), wq.data_ptr<int8_t>());
+                     val.data_ptr<float>(), wq.data_ptr<int8_t>(), gated, rounded);
   return y;
+}
+
+at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& col_scale,
+                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& inv_smooth,
+                   int64_t outliers) {
+  return product(x, wq, col_scale, bias, inv_smooth, outliers, false, false);
+}
+
+at::Tensor w8a8_mm_silu(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& col_scale,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& inv_smooth,
+                        int64_t outliers, bool rounded) {
+  return product(x, wq, col_scale, bias, inv_smooth, outliers, true, rounded);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(NAMESPACE, m) {
   m.def("w8a8_mm(Tensor x, Tensor wq, Tensor col_scale, Tensor? bias, Tensor? inv_smooth, int outliers) -> Tensor");
+  m.def("w8a8_mm_silu(Tensor x, Tensor wq, Tensor col_scale, Tensor? bias, Tensor? inv_smooth, int outliers, bool rounded) -> Tensor");
   m.def("w8a8_quantize(Tensor x, Tensor? inv_smooth, int outliers) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) {
   m.impl("w8a8_mm", &w8a8_mm);
+  m.impl("w8a8_mm_silu", &w8a8_mm_silu);
   m.impl("w8a8_quantize", &w8a8_quantize);
 }
 """
@@ -329,6 +510,24 @@ def load() -> Callable | None:
     return op_for(isa()) if enabled() else None
 
 
+_gated_ops: dict[str, Callable | None] = {}  # gated_op_for's answers (a gate_up linear asks every wide step)
+
+
+def gated_op_for(which: str) -> Callable | None:
+    """The gated op `(x, wq, col_scale, bias, inv_smooth, outliers, rounded) -> silu(y[:, :N/2]) * y[:, N/2:]` of
+    one build (`reference_gated`), or None where op_for(which) is None. rounded: y rounded to x's dtype first and
+    the SiLU as fused_kernel's silu_mul computes it (the unfused path's bits); else from y's float32 values."""
+    if which not in _gated_ops:
+        _gated_ops[which] = (None if op_for(which) is None
+                             else getattr(torch.ops, _library(which)[1]).w8a8_mm_silu)
+    return _gated_ops[which]
+
+
+def load_gated() -> Callable | None:
+    """This CPU's build of the gated op, or None when the op is switched off or cannot be built here."""
+    return gated_op_for(isa()) if enabled() else None
+
+
 def load_quantize(which: str | None = None) -> Callable | None:
     """The activation quantizer `(x, inv_smooth, outliers) -> (xq, a, idx [M, 8], val [M, 8])` of a build, for
     tests."""
@@ -353,6 +552,22 @@ def reference(x: torch.Tensor, wq: torch.Tensor, col_scale: torch.Tensor, bias: 
               inv_smooth: torch.Tensor | None = None, outliers: int = 0) -> torch.Tensor:
     """The op's definition in torch ops (module docstring): its stand-in where it cannot build, and the tests'
     reference."""
+    return _reference_f32(x, wq, col_scale, bias, inv_smooth, outliers).to(x.dtype)
+
+
+def reference_gated(x: torch.Tensor, wq: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    inv_smooth: torch.Tensor | None = None, outliers: int = 0, rounded: bool = True) -> torch.Tensor:
+    """The gated op's definition: silu(gate) * up (gate the product's first N / 2 columns) from the product rounded
+    to x's dtype (rounded) or its float32 values, computed in float32 and rounded once to x's dtype."""
+    y = _reference_f32(x, wq, col_scale, bias, inv_smooth, outliers)
+    if rounded:
+        y = y.to(x.dtype).float()
+    g, u = y.chunk(2, dim=1)
+    return (torch.nn.functional.silu(g) * u).to(x.dtype)
+
+
+def _reference_f32(x: torch.Tensor, wq: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None,
+                   inv_smooth: torch.Tensor | None, outliers: int) -> torch.Tensor:
     xf = x.float() if inv_smooth is None else x.float() * inv_smooth
     y_out = None
     if outliers:
@@ -372,4 +587,4 @@ def reference(x: torch.Tensor, wq: torch.Tensor, col_scale: torch.Tensor, bias: 
     y = y * col_scale
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y
