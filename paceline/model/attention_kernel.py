@@ -77,6 +77,30 @@ inline float hsum(__m256 v) {
 }
 """
 
+# e^x in AVX-512 registers, for every C++ op that needs it (pasted into their sources inside #ifdef __AVX512F__): the
+# same steps as exp8, with 2^n applied by vscalefps (so the same values where exp8's clamps keep it finite)
+AVX512_MATH = r"""
+// e^x for finite x: no clamps (scalef takes any n: a very negative x gives 0, a large one inf, never NaN)
+inline __m512 exp16_finite(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+// e^x for any float x, exp8's clamps first
+inline __m512 exp16(__m512 x) {
+  return exp16_finite(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
+}
+"""
+
 SOURCE = r"""
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -240,6 +264,7 @@ inline void pv(const float* const* p, const float* const* v, int n, int d, const
 // broadcast V element times RV vectors of probabilities. The online softmax (max, exp, sum, rescale) is then
 // vectorised over rows too, and the causal mask is a compare per position on the diagonal chunks only.
 #if defined(__AVX512F__)
+""" + AVX512_MATH + r"""
 #define PL_TILE 1
 using vf = __m512;
 constexpr int VW = 16;
@@ -257,26 +282,9 @@ inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vsel_le(vf pos, vf lim, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pos, lim, _CMP_LE_OQ), b, a); }
 // whether a < b in any lane
 inline bool vany_lt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ) != 0; }
-// vexp for finite x: no clamps (scalef takes any n: a very negative x gives 0, a large one inf, never NaN); the
-// prompt tiles' exp of s - max, where s and max are finite and lanes past the mask are dropped after
-inline vf vexp_finite(vf x) {
-  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  vf p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-// e^x as exp8 below, 16 lanes: vexp_finite after exp8's clamps
-inline vf vexp(vf x) {
-  return vexp_finite(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
-}
+// vexp_finite: the prompt tiles' exp of s - max, where s and max are finite and lanes past the mask are dropped after
+inline vf vexp_finite(vf x) { return exp16_finite(x); }
+inline vf vexp(vf x) { return exp16(x); }
 // The prompt tiles' softmax runs in base 2: scores are scaled by log2 e along with 1/sqrt(d), so that e^x is
 // 2^t = 2^f 2^floor(t) with f = t - floor(t) in [0, 1) (vreduceps, exact) and no range reduction by ln 2; 2^f by
 // a degree-DEG polynomial fitted for relative error on [0, 1), times 2^floor(t) by scalef (a very negative t

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from paceline.model import int4_kernel
+from paceline.model.attention_kernel import AVX512_MATH
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -219,24 +220,7 @@ inline void scale_row(const int32_t* acc, float a, const float* cs, const float*
   }
 }
 
-// e^x: x clamped to [-87, 88], e^x = 2^j * e^r with j = round(x / ln 2) and |r| <= ln 2 / 2 (ln 2 split in two
-// for an exact r), e^r by its Taylor polynomial to degree 6 (relative error ~1e-7), 2^j applied by vscalefps
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 j = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(j, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(j, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, j);
-}
-
+""" + AVX512_MATH + r"""
 // a float32 vector rounded to bfloat16 (nearest even, as store16) and kept as float32
 inline __m512 round_bf16(__m512 v) {
   __m512i i = _mm512_castps_si512(v);
