@@ -51,15 +51,20 @@ class BatchShape:
         self.decode_context += context
 
     def add_slice(self, request, start: int, num_tokens: int) -> None:
-        """num_tokens of `request` from `start`, counted as batch_shape() counts them: one token that ends a
-        request already past its prompt is a decode (a resumed output too), anything else a chunk."""
+        """num_tokens of `request` from `start`, counted as batch_shape() counts them (is_decode_slice)."""
         end = start + num_tokens
-        if num_tokens == 1 and end == len(request.token_ids) > len(request.prompt_token_ids):
+        if is_decode_slice(request, start, num_tokens):
             self.add_decode(end)
         else:
             self.add_chunk(start, num_tokens, sampled=end == len(request.token_ids))
         if end == len(request.token_ids) and request.sampling_params.structured is not None:
             self.num_masked += 1
+
+
+def is_decode_slice(request, start: int, num_tokens: int) -> bool:
+    """Whether num_tokens of `request` from `start` are a decode: one token that ends a request already past its
+    prompt (a resumed output too); anything else is a chunk."""
+    return num_tokens == 1 and start + 1 == len(request.token_ids) > len(request.prompt_token_ids)
 
 
 def batch_shape(output: SchedulerOutput) -> BatchShape:

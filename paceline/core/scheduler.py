@@ -11,7 +11,7 @@ from typing import Callable
 
 from paceline.config import CacheConfig, SchedulerConfig
 from paceline.core.auto_batch import StepRatio, apply_auto_limits
-from paceline.core.batch_shape import BatchShape, batch_shape
+from paceline.core.batch_shape import BatchShape, batch_shape, is_decode_slice
 from paceline.core.fair import FairQueue, FairShare
 from paceline.core.kv_cache import KVCacheManager, cdiv
 from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
@@ -394,7 +394,7 @@ class Scheduler:
         # and joining chunks sized without a decode it made its stream wait for all of them (long state-machine runs)
         if shape is None or n <= 0:
             return n
-        if shape.num_decodes == 0 and not (n == 1 and start + 1 == len(request.token_ids) > len(request.prompt_token_ids)):
+        if shape.num_decodes == 0 and not is_decode_slice(request, start, n):
             return n
         if step.others_queued is None:
             step.others_queued = self.config.calm_step_ms <= 0 or self.others_queued()

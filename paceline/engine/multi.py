@@ -235,7 +235,6 @@ class MultiEngine:
         self.config = config  # the server's settings; AsyncEngine reads config.scheduler.max_waiting_requests
         self.engines: dict[str, Engine] = {}
         self._step_ms: dict[str, float] = {}  # each model's own max_step_ms, before the division by busy models
-        self._calm_ms: dict[str, float] = {}  # and its own calm_step_ms, the span rule's bound (SLICE_CALM)
         self._budget: dict[str, int] = {}  # each model's own token budget, before a cap for the other's streams
         self._owner: dict[str, str] = {}  # request id -> model
         self._since: dict[str, float] = {}  # model -> when its streams started waiting for the loop
@@ -267,7 +266,6 @@ class MultiEngine:
             timeline.mark("joined")
             self._debut[name] = timeline
         self._step_ms[name] = engine.scheduler.config.max_step_ms
-        self._calm_ms[name] = engine.scheduler.config.calm_step_ms
         self._budget[name] = engine.scheduler.config.max_num_batched_tokens
 
     def remove_model(self, name: str) -> Engine:
@@ -282,7 +280,6 @@ class MultiEngine:
         if debut is not None:  # it never produced a token: what waited for that goes on now
             debut.finish()
         self._step_ms.pop(name, None)
-        self._calm_ms.pop(name, None)
         self._budget.pop(name, None)
         self._since.pop(name, None)
         for learned in (self._layers, self._tail_s, self._decode_s):
@@ -519,7 +516,7 @@ class MultiEngine:
         target while at most one of its prompts is queued (SLICE_CALM)."""
         target = self._step_ms.get(name, 0.0)
         sched = self.engines[name].scheduler
-        calm = self._calm_ms.get(name, 0.0)
+        calm = sched.config.calm_step_ms  # never shared: only max_step_ms is divided among busy models
         if SLICE_CALM and 0 < calm < target and not sched.others_queued():
             target = calm
         return target / 1e3

@@ -374,7 +374,7 @@ def test_the_span_rule_aims_at_the_calm_target_while_no_other_prompt_of_its_mode
     monkeypatch.setattr(multi_module, "SLICE_DUE_MAX", 0.8)
     engines, multi = both_streaming(tiny_dirs)
     engines["llama"].last_step = StepStats(1, 0, 1, duration=0.010)
-    multi._step_ms["qwen2"], multi._calm_ms["qwen2"] = 120.0, 72.0
+    multi._step_ms["qwen2"], engines["qwen2"].scheduler.config.calm_step_ms = 120.0, 72.0
     multi._since = {"llama": 10.0, "qwen2": 9.95}
     multi._loop_s = 0.001
     watch = multi._preemptors("qwen2", ["llama", "qwen2"])
