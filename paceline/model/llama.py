@@ -228,10 +228,14 @@ class W8A8Linear:
                             and w8a8_kernel.load_gated() is not None else None)
         self.gated_rounded = fused == "1"
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        """x as [M, K] rows with unit column stride, what the op takes."""
         rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(x)
         if self.op is not None:
             y = self.op(rows, self.wq, self.col_scale, self.bias, self.inv_smooth, self.outliers)
         else:
@@ -246,10 +250,7 @@ class W8A8Linear:
         op = w8a8_kernel.gated_op_for(self.gated_build) if self.gated_build is not None else None
         if op is None:
             return None
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        y = op(rows, self.wq, self.col_scale, self.bias, self.inv_smooth, self.outliers, self.gated_rounded)
+        y = op(self._rows(x), self.wq, self.col_scale, self.bias, self.inv_smooth, self.outliers, self.gated_rounded)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
