@@ -110,6 +110,7 @@ SOURCE = r"""
 #include <c10/util/Half.h>
 #include <omp.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -794,6 +795,11 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
 }
 #endif
 
+// The decode item a thread runs next (claimed before this one starts, see the op): its first two tiles are prefetched
+// during this item's last two, so that memory keeps streaming across items instead of draining at each item's end
+// and starting cold at the next one's first tile (a decode of 100-200 tokens is only 7-13 tiles)
+struct NextKv { const int32_t* table; int h0, nh, end; };
+
 // ---- decodes (slices of up to FEW_TOKENS tokens): positions in vector lanes (AVX-512 builds) ----
 //
 // A decode has only the G query rows of a KV head (3 for SmolLM2), too few to fill a vector, so attend_rows runs
@@ -1096,10 +1102,12 @@ inline void prefetch_kv_l2(const T* kc, const T* vc, int64_t off, int64_t bytes)
 }
 
 // A work item of a few tokens (decodes, verifications) as attend() computes it, in tiles of RT positions.
+// nx: the item this thread runs next (its first tiles prefetched here) or null; warm: this item's first two tiles
+// were prefetched by the item before it
 template <int D, typename T>
 void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int nh, const T* kc,
                  const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table, int row0,
-                 int start, int ntok, float scale) {
+                 int start, int ntok, float scale, const NextKv* nx, bool warm) {
   constexpr int d = 16 * D;
   const int R = ntok * G;  // query rows of one KV head
   bool bf = false;  // bfloat16 pair dot products: a bfloat16 cache and a bfloat16 model's queries
@@ -1161,9 +1169,18 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
     // context is a few blocks, and from memory (a whole step's K/V do not stay in cache) one tile ahead came too
     // late. One layer, K/V from memory (decode_attention.py --layer --cold, 2026-11-24 16:15 UTC): 32 bf16 decodes
     // at 100-200 tokens 0.285-0.436 -> 0.199-0.220 ms, 6 at 1,900 0.646-0.882 -> 0.334-0.336 ms
-    if (c0 == 0)
+    if (c0 == 0 && !warm)
       for (int pf = 0; pf < std::min(end, 2 * RT); ++pf)
         prefetch_kv_l2(kc, vc, pos[pf] + int64_t(h0) * d, int64_t(sizeof(T)) * nh * d);
+    if (nx) {  // the window of positions [c0 + 2 RT, c0 + 3 RT) (at c0 = 0 from 0) runs on into the next item's
+      const int own = (end + RT - 1) / RT * RT;
+      for (int v = std::max(own, c0 == 0 ? 0 : c0 + 2 * RT); v < c0 + 3 * RT; ++v) {
+        const int p = v - own;
+        if (p >= nx->end) break;
+        prefetch_kv_l2(kc, vc, int64_t(nx->table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride +
+                       int64_t(nx->h0) * d, int64_t(sizeof(T)) * nx->nh * d);
+      }
+    }
     for (int hh = 0; hh < nh; ++hh) {
       for (int pf = c0 + 2 * RT; pf < std::min(end, c0 + 3 * RT); ++pf)
         prefetch_kv_l2(kc, vc, pos[pf] + int64_t(h0 + hh) * d, int64_t(sizeof(T)) * d);
@@ -1216,20 +1233,20 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
 template <typename T>
 bool attend_rows_fit(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int nh, int d,
                      const T* kc, const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table,
-                     int row0, int start, int ntok, float scale) {
+                     int row0, int start, int ntok, float scale, const NextKv* nx, bool warm) {
 #ifdef PL_ROWS
   switch (d) {
     case 32:
       attend_rows<2, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
-                         scale);
+                         scale, nx, warm);
       return true;
     case 64:
       attend_rows<4, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
-                         scale);
+                         scale, nx, warm);
       return true;
     case 128:
       attend_rows<8, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
-                         scale);
+                         scale, nx, warm);
       return true;
   }
 #endif
@@ -1506,30 +1523,52 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       }
     }
 #endif
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int w = 0; w < nitems; ++w) {
-      const Item& it = items[w];
-      const int32_t* s = sq + 3 * it.seq;
+    // Each thread claims its next item before it runs the current one, so that a decode prefetches the next one's
+    // first tiles (NextKv) and memory keeps streaming from one item to the next; items are handed out heaviest
+    // first, so what the threads hold claimed at the end are the lightest. Prompt-chunk slices neither take nor give
+    // such prefetches (theirs run along their own chunks).
+    std::atomic<int> next_item{0};
+#pragma omp parallel num_threads(nthreads)
+    {
+      int w = next_item.fetch_add(1);
+      bool warm = false;  // item w's first tiles were prefetched by the item before it
+      while (w < nitems) {
+        const int w2 = next_item.fetch_add(1);
+        const Item& it = items[w];
+        const int32_t* s = sq + 3 * it.seq;
+        bool rows = false;
 #ifdef PL_TILE
-      if (it.heads == 1 && it.ntok > FEW_TOKENS) {  // a prompt chunk's slice: the row tiles
-        KvPack pk;
-        if (pack_at[it.seq] >= 0) {
-          const int end = s[2] + s[1];
-          pk.k = packs.get() + pack_at[it.seq] + pack_words(end, int(d)) * it.head0;
-          pk.v = pk.k + int64_t(end + PACK_PAD) * (d / 2);
+        if (it.heads == 1 && it.ntok > FEW_TOKENS) {  // a prompt chunk's slice: the row tiles
+          KvPack pk;
+          if (pack_at[it.seq] >= 0) {
+            const int end = s[2] + s[1];
+            pk.k = packs.get() + pack_at[it.seq] + pack_words(end, int(d)) * it.head0;
+            pk.v = pk.k + int64_t(end + PACK_PAD) * (d / 2);
+          }
+          attend_tiles(qp, q.stride(0), op, H, G, it.head0, int(d), kc, vc, blk_stride, tok_stride, int(bs),
+                       bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale), pk);
+          warm = false;
+          w = w2;
+          continue;
         }
-        attend_tiles(qp, q.stride(0), op, H, G, it.head0, int(d), kc, vc, blk_stride, tok_stride, int(bs),
-                     bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale), pk);
-        continue;
-      }
 #endif
-      if (it.ntok <= FEW_TOKENS &&
-          attend_rows_fit(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride,
-                          int(bs), bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok,
-                          float(scale)))
-        continue;
-      attend(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride, int(bs),
-             bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
+        NextKv nk{};
+        const NextKv* nx = nullptr;
+        if (w2 < nitems && items[w2].ntok <= FEW_TOKENS) {
+          const Item& n2 = items[w2];
+          nk = {bt + int64_t(n2.seq) * max_blocks, n2.head0, n2.heads, sq[3 * n2.seq + 2] + n2.tok0 + n2.ntok};
+          nx = &nk;
+        }
+        if (it.ntok <= FEW_TOKENS)
+          rows = attend_rows_fit(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride,
+                                 tok_stride, int(bs), bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0,
+                                 s[2] + it.tok0, it.ntok, float(scale), nx, warm);
+        if (!rows)
+          attend(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride, int(bs),
+                 bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
+        warm = rows && nx;
+        w = w2;
+      }
     }
   };
   auto write_and_run = [&](auto* kc, auto* vc) {
