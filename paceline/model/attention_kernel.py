@@ -110,7 +110,6 @@ SOURCE = r"""
 #include <c10/util/Half.h>
 #include <omp.h>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -795,11 +794,6 @@ void attend_tiles(const float* q, int64_t q_stride, float* out, int64_t H, int G
 }
 #endif
 
-// The decode item a thread runs next (claimed before this one starts, see the op): its first two tiles are prefetched
-// during this item's last two, so that memory keeps streaming across items instead of draining at each item's end
-// and starting cold at the next one's first tile (a decode of 100-200 tokens is only 7-13 tiles)
-struct NextKv { const int32_t* table; int h0, nh, end; };
-
 // ---- decodes (slices of up to FEW_TOKENS tokens): positions in vector lanes (AVX-512 builds) ----
 //
 // A decode has only the G query rows of a KV head (3 for SmolLM2), too few to fill a vector, so attend_rows runs
@@ -878,58 +872,14 @@ inline __m512 fold_lanes(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
 
-// A tile of n <= RT positions c0.. for NR rows of one KV head runs in two phases, so that attend_rows can issue the
-// next tile's (or head's) first phase before this one's second: the softmax bookkeeping between scores and P.V is a
-// chain of dependent ops (horizontal max, exp, rounding, broadcast) during which the core would otherwise idle, and
-// the out-of-order window overlaps it with the previous unit's P.V multiply-adds only if they are near each other in
-// program order. Phase 1 (rows_scores / rows_scores_bf): scores, the online softmax's max and sum, P and the rescale
-// factor alpha into a TileP; phase 2 (rows_pv / rows_pv_bf): acc = alpha acc + P.V. The arithmetic and its order
-// per row are those of the single-phase tile before (2026-11-25; outputs bit for bit).
-struct TileP {
-  alignas(64) float p[4][RT];  // rows_scores: row r's P; rows_scores_bf: bfloat16 pairs of positions (2j, 2j+1)
-  alignas(64) float alpha[16];  // lane r: row r's rescale of its accumulators
-};
+// The running state of one row of attend_rows: output accumulators (load_row's lane order), max, sum per lane
+struct RowState { float* acc; float* m; float* l; };
 
-// lanes r < NR of mo / mn as vectors, built in registers: stores of single floats read back as one vector wait for
-// the stores to retire (no store forwarding), which sat on each tile's critical path
-template <int NR>
-inline __m512 lanes_of(const float* x) {
-  __m512 v = _mm512_setzero_ps();
-  for (int r = 0; r < NR; ++r) v = _mm512_mask_broadcastss_ps(v, __mmask16(1u << r), _mm_set_ss(x[r]));
-  return v;
-}
-
-// the online softmax of NR score vectors s (lane u: position c0 + u): updates m and l, writes e^(s - m) (0 past
-// what row r sees) through put(r, e) and alpha into tp
-template <int NR, typename Put>
-inline void rows_softmax(const __m512* s, const int* lim, float* m, float* l, int n, int c0, TileP& tp, Put put) {
-  float mo[NR], mn[NR];
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 e[NR];
-  for (int r = 0; r < NR; ++r) {
-    const int nv = std::min(n, lim[r] - c0 + 1);  // positions of the tile row r sees (causal, and the tile's end)
-    const __mmask16 k = nv <= 0 ? 0 : nv >= 16 ? __mmask16(0xffff) : __mmask16((1u << nv) - 1);
-    const float mx = _mm512_reduce_max_ps(_mm512_mask_blend_ps(k, ninf, s[r]));
-    mo[r] = m[r];
-    // every row sees position 0, so after the first tile m is finite: exp(m - mn) never meets inf - inf
-    mn[r] = std::max(m[r], mx);
-    m[r] = mn[r];
-    e[r] = _mm512_maskz_mov_ps(k, vexp(_mm512_sub_ps(s[r], _mm512_set1_ps(mn[r]))));
-    put(r, e[r]);
-  }
-  const __m512 al = vexp(_mm512_sub_ps(lanes_of<NR>(mo), lanes_of<NR>(mn)));  // -inf - x: exp ~0
-  _mm512_store_ps(tp.alpha, al);
-  for (int r = 0; r < NR; ++r) {
-    const __m512 ar = _mm512_permutexvar_ps(_mm512_set1_epi32(r), al);
-    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), ar, e[r]));
-  }
-}
-
-// phase 1, float32 math: qs [NR][d] scaled queries (load_row's lane order), lim[r] row r's last visible position,
-// m [NR], l [NR][16] the online softmax's state
+// One tile of n <= RT positions c0.. for NR rows of one KV head: qs [NR][d] scaled queries (load_row's lane order),
+// lim[r] row r's last visible position, acc [NR][d], m [NR], l [NR][16] the online softmax's state.
 template <int NR, int D, typename T>
-inline void rows_scores(const float* qs, const int* lim, float* m, float* l, const T* const* krow, int n, int c0,
-                        TileP& tp) {
+inline void rows_tile(const float* qs, const int* lim, float* acc, float* m, float* l, const T* const* krow,
+                      const T* const* vrow, int n, int c0) {
   constexpr int d = 16 * D;
   __m512 s[NR];
   {
@@ -953,23 +903,34 @@ inline void rows_scores(const float* qs, const int* lim, float* m, float* l, con
     }
     for (int r = 0; r < NR; ++r) s[r] = fold_lanes(c[r][0], c[r][1], c[r][2], c[r][3]);
   }
-  rows_softmax<NR>(s, lim, m, l, n, c0, tp, [&](int r, __m512 e) { _mm512_store_ps(tp.p[r], e); });
-}
-
-// phase 2, float32 math: acc [NR][d] (load_row's lane order) = alpha acc + P.V
-template <int NR, int D, typename T>
-inline void rows_pv(const TileP& tp, float* acc, const T* const* vrow, int n) {
-  constexpr int d = 16 * D;
+  alignas(64) float p[NR][RT];
+  alignas(64) float mo[16] = {0}, mn[16] = {0};
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 e[NR];
+  for (int r = 0; r < NR; ++r) {
+    const int nv = std::min(n, lim[r] - c0 + 1);  // positions of the tile row r sees (causal, and the tile's end)
+    const __mmask16 k = nv <= 0 ? 0 : nv >= 16 ? __mmask16(0xffff) : __mmask16((1u << nv) - 1);
+    const float mx = _mm512_reduce_max_ps(_mm512_mask_blend_ps(k, ninf, s[r]));
+    mo[r] = m[r];
+    // every row sees position 0, so after the first tile m is finite: exp(m - mn) never meets inf - inf
+    mn[r] = std::max(m[r], mx);
+    m[r] = mn[r];
+    e[r] = _mm512_maskz_mov_ps(k, vexp(_mm512_sub_ps(s[r], _mm512_set1_ps(mn[r]))));
+    _mm512_store_ps(p[r], e[r]);
+  }
+  alignas(64) float alpha[16];
+  _mm512_store_ps(alpha, vexp(_mm512_sub_ps(_mm512_load_ps(mo), _mm512_load_ps(mn))));  // -inf - x: exp ~0
   __m512 o[NR][D];
   for (int r = 0; r < NR; ++r) {
-    const __m512 al = _mm512_set1_ps(tp.alpha[r]);
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), al, e[r]));
     for (int v = 0; v < D; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * d + 16 * v));
   }
   for (int j = 0; j < n; ++j) {
     __m512 vv[D];
     load_row<D>(vrow[j], vv);
     for (int r = 0; r < NR; ++r) {
-      const __m512 pb = _mm512_set1_ps(tp.p[r][j]);
+      const __m512 pb = _mm512_set1_ps(p[r][j]);
       for (int v = 0; v < D; ++v) o[r][v] = _mm512_fmadd_ps(pb, vv[v], o[r][v]);
     }
   }
@@ -978,13 +939,14 @@ inline void rows_pv(const TileP& tp, float* acc, const T* const* vrow, int n) {
 }
 
 #ifdef PL_BF16_DOT
-// phase 1 for a bfloat16 cache and bfloat16-valued queries (a bfloat16 model's): scores are pair dot products
+// rows_tile for a bfloat16 cache and bfloat16-valued queries (a bfloat16 model's): scores are pair dot products
 // (vdpbf16ps) of the raw query pairs qb (row r at qb + r d, d/2 pairs; unscaled: exact products, scaled after)
-// with the key rows read in place; P is rounded to bfloat16 for P.V (as the prompt tiles and torch's bfloat16 SDPA
-// do; its sum l stays float32)
+// with the key rows read in place, and P.V pair dot products of P rounded to bfloat16 (as the prompt tiles and
+// torch's bfloat16 SDPA do; its sum l stays float32) with two value rows interleaved into column pairs; acc is in
+// column order
 template <int NR, int D>
-inline void rows_scores_bf(const uint32_t* qb, float sc, const int* lim, float* m, float* l,
-                           const c10::BFloat16* const* krow, int n, int c0, TileP& tp) {
+inline void rows_tile_bf(const uint32_t* qb, float sc, const int* lim, float* acc, float* m, float* l,
+                         const c10::BFloat16* const* krow, const c10::BFloat16* const* vrow, int n, int c0) {
   constexpr int d = 16 * D, P = D / 2;  // P vectors of 32 values per row
   __m512 s[NR];
   {
@@ -1010,20 +972,26 @@ inline void rows_scores_bf(const uint32_t* qb, float sc, const int* lim, float* 
     const __m512 scv = _mm512_set1_ps(sc);
     for (int r = 0; r < NR; ++r) s[r] = _mm512_mul_ps(scv, fold_lanes(c[r][0], c[r][1], c[r][2], c[r][3]));
   }
-  rows_softmax<NR>(s, lim, m, l, n, c0, tp, [&](int r, __m512 e) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(tp.p[r]), (__m256i)_mm512_cvtneps_pbh(e));
-  });
-}
-
-// phase 2 for bfloat16: pair dot products of P's bfloat16 pairs with two value rows interleaved into column pairs;
-// acc is in column order
-template <int NR, int D>
-inline void rows_pv_bf(const TileP& tp, float* acc, const c10::BFloat16* const* vrow, int n) {
-  constexpr int d = 16 * D, P = D / 2;
-  const uint32_t* pp = reinterpret_cast<const uint32_t*>(tp.p[0]);  // row r's pairs at pp + RT r
+  alignas(64) uint32_t pp[NR][RT / 2];  // row r's P as bfloat16 pairs of positions (2j, 2j+1)
+  alignas(64) float mo[16] = {0}, mn[16] = {0};
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 e[NR];
+  for (int r = 0; r < NR; ++r) {
+    const int nv = std::min(n, lim[r] - c0 + 1);
+    const __mmask16 k = nv <= 0 ? 0 : nv >= 16 ? __mmask16(0xffff) : __mmask16((1u << nv) - 1);
+    const float mx = _mm512_reduce_max_ps(_mm512_mask_blend_ps(k, ninf, s[r]));
+    mo[r] = m[r];
+    mn[r] = std::max(m[r], mx);
+    m[r] = mn[r];
+    e[r] = _mm512_maskz_mov_ps(k, vexp(_mm512_sub_ps(s[r], _mm512_set1_ps(mn[r]))));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)_mm512_cvtneps_pbh(e[r]));
+  }
+  alignas(64) float alpha[16];
+  _mm512_store_ps(alpha, vexp(_mm512_sub_ps(_mm512_load_ps(mo), _mm512_load_ps(mn))));
   __m512 o[NR][D];
   for (int r = 0; r < NR; ++r) {
-    const __m512 al = _mm512_set1_ps(tp.alpha[r]);
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), al, e[r]));
     for (int v = 0; v < D; ++v) o[r][v] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * d + 16 * v));
   }
   const __m512i il = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006, 0x270007,
@@ -1037,7 +1005,7 @@ inline void rows_pv_bf(const TileP& tp, float* acc, const c10::BFloat16* const* 
       vv[2 * i + 1] = (__m512bh)_mm512_permutex2var_epi16(x, ih, y);
     }
     for (int r = 0; r < NR; ++r) {
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pp[RT * r + j / 2]));
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pp[r][j / 2]));
       for (int v = 0; v < D; ++v) o[r][v] = _mm512_dpbf16_ps(o[r][v], pb, vv[v]);
     }
   }
@@ -1046,48 +1014,34 @@ inline void rows_pv_bf(const TileP& tp, float* acc, const c10::BFloat16* const* 
 }
 #endif
 
-// the row group sizes the tiles are built for: NR x D accumulators + D row vectors within 32 registers
+// the row group sizes rows_tile is built for: NR x D accumulators + D row vectors within 32 registers
 constexpr int rows_max(int D) { return D <= 4 ? 4 : 2; }
 
-// calls f(std::integral_constant<int, NR>) for nr rows (1 <= nr <= rows_max(D))
-template <int D, typename F>
-inline void with_rows(int nr, F f) {
-  switch (nr) {
-    case 1: f(std::integral_constant<int, 1>()); return;
-    case 2: f(std::integral_constant<int, 2>()); return;
-    case 3: if constexpr (rows_max(D) >= 3) { f(std::integral_constant<int, 3>()); return; }
-    default: if constexpr (rows_max(D) >= 4) f(std::integral_constant<int, 4>());
-  }
-}
-
-// phase 1 for a group of nr rows (bf: rows_scores_bf, qs then holds query pairs)
+// one tile for a group of nr rows (bf: rows_tile_bf, qs then holds query pairs)
 template <int D, typename T>
-inline void rows_scores_any(int nr, bool bf, const float* qs, float sc, const int* lim, float* m, float* l,
-                            const T* const* krow, int n, int c0, TileP& tp) {
+inline void rows_tile_any(int nr, bool bf, const float* qs, float sc, const int* lim, float* acc, float* m, float* l,
+                          const T* const* krow, const T* const* vrow, int n, int c0) {
 #ifdef PL_BF16_DOT
   if constexpr (std::is_same<T, c10::BFloat16>::value && D % 2 == 0) {
     if (bf) {
       const uint32_t* qb = reinterpret_cast<const uint32_t*>(qs);
-      with_rows<D>(nr, [&](auto k) { rows_scores_bf<decltype(k)::value, D>(qb, sc, lim, m, l, krow, n, c0, tp); });
+      switch (nr) {
+        case 1: rows_tile_bf<1, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return;
+        case 2: rows_tile_bf<2, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return;
+        case 3:
+          if constexpr (rows_max(D) >= 3) { rows_tile_bf<3, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0); return; }
+        default: if constexpr (rows_max(D) >= 4) rows_tile_bf<4, D>(qb, sc, lim, acc, m, l, krow, vrow, n, c0);
+      }
       return;
     }
   }
 #endif
-  with_rows<D>(nr, [&](auto k) { rows_scores<decltype(k)::value, D, T>(qs, lim, m, l, krow, n, c0, tp); });
-}
-
-// phase 2 for a group of nr rows
-template <int D, typename T>
-inline void rows_pv_any(int nr, bool bf, const TileP& tp, float* acc, const T* const* vrow, int n) {
-#ifdef PL_BF16_DOT
-  if constexpr (std::is_same<T, c10::BFloat16>::value && D % 2 == 0) {
-    if (bf) {
-      with_rows<D>(nr, [&](auto k) { rows_pv_bf<decltype(k)::value, D>(tp, acc, vrow, n); });
-      return;
-    }
+  switch (nr) {
+    case 1: rows_tile<1, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break;
+    case 2: rows_tile<2, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break;
+    case 3: if constexpr (rows_max(D) >= 3) { rows_tile<3, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0); break; }
+    default: if constexpr (rows_max(D) >= 4) rows_tile<4, D, T>(qs, lim, acc, m, l, krow, vrow, n, c0);
   }
-#endif
-  with_rows<D>(nr, [&](auto k) { rows_pv<decltype(k)::value, D, T>(tp, acc, vrow, n); });
 }
 
 // `bytes` of the K row and of the V row at element offset off, into L2
@@ -1102,12 +1056,10 @@ inline void prefetch_kv_l2(const T* kc, const T* vc, int64_t off, int64_t bytes)
 }
 
 // A work item of a few tokens (decodes, verifications) as attend() computes it, in tiles of RT positions.
-// nx: the item this thread runs next (its first tiles prefetched here) or null; warm: this item's first two tiles
-// were prefetched by the item before it
 template <int D, typename T>
 void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int nh, const T* kc,
                  const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table, int row0,
-                 int start, int ntok, float scale, const NextKv* nx, bool warm) {
+                 int start, int ntok, float scale) {
   constexpr int d = 16 * D;
   const int R = ntok * G;  // query rows of one KV head
   bool bf = false;  // bfloat16 pair dot products: a bfloat16 cache and a bfloat16 model's queries
@@ -1117,7 +1069,6 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
 #endif
   thread_local std::vector<float> buf;
   thread_local std::vector<int> lims;
-  thread_local std::vector<int64_t> pos;
   const size_t per_head = size_t(R) * (2 * d + 1 + 16);
   if (buf.size() < per_head * nh) buf.resize(per_head * nh);
   if (lims.size() < size_t(R)) lims.resize(R);
@@ -1146,46 +1097,34 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
   }
   constexpr int NRM = rows_max(D);
   const int end = start + ntok;  // positions the last token sees
-  // each position's element offset in the cache, the block table walked once: a division by the block size per
-  // position and per prefetch (64 idivs a tile of three heads) was ~10 % of a decode's time (perf, 2026-11-25)
-  if (pos.size() < size_t(end)) pos.resize(end);
-  for (int p = 0, b = 0; p < end; ++b) {
-    const int64_t blk = int64_t(table[b]) * blk_stride;
-    for (int o = 0; o < bs && p < end; ++o, ++p) pos[p] = blk + int64_t(o) * tok_stride;
-  }
-  // units (a tile of one head's row group) in two phases, the next unit's scores issued before this one's P.V (see
-  // TileP): two slots, each with the value rows its P.V reads
-  struct Unit { int nr, n; float* acc; const T* vrow[RT]; TileP tp; };
-  Unit units[2];
-  int cur = 0;
-  bool pending = false;
+  int64_t base[RT];
   const T* krow[RT];
+  const T* vrow[RT];
   for (int c0 = 0; c0 < end; c0 += RT) {
     const int n = std::min(RT, end - c0);
-    const int64_t* base = pos.data() + c0;  // past the end: a repeat of the last row (masked)
+    for (int j = 0; j < RT; ++j) {
+      const int p = c0 + std::min(j, n - 1);  // past the end: a repeat of the last row (masked)
+      base[j] = int64_t(table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride + int64_t(h0) * d;
+    }
     // prefetch: at the first tile, tiles 0-1 of every head; then, before each head's part of a tile, that head's
     // rows two tiles on. Into L2 (T1), not L1: two tiles ahead of all heads plus the tile in use (36 KB of bf16 K/V
     // for SmolLM2) overran the 32 KB L1 and evicted rows before their use. A block lies anywhere, a decode's
     // context is a few blocks, and from memory (a whole step's K/V do not stay in cache) one tile ahead came too
     // late. One layer, K/V from memory (decode_attention.py --layer --cold, 2026-11-24 16:15 UTC): 32 bf16 decodes
     // at 100-200 tokens 0.285-0.436 -> 0.199-0.220 ms, 6 at 1,900 0.646-0.882 -> 0.334-0.336 ms
-    if (c0 == 0 && !warm)
+    if (c0 == 0)
       for (int pf = 0; pf < std::min(end, 2 * RT); ++pf)
-        prefetch_kv_l2(kc, vc, pos[pf] + int64_t(h0) * d, int64_t(sizeof(T)) * nh * d);
-    if (nx) {  // the window of positions [c0 + 2 RT, c0 + 3 RT) (at c0 = 0 from 0) runs on into the next item's
-      const int own = (end + RT - 1) / RT * RT;
-      for (int v = std::max(own, c0 == 0 ? 0 : c0 + 2 * RT); v < c0 + 3 * RT; ++v) {
-        const int p = v - own;
-        if (p >= nx->end) break;
-        prefetch_kv_l2(kc, vc, int64_t(nx->table[p / bs]) * blk_stride + int64_t(p % bs) * tok_stride +
-                       int64_t(nx->h0) * d, int64_t(sizeof(T)) * nx->nh * d);
-      }
-    }
+        prefetch_kv_l2(kc, vc, int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d,
+                       int64_t(sizeof(T)) * nh * d);
     for (int hh = 0; hh < nh; ++hh) {
       for (int pf = c0 + 2 * RT; pf < std::min(end, c0 + 3 * RT); ++pf)
-        prefetch_kv_l2(kc, vc, pos[pf] + int64_t(h0 + hh) * d, int64_t(sizeof(T)) * d);
-      const int64_t col = int64_t(h0 + hh) * d;
-      for (int j = 0; j < RT; ++j) krow[j] = kc + base[std::min(j, n - 1)] + col;
+        prefetch_kv_l2(kc, vc,
+                       int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0 + hh) * d,
+                       int64_t(sizeof(T)) * d);
+      for (int j = 0; j < RT; ++j) {
+        krow[j] = kc + base[j] + int64_t(hh) * d;
+        vrow[j] = vc + base[j] + int64_t(hh) * d;
+      }
       float* qs = qs_of(hh);
       float* acc = acc_of(hh);
       float* m = m_of(hh);
@@ -1193,28 +1132,12 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
       for (int r0 = 0; r0 < R;) {  // rows in groups of at most NRM, balanced
         const int groups = (R - r0 + NRM - 1) / NRM;
         const int nr = (R - r0 + groups - 1) / groups;
-        if (lims[r0 + nr - 1] >= c0) {  // the group's last row sees the tile (earlier rows see at most as much)
-          Unit& u = units[cur];
-          u.nr = nr;
-          u.n = n;
-          u.acc = acc + r0 * d;
-          for (int j = 0; j < RT; ++j) u.vrow[j] = vc + base[std::min(j, n - 1)] + col;
-          rows_scores_any<D, T>(nr, bf, qs + r0 * d, scale, lims.data() + r0, m + r0, l + 16 * r0, krow, n, c0,
-                                u.tp);
-          if (pending) {
-            const Unit& pu = units[cur ^ 1];
-            rows_pv_any<D, T>(pu.nr, bf, pu.tp, pu.acc, pu.vrow, pu.n);
-          }
-          pending = true;
-          cur ^= 1;
-        }
+        if (lims[r0 + nr - 1] >= c0)  // the group's last row sees the tile (earlier rows see at most as much)
+          rows_tile_any<D, T>(nr, bf, qs + r0 * d, scale, lims.data() + r0, acc + r0 * d, m + r0, l + 16 * r0,
+                              krow, vrow, n, c0);
         r0 += nr;
       }
     }
-  }
-  if (pending) {
-    const Unit& pu = units[cur ^ 1];
-    rows_pv_any<D, T>(pu.nr, bf, pu.tp, pu.acc, pu.vrow, pu.n);
   }
   for (int hh = 0; hh < nh; ++hh) {
     const float* acc = acc_of(hh);
@@ -1233,20 +1156,20 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
 template <typename T>
 bool attend_rows_fit(const float* q, int64_t q_stride, float* out, int64_t H, int G, int h0, int nh, int d,
                      const T* kc, const T* vc, int64_t blk_stride, int64_t tok_stride, int bs, const int32_t* table,
-                     int row0, int start, int ntok, float scale, const NextKv* nx, bool warm) {
+                     int row0, int start, int ntok, float scale) {
 #ifdef PL_ROWS
   switch (d) {
     case 32:
       attend_rows<2, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
-                         scale, nx, warm);
+                         scale);
       return true;
     case 64:
       attend_rows<4, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
-                         scale, nx, warm);
+                         scale);
       return true;
     case 128:
       attend_rows<8, T>(q, q_stride, out, H, G, h0, nh, kc, vc, blk_stride, tok_stride, bs, table, row0, start, ntok,
-                         scale, nx, warm);
+                         scale);
       return true;
   }
 #endif
@@ -1523,52 +1446,30 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       }
     }
 #endif
-    // Each thread claims its next item before it runs the current one, so that a decode prefetches the next one's
-    // first tiles (NextKv) and memory keeps streaming from one item to the next; items are handed out heaviest
-    // first, so what the threads hold claimed at the end are the lightest. Prompt-chunk slices neither take nor give
-    // such prefetches (theirs run along their own chunks).
-    std::atomic<int> next_item{0};
-#pragma omp parallel num_threads(nthreads)
-    {
-      int w = next_item.fetch_add(1);
-      bool warm = false;  // item w's first tiles were prefetched by the item before it
-      while (w < nitems) {
-        const int w2 = next_item.fetch_add(1);
-        const Item& it = items[w];
-        const int32_t* s = sq + 3 * it.seq;
-        bool rows = false;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int w = 0; w < nitems; ++w) {
+      const Item& it = items[w];
+      const int32_t* s = sq + 3 * it.seq;
 #ifdef PL_TILE
-        if (it.heads == 1 && it.ntok > FEW_TOKENS) {  // a prompt chunk's slice: the row tiles
-          KvPack pk;
-          if (pack_at[it.seq] >= 0) {
-            const int end = s[2] + s[1];
-            pk.k = packs.get() + pack_at[it.seq] + pack_words(end, int(d)) * it.head0;
-            pk.v = pk.k + int64_t(end + PACK_PAD) * (d / 2);
-          }
-          attend_tiles(qp, q.stride(0), op, H, G, it.head0, int(d), kc, vc, blk_stride, tok_stride, int(bs),
-                       bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale), pk);
-          warm = false;
-          w = w2;
-          continue;
+      if (it.heads == 1 && it.ntok > FEW_TOKENS) {  // a prompt chunk's slice: the row tiles
+        KvPack pk;
+        if (pack_at[it.seq] >= 0) {
+          const int end = s[2] + s[1];
+          pk.k = packs.get() + pack_at[it.seq] + pack_words(end, int(d)) * it.head0;
+          pk.v = pk.k + int64_t(end + PACK_PAD) * (d / 2);
         }
-#endif
-        NextKv nk{};
-        const NextKv* nx = nullptr;
-        if (w2 < nitems && items[w2].ntok <= FEW_TOKENS) {
-          const Item& n2 = items[w2];
-          nk = {bt + int64_t(n2.seq) * max_blocks, n2.head0, n2.heads, sq[3 * n2.seq + 2] + n2.tok0 + n2.ntok};
-          nx = &nk;
-        }
-        if (it.ntok <= FEW_TOKENS)
-          rows = attend_rows_fit(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride,
-                                 tok_stride, int(bs), bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0,
-                                 s[2] + it.tok0, it.ntok, float(scale), nx, warm);
-        if (!rows)
-          attend(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride, int(bs),
-                 bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
-        warm = rows && nx;
-        w = w2;
+        attend_tiles(qp, q.stride(0), op, H, G, it.head0, int(d), kc, vc, blk_stride, tok_stride, int(bs),
+                     bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale), pk);
+        continue;
       }
+#endif
+      if (it.ntok <= FEW_TOKENS &&
+          attend_rows_fit(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride,
+                          int(bs), bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok,
+                          float(scale)))
+        continue;
+      attend(qp, q.stride(0), op, H, G, it.head0, it.heads, int(d), kc, vc, blk_stride, tok_stride, int(bs),
+             bt + int64_t(it.seq) * max_blocks, s[0] + it.tok0, s[2] + it.tok0, it.ntok, float(scale));
     }
   };
   auto write_and_run = [&](auto* kc, auto* vc) {
