@@ -1113,11 +1113,11 @@ void attend_rows(const float* q, int64_t q_stride, float* out, int64_t H, int G,
     // late. One layer, K/V from memory (decode_attention.py --layer --cold, 2026-11-24 16:15 UTC): 32 bf16 decodes
     // at 100-200 tokens 0.285-0.436 -> 0.199-0.220 ms, 6 at 1,900 0.646-0.882 -> 0.334-0.336 ms
     if (c0 == 0)
-      for (int pf = 0; pf < std::min(end, 3 * RT); ++pf)
+      for (int pf = 0; pf < std::min(end, 2 * RT); ++pf)
         prefetch_kv_l2(kc, vc, int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0) * d,
                        int64_t(sizeof(T)) * nh * d);
     for (int hh = 0; hh < nh; ++hh) {
-      for (int pf = c0 + 3 * RT; pf < std::min(end, c0 + 4 * RT); ++pf)
+      for (int pf = c0 + 2 * RT; pf < std::min(end, c0 + 3 * RT); ++pf)
         prefetch_kv_l2(kc, vc,
                        int64_t(table[pf / bs]) * blk_stride + int64_t(pf % bs) * tok_stride + int64_t(h0 + hh) * d,
                        int64_t(sizeof(T)) * d);
