@@ -9,7 +9,9 @@ Prints, per batch, the median step ms and the median ms spent in attention (all 
 --layer times one layer's `paged_attention` alone (its metadata built once outside the timing, as a step builds
 it once for all layers; before 2026-11-24 08:30 UTC the timing included `build_metadata`, ~0.08 ms), SmolLM2-135M's
 shapes, random K/V in scattered blocks, float32 and bfloat16, best of --repeats (default there 15; --cold: 64 MiB
-written before each call, so K/V come from memory as in a whole step), per --variants: eager (gathers + SDPA),
+written before each call, so K/V come from memory as in a whole step; --flush read: 64 MiB read instead, so the
+evicted lines are clean as a step's weights are and no write-backs share the bandwidth), per --variants: eager
+(gathers + SDPA),
 this tree's op built for an ISA (auto, avx2, avx512) or the op at a git revision (rev=REV), and the largest
 difference from the first.
 
@@ -69,7 +71,8 @@ def _layer_variant(name: str):
     return True, {"PACELINE_ATTN_ISA": name}, None
 
 
-def one_layer(repeats: int, only: list[str], variants: list[str], dtypes: list[str], cold: bool = False) -> None:
+def one_layer(repeats: int, only: list[str], variants: list[str], dtypes: list[str], cold: bool = False,
+              flush_by: str = "write") -> None:
     from unittest.mock import patch
 
     from paceline.model import attention_kernel
@@ -81,7 +84,9 @@ def one_layer(repeats: int, only: list[str], variants: list[str], dtypes: list[s
     setups = {v: _layer_variant(v) for v in variants}
     # --cold: 64 MiB written before every call evicts the K/V from the caches, as a whole step's other 29 layers
     # and weights do (a step of 32 decodes reads ~55 MiB of bfloat16 K/V over its 30 layers)
-    flush = torch.empty(16 << 20) if cold else None
+    # --flush read: a 64 MiB sum instead (clean lines evicted, as a step's int4 weights are; the written flush left
+    # 32 MiB of dirty lines whose write-backs took ~10 % of a cold call's time, 2026-11-25 01:45 UTC)
+    flush = torch.ones(16 << 20) if cold else None
     for dname in dtypes:
         dt = getattr(torch, dname)
         ws = GatherWorkspace(bs * kvh * d, dt, "cpu")
@@ -105,7 +110,10 @@ def one_layer(repeats: int, only: list[str], variants: list[str], dtypes: list[s
                     meta = build_metadata(seqs, bs, workspace=ws, kernel=kernel)
                     for _ in range(repeats):
                         if flush is not None:
-                            flush.fill_(1.0)
+                            if flush_by == "read":
+                                flush.sum()
+                            else:
+                                flush.fill_(1.0)
                         t0 = time.perf_counter()
                         outs[var] = paged_attention(q, k, v, kc, vc, meta, d ** -0.5).float()
                         times.append((time.perf_counter() - t0) * 1e3)
@@ -126,11 +134,13 @@ def main() -> None:
     ap.add_argument("--variants", default="eager,auto", help="with --layer: eager, auto, avx2, avx512, rev=REV")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="with --layer: cache/query dtypes")
     ap.add_argument("--cold", action="store_true", help="with --layer: evict the caches before every call")
+    ap.add_argument("--flush", choices=("write", "read"), default="write",
+                    help="with --cold: evict by writing 64 MiB (dirty lines) or by reading it (clean ones)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.layer:
         one_layer(max(args.repeats, 15), [s for s in args.only.split(",") if s], args.variants.split(","),
-                  args.dtypes.split(","), args.cold)
+                  args.dtypes.split(","), args.cold, args.flush)
         return
     engine = Engine(EngineConfig(dtype=args.dtype))
     runner = engine.runner
