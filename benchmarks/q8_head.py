@@ -10,6 +10,7 @@ activation taken out.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # paceline, and benchmarks/ as a package
 
 from paceline.model import q8_kernel  # noqa: E402
 from paceline.model.llama import Linear  # noqa: E402
@@ -28,6 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,5,8,32,64")
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--before", default=None, help="also the op as it was at this git revision")
     args = ap.parse_args()
     weight = load_checkpoint(None, "float32").weights["model.embed_tokens.weight"]
     head = q8_kernel.Q8Head.from_weight(weight)
@@ -37,6 +39,14 @@ def main() -> int:
     head_t1 = q8_kernel.Q8Head.from_weight(weight, outliers=True)
     bf16 = Linear(weight.to(torch.bfloat16).contiguous(), None, True)
     fns = {"bf16": lambda x: bf16(x).float(), "q8": head, "q8 t1": head_t1}
+    if args.before:  # the op of another revision, under its own name (benchmarks/int4_linear.py)
+        from benchmarks.int4_linear import kernel_module_at
+        old = kernel_module_at(args.before, "q8_kernel")
+        old_op = old.op()
+        codes, scales = q8_kernel.q8_codes(weight)
+        old_packed = old.pack(codes, scales)
+        fns[f"q8 {args.before}"] = lambda x: old_op(x, old_packed, weight.shape[0], False)
+        fns[f"q8 t1 {args.before}"] = lambda x: old_op(x, old_packed, weight.shape[0], True)
     print(f"torch threads {torch.get_num_threads()}, {args.calls} calls each, median ms\n")
     print("| rows | " + " | ".join(fns) + " | bf16 / q8 |")
     print("|---:|" + "---:|" * (len(fns) + 1))
@@ -52,8 +62,8 @@ def main() -> int:
                     f(x)
                     times[name].append(1e3 * (time.perf_counter() - t0))
             med = {k: statistics.median(v) for k, v in times.items()}
-            print(f"| {m} | " + " | ".join(f"{med[k]:.3f}" for k in fns) + f" | {med['bf16'] / med['q8']:.2f}x |",
-                  flush=True)
+            ratio = math.floor(100 * med["bf16"] / med["q8"]) / 100  # truncated, never rounded up
+            print(f"| {m} | " + " | ".join(f"{med[k]:.3f}" for k in fns) + f" | {ratio:.2f}x |", flush=True)
     return 0
 
 

@@ -214,3 +214,26 @@ def test_bundled_model_head_on_real_hidden_states():
     assert ((got - exact).abs() <= bound + 1e-4).all()
     agree = (got.argmax(-1) == exact.argmax(-1)).double().mean()
     assert agree >= 0.9, float(agree)
+
+
+def test_the_switches_enter_the_snapshot_and_start_up_profile_keys(monkeypatch):
+    """A model built with the other head must neither map the other's snapshot nor reuse its measured step times."""
+    from types import SimpleNamespace
+
+    from paceline.engine.engine import Engine
+    from paceline.model.loader import snapshot_path
+
+    setup = SimpleNamespace(config=SimpleNamespace(model=None, dtype="bfloat16", quantization="int4",
+                                                   wide_linears="auto"),
+                            device="cpu", block_size=16, num_blocks=64, max_model_len=512)
+    keys = {}
+    for on, out in (("1", "0"), ("0", "0"), ("1", "1")):
+        monkeypatch.setenv("PACELINE_Q8_HEAD", on)
+        monkeypatch.setenv("PACELINE_Q8_HEAD_OUTLIERS", out)
+        keys[on, out] = (q8_kernel.build_key(), snapshot_path(None, "bfloat16", "int4", "auto"),
+                         Engine._profile_cache_path(setup))
+    assert keys["0", "0"][0] == "off"
+    if q8_kernel.op() is not None:
+        assert keys["1", "0"][0] == "vnni" and keys["1", "1"][0] == "vnni:t1"
+        for part in (1, 2):  # the snapshot and the profile differ with each switch
+            assert len({k[part] for k in keys.values()}) == 3
