@@ -4,8 +4,8 @@ model's head (the tied embedding, 49152 x 576), interleaved call by call in one 
     flock -x /tmp/paceline-cpu.lock env PYTHONPATH=. python benchmarks/q8_head.py --rows 1,2,5,8,32,64
 
 "bf16": what LlamaModel.compute_logits ran without the op on a CPU with native bf16 math (oneDNN's prepacked bf16
-matmul, its output widened to float32); "q8": the op (float32 logits); "q8 t1": the op with each block's largest
-activation taken out.
+matmul, its output widened to float32); "q8": the op as the model runs it (float32 logits, each block's largest
+activation taken out: the default); "q8 t0": the op with the outliers left in (PACELINE_Q8_HEAD_OUTLIERS=0).
 """
 from __future__ import annotations
 
@@ -36,17 +36,17 @@ def main() -> int:
     if head is None or q8_kernel.op() is None:
         print("the bundled head is not Q8_0 codes, or the op does not load here")
         return 1
-    head_t1 = q8_kernel.Q8Head.from_weight(weight, outliers=True)
+    head_t0 = q8_kernel.Q8Head.from_weight(weight, outliers=False)
     bf16 = Linear(weight.to(torch.bfloat16).contiguous(), None, True)
-    fns = {"bf16": lambda x: bf16(x).float(), "q8": head, "q8 t1": head_t1}
+    fns = {"bf16": lambda x: bf16(x).float(), "q8": head, "q8 t0": head_t0}
     if args.before:  # the op of another revision, under its own name (benchmarks/int4_linear.py)
         from benchmarks.int4_linear import kernel_module_at
         old = kernel_module_at(args.before, "q8_kernel")
         old_op = old.op()
         codes, scales = q8_kernel.q8_codes(weight)
         old_packed = old.pack(codes, scales)
-        fns[f"q8 {args.before}"] = lambda x: old_op(x, old_packed, weight.shape[0], False)
-        fns[f"q8 t1 {args.before}"] = lambda x: old_op(x, old_packed, weight.shape[0], True)
+        fns[f"q8 {args.before}"] = lambda x: old_op(x, old_packed, weight.shape[0], True)
+        fns[f"q8 t0 {args.before}"] = lambda x: old_op(x, old_packed, weight.shape[0], False)
     print(f"torch threads {torch.get_num_threads()}, {args.calls} calls each, median ms\n")
     print("| rows | " + " | ".join(fns) + " | bf16 / q8 |")
     print("|---:|" + "---:|" * (len(fns) + 1))

@@ -9,15 +9,19 @@ half the bf16 copy's bytes) and multiplies them with `vpdpbusd` (64 int8 multipl
 bf16 dot product's). The weights are exact (the bf16 copy even rounded them); only the activations are rounded.
 
 Numerics. Per block b of 32 inputs the weight is w = d[n, b] * q[n, k] (the GGUF's code q and scale d, d held in
-float32). Each row's activations are quantized per block, as w4a8_kernel.py does: optionally the block's largest
-|x| is taken out first (index t, value xo, a 0 in its place: `outliers`), then a = max|rest| / 127 and
-xq = round(x * (127 / max|rest|)) in int8 (round half to even). Then
+float32). Each row's activations are quantized per block, as w4a8_kernel.py does: a = max|x| / 127 and
+xq = round(x * (127 / max|x|)) in int8 (round half to even). Then
 
-    y[r, n] = sum over blocks b of  d[n, b] * a[r, b] * (sum_k q[n, k] * xq[r, k])  [+ d[n, b] * q[n, t] * xo[r, b]]
+    y[r, n] = sum over blocks b of  d[n, b] * a[r, b] * (sum_k q[n, k] * xq[r, k])
 
 with the integer block sum exact and float32 for the rest. `vpdpbusd` multiplies unsigned by signed bytes, so the
 pack stores q + 128 (1..255) and the block sum starts from -128 * sum_k xq[r, k] (the quantizer's by-product):
 sum (q + 128) xq - 128 sum xq = sum q xq, exactly, with no instruction more than a broadcast load a row and block.
+
+`outliers`: each block's largest |x| (index t) is taken out before the scale is chosen, so that one large channel
+does not coarsen the other 31 values (a = max|rest| / 127), and goes back in as an int16 in units of a,
+k = round(x_t / a) (a is raised where |x_t| > 32767 a): one `vpdpwssd` of the block's 16 codes at t by k adds
+q_t * k to the same exact integer sum (as w4a8's trick, without its float32 multiply-adds per row and block).
 
 Each output (r, n) is summed block by block in the same order whatever the other rows of the call, the number of
 rows a pass takes or the thread that runs its tile, so a position's logits are bitwise the same in a one-row
@@ -29,9 +33,9 @@ Layout (pack): columns in tiles of 16, each tile's blocks in order; per block 8 
 
 Only an AVX512-VNNI build (F, BW, VL, VNNI; w4a8_kernel.has_vnni()): elsewhere load() gives None and the model
 keeps its bf16 head. Built once with the system compiler and cached (int4_kernel.load_op). `PACELINE_Q8_HEAD=0`
-switches it off (A/B runs), `PACELINE_Q8_HEAD_OUTLIERS=1` takes each block's largest activation out (opt-in: on
-held-out text top-1 vs fp32 97.87 against 97.50 %, KL 0.0017 against 0.0026 nats, but ~30 % more time from 32
-rows; without it the head already beats the bf16 one's top-1, 96.99 %: benchmarks/summaries/q8_head.md).
+switches it off (A/B runs); `PACELINE_Q8_HEAD_OUTLIERS=0` leaves the outliers in (faster from ~32 rows, but on
+held-out text KL to fp32 0.0026 nats a token against 0.0017 with them and 0.0021 for the bf16 head:
+benchmarks/summaries/q8_head.md).
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ SOURCE = r"""
 #include <omp.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -82,11 +87,12 @@ inline void load32(const T* p, __m512& v0, __m512& v1) {
 
 // The rows' activations in the layout the tiles read (inside the parallel region, hence `omp for`): xq step-major,
 // the M rows' 4 bytes of one step side by side ([K / 4][M][4]), so that a pass of R rows reads them through one
-// pointer at constant offsets; a (scale), c0 (-128 * sum xq: the start of the block sum), off and xo (the
-// taken-out element: its code's byte offset in a block, 64 * (t / 4) + t % 4, and its value) as [G][M].
+// pointer at constant offsets; a (scale), c0 (-128 * the block's integer sum: the start of the block sum), off and
+// kt (the taken-out element: its code's byte offset in a block, 64 * (t / 4) + t % 4, and its int16 value in units
+// of a, in the low half of an int32 lane as vpdpwssd reads it) as [G][M].
 template <typename T, bool OUT>
 void quantize_steps(const T* x, int64_t ldx, int M, int K, int8_t* xs, float* a, int32_t* c0, int32_t* off,
-                    float* xo) {
+                    int32_t* kt) {
   const int G = K / GROUP;
 #pragma omp for schedule(static)
   for (int g = 0; g < G; ++g)
@@ -94,6 +100,7 @@ void quantize_steps(const T* x, int64_t ldx, int M, int K, int8_t* xs, float* a,
       __m512 v0, v1;
       load32(x + int64_t(m) * ldx + g * GROUP, v0, v1);
       const int64_t i = int64_t(g) * M + m;
+      float xt = 0.0f;  // the taken-out value (OUT)
       if (OUT) {  // the block's largest |x| (the first of equal ones) out of the int8 block
         const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
         const __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(a0, a1)));
@@ -103,17 +110,26 @@ void quantize_steps(const T* x, int64_t ldx, int M, int K, int8_t* xs, float* a,
         alignas(64) float blk[GROUP];
         _mm512_store_ps(blk, v0);
         _mm512_store_ps(blk + 16, v1);
-        xo[i] = blk[ti];
+        xt = blk[ti];
         off[i] = 64 * (ti >> 2) + (ti & 3);
         v0 = _mm512_mask_mov_ps(v0, ti < 16 ? __mmask16(1u << ti) : 0, _mm512_setzero_ps());
         v1 = _mm512_mask_mov_ps(v1, ti >= 16 ? __mmask16(1u << (ti - 16)) : 0, _mm512_setzero_ps());
       }
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      // the taken-out element must fit an int16 in units of a: only a block whose largest value is over 258x the
+      // rest's gets a coarser scale than the rest's own
+      if (OUT) amax = std::max(amax, std::fabs(xt) * (127.0f / 32767.0f));
+      const float invs = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512 inv = _mm512_set1_ps(invs);
       // cvtps rounds half to even (the default MXCSR mode); |x * inv| <= 127, so the narrowing never saturates
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
       a[i] = amax / 127.0f;
-      c0[i] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      int32_t k = 0;
+      if (OUT) {  // rounded as the others (the same multiply, MXCSR's half to even), clamped against NaN
+        k = std::min(32767, std::max(-32767, _mm_cvtss_si32(_mm_set_ss(xt * invs))));
+        kt[i] = k & 0xFFFF;
+      }
+      c0[i] = -128 * (_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)) + k);
       alignas(16) int32_t q4[8];  // the block's 8 steps of 4 int8
       _mm_store_si128(reinterpret_cast<__m128i*>(q4), _mm512_cvtsepi32_epi8(q0));
       _mm_store_si128(reinterpret_cast<__m128i*>(q4 + 4), _mm512_cvtsepi32_epi8(q1));
@@ -123,12 +139,12 @@ void quantize_steps(const T* x, int64_t ldx, int M, int K, int8_t* xs, float* a,
 }
 
 // R rows x one tile of 16 columns. xs: the step-major activations from the pass's first row on (sstride bytes a
-// step, 4 * M); a, c0, off, xo: [G][M] from the pass's first row on. Not inlined: alone it gets the registers.
+// step, 4 * M); a, c0, off, kt: [G][M] from the pass's first row on. Not inlined: alone it gets the registers.
 template <int R, bool OUT>
 __attribute__((noinline)) void tile_rows(const int8_t* xs, int64_t sstride, const float* a, const int32_t* c0,
-                                         const int32_t* off, const float* xo, int64_t M, int G, const uint8_t* tile,
+                                         const int32_t* off, const int32_t* kt, int64_t M, int G, const uint8_t* tile,
                                          float* y, int64_t ldy, int nn, const uint8_t* pf) {
-  const __m512i lowd = _mm512_set1_epi32(0xFF), bias = _mm512_set1_epi32(128);
+  const __m512i lowd = _mm512_set1_epi32(0xFF);
   __m512 f[R];
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
@@ -153,11 +169,13 @@ __attribute__((noinline)) void tile_rows(const int8_t* xs, int64_t sstride, cons
     const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + CODE_BYTES));
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c[r]), d), _mm512_set1_ps(a[gi + r]), f[r]);
-      if (OUT) {  // the taken-out element: its 16 codes (an unaligned load puts each in its lane's low byte)
-        const __m512i q = _mm512_sub_epi32(_mm512_and_si512(_mm512_loadu_si512(blk + off[gi + r]), lowd), bias);
-        f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), _mm512_set1_ps(xo[gi + r]), f[r]);
+      if (OUT) {  // the taken-out element into the exact integer sum: its 16 codes q + 128 (an unaligned load puts
+        // each in its lane's low byte, as the low int16 of the lane) times its int16 value, one vpdpwssd
+        const __m512i u = _mm512_and_si512(_mm512_loadu_si512(blk + off[gi + r]), lowd);
+        c[r] = _mm512_dpwssd_epi32(c[r], u, _mm512_set1_epi32(kt[gi + r]));
       }
+      // |sum| < 2^24 (31 * 127 * 127 + 127 * 32767): the conversion is exact
+      f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c[r]), d), _mm512_set1_ps(a[gi + r]), f[r]);
     }
   }
   const __mmask16 keep = __mmask16((1u << nn) - 1);  // the last tile of an output size not a multiple of 16
@@ -169,11 +187,11 @@ void run(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N, flo
   const int G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
   // written whole by the quantizer before any tile reads them: no zeroing (std::vector's costs a few % at 32 rows)
   std::unique_ptr<int8_t[]> xs(new int8_t[size_t(M) * K]);
-  std::unique_ptr<float[]> a(new float[size_t(M) * G]), xo(new float[size_t(M) * G]);
-  std::unique_ptr<int32_t[]> c0(new int32_t[size_t(M) * G]), off(new int32_t[size_t(M) * G]);
+  std::unique_ptr<float[]> a(new float[size_t(M) * G]);
+  std::unique_ptr<int32_t[]> c0(new int32_t[size_t(M) * G]), off(new int32_t[size_t(M) * G]), kt(new int32_t[size_t(M) * G]);
 #pragma omp parallel num_threads(nthreads)
   {
-  quantize_steps<T, OUT>(x, ldx, M, K, xs.get(), a.get(), c0.get(), off.get(), xo.get());  // ends in a barrier
+  quantize_steps<T, OUT>(x, ldx, M, K, xs.get(), a.get(), c0.get(), off.get(), kt.get());  // ends in a barrier
   for (int mc = 0; mc < M; mc += ROW_CHUNK) {
     const int mn = std::min(ROW_CHUNK, M - mc), passes = (mn + MAX_R - 1) / MAX_R;
 #pragma omp for schedule(static) nowait
@@ -187,10 +205,10 @@ void run(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N, flo
         const int8_t* xr = xs.get() + 4 * int64_t(m0);
         float* yr = y + int64_t(m0) * N + n0;
         switch (R) {
-#define Q8_CASE(n) case n: tile_rows<n, OUT>(xr, 4 * int64_t(M), a.get() + m0, c0.get() + m0, off.get() + m0, xo.get() + m0, M, G, tile, yr, N, nn, pf); break;
+#define Q8_CASE(n) case n: tile_rows<n, OUT>(xr, 4 * int64_t(M), a.get() + m0, c0.get() + m0, off.get() + m0, kt.get() + m0, M, G, tile, yr, N, nn, pf); break;
           Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7) Q8_CASE(8) Q8_CASE(9)
           Q8_CASE(10) Q8_CASE(11)
-          default: tile_rows<MAX_R, OUT>(xr, 4 * int64_t(M), a.get() + m0, c0.get() + m0, off.get() + m0, xo.get() + m0, M, G, tile, yr, N, nn, pf); break;
+          default: tile_rows<MAX_R, OUT>(xr, 4 * int64_t(M), a.get() + m0, c0.get() + m0, off.get() + m0, kt.get() + m0, M, G, tile, yr, N, nn, pf); break;
 #undef Q8_CASE
         }
         m0 += R;
@@ -250,16 +268,17 @@ def enabled() -> bool:
 
 
 def outliers() -> bool:
-    """PACELINE_Q8_HEAD_OUTLIERS: whether each block's largest activation is taken out of the int8 block."""
-    return _flag(OUTLIERS_SWITCH, "0")
+    """PACELINE_Q8_HEAD_OUTLIERS (default 1): whether each block's largest activation is taken out of the int8
+    block and added back as an int16 (see the module's docstring)."""
+    return _flag(OUTLIERS_SWITCH, "1")
 
 
 def build_key() -> str:
     """What serves a bfloat16 model's LM head as far as the switches and the CPU say, for the keys of measured
-    step times and runtime snapshots: "off", or "vnni" with ":t1" when outliers are taken out."""
+    step times and runtime snapshots: "off", or "vnni" with ":t0" when the outliers stay in."""
     if not enabled() or not w4a8_kernel.has_vnni():
         return "off"
-    return "vnni" + (":t1" if outliers() else "")
+    return "vnni" + ("" if outliers() else ":t0")
 
 
 def flags() -> list[str]:
@@ -338,13 +357,13 @@ class Q8Head:
     """An LM head [vocab, hidden] held as Q8_0 codes in the op's layout; float32 logits of bfloat16 (or float32)
     rows. Holds no op (a runtime snapshot pickles it as plain tensors): op() is looked up per call."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, outliers: bool = False):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, outliers: bool = True):
         self.out_features, self.in_features = codes.shape
         self.packed = pack(codes, scales)
         self.outliers = outliers
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, outliers: bool = False) -> "Q8Head | None":
+    def from_weight(cls, weight: torch.Tensor, outliers: bool = True) -> "Q8Head | None":
         """The head of a dequantized Q8_0 weight, or None when its values are not exactly codes x scales."""
         found = q8_codes(weight)
         return None if found is None else cls(*found, outliers=outliers)

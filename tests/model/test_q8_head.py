@@ -31,28 +31,31 @@ def q8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def emulated(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, outliers: bool) -> torch.Tensor:
-    """The op's numerics in float64 from the same int8 activations: x rounded per block of 32 exactly as the op
-    does (float32 127 / max, a float32 product, round half to even), then exact sums."""
+    """The op's numerics in float64 from the same integers: x rounded per block of 32 exactly as the op does
+    (float32 127 / max, a float32 product, round half to even; with outliers the block's largest value out first
+    and back as an int16 in units of the rest's scale), then exact sums."""
     m, k = x.shape
     xb = x.float().view(m, k // 32, 32).clone()
-    xo = torch.zeros(m, k // 32)
+    xt = torch.zeros(m, k // 32)
     top = torch.zeros(m, k // 32, dtype=torch.long)
     if outliers:
         top = xb.abs().argmax(-1)  # the first of equal ones, as the op picks
-        xo = xb.gather(-1, top[..., None])[..., 0]
+        xt = xb.gather(-1, top[..., None])[..., 0]
         xb.scatter_(-1, top[..., None], 0.0)
     amax = xb.abs().amax(-1)
+    if outliers:
+        amax = torch.maximum(amax, xt.abs() * (torch.tensor(127.0) / torch.tensor(32767.0)))
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
     xq = torch.round(xb * inv[..., None])
+    kt = torch.round(xt * inv).clamp(-32767, 32767)
     a = (amax / 127).double()
     q = codes.double().view(-1, k // 32, 32)  # [n, G, 32]
     d = scales.double()
     dots = torch.einsum("mgk,ngk->mng", xq.double(), q)  # exact integer block sums
-    y = (dots * d[None] * a[:, None]).sum(-1)
     if outliers:
         qt = q[:, torch.arange(k // 32)[None, :].expand(m, -1), top]  # [n, m, G]: each block's taken-out code
-        y += (qt.permute(1, 0, 2) * d[None] * xo.double()[:, None]).sum(-1)
-    return y
+        dots += qt.permute(1, 0, 2) * kt.double()[:, None]
+    return (dots * d[None] * a[:, None]).sum(-1)
 
 
 @needs_op
@@ -172,7 +175,8 @@ def test_bf16_model_serves_its_head_with_the_op_and_not_when_switched_off(tiny, 
     h = torch.randn(9, arch.hidden_size, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     with torch.inference_mode():
         got = on.compute_logits(h)
-        assert torch.equal(got, q8_kernel.Q8Head(codes, scales)(h))
+        assert on.q8_head.outliers  # the default
+        assert torch.equal(got, q8_kernel.Q8Head(codes, scales, outliers=True)(h))
         for i in range(9):  # a decode and row i of a verification: the same logits exactly
             assert torch.equal(on.compute_logits(h[i:i + 1])[0], got[i])
         exact = h.double() @ head.double().T
@@ -234,6 +238,6 @@ def test_the_switches_enter_the_snapshot_and_start_up_profile_keys(monkeypatch):
                          Engine._profile_cache_path(setup))
     assert keys["0", "0"][0] == "off"
     if q8_kernel.op() is not None:
-        assert keys["1", "0"][0] == "vnni" and keys["1", "1"][0] == "vnni:t1"
+        assert keys["1", "1"][0] == "vnni" and keys["1", "0"][0] == "vnni:t0"
         for part in (1, 2):  # the snapshot and the profile differ with each switch
             assert len({k[part] for k in keys.values()}) == 3
