@@ -20,8 +20,10 @@ sum (q + 128) xq - 128 sum xq = sum q xq, exactly, with no instruction more than
 
 `outliers`: each block's largest |x| (index t) is taken out before the scale is chosen, so that one large channel
 does not coarsen the other 31 values (a = max|rest| / 127), and goes back in as an int16 in units of a,
-k = round(x_t / a) (a is raised where |x_t| > 32767 a): one `vpdpwssd` of the block's 16 codes at t by k adds
-q_t * k to the same exact integer sum (as w4a8's trick, without its float32 multiply-adds per row and block).
+k = round(x_t / a) (a raised to |x_t| / 32767 where it is smaller, so that k fits): one `vpdpwssd` of the block's
+16 codes at t by k adds (q_t + 128) * k to the same exact integer sum, whose start is then -128 * (sum xq + k). It
+is w4a8's trick with the taken-out value rounded like the others (to a / 2) instead of multiplied in float32: the
+same quality here, and no float32 work per row and block beyond the scale's.
 
 Each output (r, n) is summed block by block in the same order whatever the other rows of the call, the number of
 rows a pass takes or the thread that runs its tile, so a position's logits are bitwise the same in a one-row
