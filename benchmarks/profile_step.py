@@ -153,8 +153,11 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     # w4a8=all / down:o / none: the layer linears that run the int4 x int8 op; fused=0: the layers' norms, RoPE and
     # SiLU * up as torch's ops (fused_kernel.py off). Both are read from the environment while the model is built.
     # w8a8_silu=0: gate_up's SiLU * up as silu_mul after the int8 op, not in its epilogue
+    # q8_head=0|1: the LM head on the GGUF's Q8_0 codes (q8_kernel.py) or the bf16 weight; q8_out=0: with each
+    # block's largest activation left in
     for key, var in (("w4a8", "PACELINE_W4A8_LINEARS"), ("fused", "PACELINE_FUSED_KERNEL"),
-                     ("w8a8_silu", "PACELINE_W8A8_FUSED_SILU")):
+                     ("w8a8_silu", "PACELINE_W8A8_FUSED_SILU"), ("q8_head", "PACELINE_Q8_HEAD"),
+                     ("q8_out", "PACELINE_Q8_HEAD_OUTLIERS")):
         if key in model_kw:
             value = model_kw.pop(key)
             with patch.dict(os.environ, {var: "" if value is None else str(value)}):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paceline.model import fused_kernel, int4_kernel, logits_kernel, w4a8_kernel, w8a8_kernel
+from paceline.model import fused_kernel, int4_kernel, logits_kernel, q8_kernel, w4a8_kernel, w8a8_kernel
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
@@ -719,7 +719,8 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, layers: list[dict[str, torch.Tensor]], embed: torch.Tensor, norm: torch.Tensor,
                  lm_head: torch.Tensor | None, max_positions: int | None = None, pack: bool = True,
                  quantization: str = "none", wide_above: int | str | None = "auto", wide_linears: str = "auto",
-                 int4_rows: int | None = None, int4_wide: str | None = None, int4_bf16_from: int | None = None):
+                 int4_rows: int | None = None, int4_wide: str | None = None, int4_bf16_from: int | None = None,
+                 head_source: torch.Tensor | None = None):
         super().__init__()
         self.arch = arch
         self.quantization = quantization
@@ -753,14 +754,24 @@ class LlamaModel(nn.Module):
         self.register_buffer("embed", embed)
         self.register_buffer("norm", norm)
         head = embed if lm_head is None else lm_head  # tied: shares the embedding
+        # a bfloat16 model whose head was a GGUF's Q8_0 tensor (head_source: its values before the rounding to
+        # bfloat16): the head runs on those codes against int8 activations (q8_kernel.py), every row of every
+        # step, where the op loads (AVX512-VNNI): half the bytes of the bf16 head and twice its multiply-adds per
+        # instruction (whole int4 steps 1.02-1.19x; top-1 vs fp32 97.82 against 96.99 %, KL 0.0017 against 0.0021:
+        # benchmarks/summaries/q8_head.md). The bf16 weight then stays plain (no packed copy, no float32 copy): the embedding itself.
+        self.q8_head = None
+        if (head_source is not None and head.dtype == torch.bfloat16 and head.device.type == "cpu"
+                and q8_kernel.load() is not None):
+            self.q8_head = q8_kernel.Q8Head.from_weight(head_source, q8_kernel.outliers())
+        q8 = self.q8_head is not None
         # the few rows of a decode or a verification on a CPU without native bf16 math: paceline's op reads the
         # bf16 weight once for all rows (logits_kernel.py). With wide steps, oneDNN's bf16 matmul would then serve
         # no row at all, so it is left unpacked (the plain weight is the embedding itself when tied: no copy).
         op = (logits_kernel.load() if head.device.type == "cpu" and head.dtype == torch.bfloat16
-              and head.shape[1] % 8 == 0 and not cpu_has_bf16_math() else None)
+              and head.shape[1] % 8 == 0 and not cpu_has_bf16_math() and not q8 else None)
         self.few_row_logits = logits_kernel.FewRowLogits(head, op) if op is not None else None
-        self.lm_head = Linear(head, None, pack and not (self.few_row_logits is not None and wide))
-        if wide:  # logits of many rows (a batch of decodes) in float32 too: several times faster than bf16 here
+        self.lm_head = Linear(head, None, pack and not q8 and not (self.few_row_logits is not None and wide))
+        if wide and not q8:  # logits of many rows (a batch of decodes) in float32 too: several times faster than bf16
             self.lm_head.wide = wide_linear(head, None, pack, wide)
         self.max_positions = max_positions or arch.max_position_embeddings
         self.register_buffer("rope", rope_table(arch, self.max_positions, embed.device))
@@ -867,11 +878,13 @@ class LlamaModel(nn.Module):
         if arch.tie_word_embeddings or "lm_head.weight" not in weights:
             if not arch.tie_word_embeddings:
                 raise ValueError("checkpoint is missing tensor 'lm_head.weight' (and embeddings are not tied)")
-            lm_head = None
+            lm_head, head_source = None, weights["model.embed_tokens.weight"]
         else:
-            lm_head = put(weights["lm_head.weight"])
+            lm_head, head_source = put(weights["lm_head.weight"]), weights["lm_head.weight"]
+        # the head's values before the rounding to bfloat16, where they can still be a Q8_0 tensor's (q8_kernel)
+        head_source = head_source if dtype == torch.bfloat16 and head_source.dtype == torch.float32 else None
         return cls(arch, layers, embed, put(get("model.norm.weight")), lm_head, max_positions, pack, quantization,
-                   wide_above, wide_linears, int4_rows, int4_wide, int4_bf16_from)
+                   wide_above, wide_linears, int4_rows, int4_wide, int4_bf16_from, head_source)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
@@ -898,6 +911,10 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for the rows that need a sample, in float32."""
+        if self.q8_head is not None:
+            logits = self.q8_head(hidden)
+            # None: a snapshot built with the op, mapped where it does not load: the plain bf16 weight serves
+            return logits if logits is not None else self.lm_head(hidden.to(self.dtype)).float()
         wide = self.wide_above is not None and hidden.shape[0] > self.wide_above
         if not wide and self.few_row_logits is not None and hidden.shape[0] <= logits_kernel.MAX_ROWS:
             return self.few_row_logits(hidden)
