@@ -491,7 +491,8 @@ def w8a8_build() -> str:
     """Which build of the int8 x int8 op serves an "int8" model's many-row steps ("off": torch ops), for keys of
     measured step times (the engine's start-up profile): the torch fallback's steps cost more."""
     build = w8a8_kernel.isa() if w8a8_kernel.enabled() else "off"
-    return f"{build}:{'+'.join(int4_int8_linears())}:t{int4_int8_outliers()}" + {"1": "", "f32": ":silu32", "0": ":nosilu"}[w8a8_fused_silu()]
+    silu = {"1": "", "f32": ":silu32", "0": ":nosilu"}[w8a8_fused_silu()]
+    return f"{build}:{'+'.join(int4_int8_linears())}:t{int4_int8_outliers()}{silu}"
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -758,7 +759,8 @@ class LlamaModel(nn.Module):
         # bfloat16): the head runs on those codes against int8 activations (q8_kernel.py), every row of every
         # step, where the op loads (AVX512-VNNI): half the bytes of the bf16 head and twice its multiply-adds per
         # instruction (whole int4 steps 1.02-1.19x; top-1 vs fp32 97.82 against 96.99 %, KL 0.0017 against 0.0021:
-        # benchmarks/summaries/q8_head.md). The bf16 weight then stays plain (no packed copy, no float32 copy): the embedding itself.
+        # benchmarks/summaries/q8_head.md). The bf16 weight then stays plain (no packed copy, no float32 copy): the
+        # embedding itself.
         self.q8_head = None
         if (head_source is not None and head.dtype == torch.bfloat16 and head.device.type == "cpu"
                 and q8_kernel.load() is not None):

@@ -283,13 +283,9 @@ def build_key() -> str:
     return "vnni" + ("" if outliers() else ":t0")
 
 
-def flags() -> list[str]:
-    return int4_kernel._flags() + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-
-
 def _library():
     from paceline.model.cache_dir import cache_root
-    fl = flags()
+    fl = w4a8_kernel.build_flags("vnni")  # the same instruction sets as the w4a8 op's VNNI build
     key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *fl]).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"q8_mm-{key}.so", f"paceline_q8_{key}", fl
 
