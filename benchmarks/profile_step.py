@@ -80,6 +80,9 @@ def install(timers: Timers, runner) -> None:
         runner_mod.build_metadata = (lambda orig: lambda *a, **kw: TIMERS[0].wrap(orig, "metadata")(*a, **kw))(runner_mod.build_metadata)
         llama._profiled = True
     model = runner.model
+    # the breakdown times the Python layer loop's calls: the C++ one (layer_loop.py) makes them invisible here, so
+    # it is off for the breakdown (--compare "layer_loop=0,layer_loop=1" times it)
+    model.layer_loop = False
     model.forward = timers.wrap(model.forward, "norms/rope/elem")
     model.compute_logits = timers.wrap(model.compute_logits, "lm_head")
     runner.sampler = (lambda s: lambda *a, **kw: TIMERS[0].wrap(s, "sampler")(*a, **kw))(runner.sampler)
