@@ -21,8 +21,9 @@ F.linear before packing). Anything else (CUDA, float32 wide steps of a bf16 mode
 the stack does not know) returns None from `LayerLoop.paths` and the Python loop runs. `PACELINE_LAYER_LOOP=0`
 switches it off for models built afterwards (A/B runs).
 
-One call runs every layer, so a step is suspended (multi.py's layer slicing) only after the last layer rather than
-between any two; `LlamaModel.layer_loop_span` (layers per call) restores finer slicing where it matters.
+A step that nothing suspends (ModelRunner.execute: one model serving) runs every layer in one call; a step that
+several models' loop may suspend between two layers (ModelRunner.execute_iter, engine/multi.py) runs one call per
+layer and yields after each, as the Python loop did.
 
 Built once with the system compiler and cached like the other kernels (int4_kernel.load_op).
 """

@@ -789,10 +789,8 @@ class LlamaModel(nn.Module):
             self.lm_head.wide = wide_linear(head, None, pack, wide)
         self.max_positions = max_positions or arch.max_position_embeddings
         self.register_buffer("rope", rope_table(arch, self.max_positions, embed.device))
-        # whether a step's layers run in one C++ call (layer_loop.py; PACELINE_LAYER_LOOP, read at build), and how
-        # many layers a call runs before the step yields (None: all of them; multi.py slices steps at the yields)
+        # whether a step's layers run in one C++ call (layer_loop.py; PACELINE_LAYER_LOOP, read at build)
         self.layer_loop = layer_loop.enabled()
-        self.layer_loop_span: int | None = None
         if wide == "int8":
             self._calibrate_int8()
 
@@ -910,10 +908,14 @@ class LlamaModel(nn.Module):
         return drain(self.forward_layers(input_ids, positions, meta, kv_cache))
 
     def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                       kv_cache: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+                       kv_cache: torch.Tensor, span: int | None = None) -> Generator[None, None, torch.Tensor]:
         """forward, suspended after every layer (a bare `yield`); returns the hidden states. Why: several models in
         one loop (engine/multi.py) run another model's whole step between two layers of a long one, so that
-        model's streams wait for one layer of it rather than the whole step. forward is this, run through."""
+        model's streams wait for one layer of it rather than the whole step. forward is this, run through.
+
+        Where the C++ layer loop runs the step (layer_loop.py), it yields after every `span` layers instead (None:
+        every layer in one call): the runner asks for 1 where the step may be suspended (ModelRunner.execute_iter)
+        and None where nothing suspends it (execute)."""
         h = F.embedding(input_ids, self.embed)
         norm = self.norm
         if self.wide_above is not None and h.shape[0] > self.wide_above:
@@ -923,7 +925,7 @@ class LlamaModel(nn.Module):
         if loop is not None:  # the same ops, called from C++: the same bits without ~10 Python op calls a layer
             stack, paths = loop
             rot, n = torch.view_as_real(rope), len(self.layers)
-            span = self.layer_loop_span or n
+            span = span or n
             for first in range(0, n, span):
                 h = stack.run(h, rot, kv_cache, meta, first, min(first + span, n), paths)
                 yield
