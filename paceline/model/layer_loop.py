@@ -299,6 +299,7 @@ class LayerLoop:
             self.stack.set_op(role, _name(getattr(f, role)))
         self.ops: dict[str, Any] = {}  # role -> the op object set for it (ops looked up at call time may change)
         self.dense_state = self._dense_state()
+        self.identity = self._identity(model)
         for i, layer in enumerate(layers):
             self.stack.add_layer(layer.input_norm, layer.post_norm)
             for k, name in enumerate(KINDS):
@@ -311,6 +312,21 @@ class LayerLoop:
         if isinstance(lin, self._Int4Linear) and isinstance(lin.dense, self._Linear) and lin.dense.wide is None:
             return lin.dense
         return None
+
+    @staticmethod
+    def _identity(model: Any) -> tuple:
+        """The first and last layers' linears and their dense copies: a model whose linears were replaced after the
+        stack was built (the tensor-parallel shards wrap o and down in an all-reduce) needs a new stack."""
+        out = []
+        for layer in (model.layers[0], model.layers[-1]):
+            for k in KINDS:
+                lin = getattr(layer, k)
+                out += [id(lin), id(getattr(lin, "dense", None))]
+        return tuple(out)
+
+    def current(self, model: Any) -> bool:
+        """Whether this stack still holds the model's linears."""
+        return self._identity(model) == self.identity
 
     def _dense_state(self) -> tuple:
         """What the dense paths hold now: a Linear packed after the stack was built (deferred packing) changes it."""
@@ -406,10 +422,9 @@ def for_model(model: Any) -> LayerLoop | None:
     """The model's LayerLoop, built on its first step (not at load: the model may be pickled into a snapshot, and
     its Linears may be packed after it starts serving); None where it cannot run: switched off when the model was
     built, not a CPU model, no fused ops, layers of different kinds, the library not built here."""
-    try:
-        return _loops[model]
-    except KeyError:
-        pass
+    loop = _loops.get(model, False)
+    if loop is None or (loop is not False and loop.current(model)):
+        return loop
     loop = None
     if getattr(model, "layer_loop", False) and len(model.layers) and model.device.type == "cpu":
         layers = list(model.layers)

@@ -202,3 +202,28 @@ def test_bundled_model_layer_loop_is_bit_for_bit(monkeypatch, mode):
     weights = ckpt.weights
     runners = _runners(monkeypatch, ckpt.arch, weights, dtype, "int4" if mode == "int4" else "none", BLOCKS)
     assert _run_steps(runners, ckpt.arch.vocab_size) == len(_steps())
+
+
+def test_linears_replaced_after_the_first_step_are_called(tiny, monkeypatch):
+    """The tensor-parallel shards wrap o and down in an all-reduce (parallel/comm.py): a stack built before must
+    not keep running the unwrapped linears."""
+    arch, weights = _tiny(tiny)
+    monkeypatch.setenv("PACELINE_LAYER_LOOP", "1")
+    runner = ModelRunner(LlamaModel.from_weights(arch, weights), arch, 64, BS)
+    step = ([5, 6, 7, 8], [0, 1, 2, 3], [SeqSlice(0, 4, [0])], [3])
+    runner.forward_tokens(*step)
+    assert layer_loop.for_model(runner.model) is not None
+    calls = []
+
+    class Wrapped:
+        def __init__(self, lin):
+            self.lin = lin
+
+        def __call__(self, x):
+            calls.append(1)
+            return self.lin(x)
+
+    for layer in runner.model.layers:
+        layer.o = Wrapped(layer.o)
+    runner.forward_tokens(*step)
+    assert len(calls) == arch.num_layers
