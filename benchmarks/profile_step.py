@@ -80,6 +80,9 @@ def install(timers: Timers, runner) -> None:
         runner_mod.build_metadata = (lambda orig: lambda *a, **kw: TIMERS[0].wrap(orig, "metadata")(*a, **kw))(runner_mod.build_metadata)
         llama._profiled = True
     model = runner.model
+    # the breakdown times the Python layer loop's calls: the C++ one (layer_loop.py) makes them invisible here, so
+    # it is off for the breakdown (--compare "layer_loop=0,layer_loop=1" times it)
+    model.layer_loop = False
     model.forward = timers.wrap(model.forward, "norms/rope/elem")
     model.compute_logits = timers.wrap(model.compute_logits, "lm_head")
     runner.sampler = (lambda s: lambda *a, **kw: TIMERS[0].wrap(s, "sampler")(*a, **kw))(runner.sampler)
@@ -154,10 +157,11 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     # SiLU * up as torch's ops (fused_kernel.py off). Both are read from the environment while the model is built.
     # w8a8_silu=0: gate_up's SiLU * up as silu_mul after the int8 op, not in its epilogue
     # q8_head=0|1: the LM head on the GGUF's Q8_0 codes (q8_kernel.py) or the bf16 weight; q8_out=0: with each
-    # block's largest activation left in
+    # block's largest activation left in; layer_loop=0|1: the layers of a step in Python or in one C++ call
+    # (layer_loop.py)
     for key, var in (("w4a8", "PACELINE_W4A8_LINEARS"), ("fused", "PACELINE_FUSED_KERNEL"),
                      ("w8a8_silu", "PACELINE_W8A8_FUSED_SILU"), ("q8_head", "PACELINE_Q8_HEAD"),
-                     ("q8_out", "PACELINE_Q8_HEAD_OUTLIERS")):
+                     ("q8_out", "PACELINE_Q8_HEAD_OUTLIERS"), ("layer_loop", "PACELINE_LAYER_LOOP")):
         if key in model_kw:
             value = model_kw.pop(key)
             with patch.dict(os.environ, {var: "" if value is None else str(value)}):

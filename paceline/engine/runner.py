@@ -1,6 +1,7 @@
 """ModelRunner: SchedulerOutput -> tensors -> model -> sampled tokens. It runs exactly what it is told."""
 from __future__ import annotations
 
+import contextlib
 import mmap
 import time
 from typing import Generator
@@ -73,7 +74,18 @@ class ModelRunner:
             self.kv_cache.index_copy_(2, dev, self.host_cache.index_select(2, host).to(self.device, non_blocking=True))
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        return drain(self.execute_iter(out))
+        with self._whole():
+            return drain(self.execute_iter(out))
+
+    @contextlib.contextmanager
+    def _whole(self):
+        """Steps run inside are never suspended (execute, forward_tokens): the model may run all its layers in one
+        call (LlamaModel.forward_layers' span); a step driven through execute_iter alone yields after every layer."""
+        before, self._layer_span = getattr(self, "_layer_span", 1), None
+        try:
+            yield
+        finally:
+            self._layer_span = before
 
     @torch.inference_mode()  # generator-aware: on while the step runs, off while it is suspended
     def execute_iter(self, out: SchedulerOutput) -> Generator[None, None, StepResult]:
@@ -179,7 +191,7 @@ class ModelRunner:
 
     def forward_tokens(self, ids: list[int], positions: list[int], seqs: list[SeqSlice], rows: list[int]) -> torch.Tensor:
         """Lowest level: one forward over a flat batch laid out as `seqs`; float32 logits of the flat `rows`."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self._whole():
             return drain(self.forward_tokens_iter(ids, positions, seqs, rows))
 
     def forward_tokens_iter(self, ids: list[int], positions: list[int], seqs: list[SeqSlice],
@@ -190,7 +202,8 @@ class ModelRunner:
         meta = build_metadata(seqs, self.block_size, self.device, self.workspace)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = yield from self.model.forward_layers(input_ids, pos, meta, self.kv_cache)
+        hidden = yield from self.model.forward_layers(input_ids, pos, meta, self.kv_cache,
+                                                      getattr(self, "_layer_span", 1))
         if not rows:
             return hidden.new_empty(0, self.arch.vocab_size, dtype=torch.float32)
         sel = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paceline.model import fused_kernel, int4_kernel, logits_kernel, q8_kernel, w4a8_kernel, w8a8_kernel
+from paceline.model import fused_kernel, int4_kernel, layer_loop, logits_kernel, q8_kernel, w4a8_kernel, w8a8_kernel
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
@@ -575,20 +575,32 @@ class Int4Linear:
         (W8A8Linear.gated); None elsewhere, where the caller runs silu_mul over __call__'s output."""
         return self.dense.gated(x) if self._dense_serves(x) and isinstance(self.dense, W8A8Linear) else None
 
+    def path(self, rows: int, dtype: torch.dtype) -> str:
+        """Which product serves a step of `rows` rows of `dtype` (the same in every layer of a step): "dense" (the
+        dense copy, as it is), "w4a8" (the int4 x int8 op), "int4" (paceline's int4 op), "dense_cast" (the dense
+        copy in its own dtype, cast back) or "torch_int4" (torch's int4 op). __call__ runs it; the C++ layer loop
+        (layer_loop.py) asks it once per step."""
+        if self.bf16_from is not None and rows >= self.bf16_from and dtype == torch.bfloat16:
+            return "dense"
+        # w4a8_kernel.op() None: a snapshot built with the op, mapped where it cannot build (int4 op below)
+        if self.w4a8 is not None and rows >= W4A8_FROM_ROWS and w4a8_kernel.op() is not None:
+            return "w4a8"
+        if self.kernel is not None and (rows <= self.kernel_rows or self.dense is None or self.bf16_from is not None):
+            return "int4"  # reads x as float32, returns x's dtype
+        if rows > self.DENSE_ABOVE or dtype == torch.float32:
+            return "dense_cast"
+        return "int4" if self.kernel is not None else "torch_int4"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._dense_serves(x):
+        path = self.path(x.shape[0], x.dtype)
+        if path == "dense":
             return self.dense(x)
-        if self.w4a8 is not None and x.shape[0] >= W4A8_FROM_ROWS:
-            op = w4a8_kernel.op()
-            if op is not None:  # None: a snapshot built with the op, mapped where it cannot build (int4 op below)
-                return op(x, self.w4a8, self.out_features, self.bias, True, w4a8_kernel.MAX_R)
-        if self.kernel is not None and (x.shape[0] <= self.kernel_rows or self.dense is None
-                                        or self.bf16_from is not None):  # reads x as float32, returns x's dtype
+        if path == "w4a8":
+            return w4a8_kernel.op()(x, self.w4a8, self.out_features, self.bias, True, w4a8_kernel.MAX_R)
+        if path == "int4":
             return self.kernel(x, self.packed, self.out_features, self.bias)
-        if x.shape[0] > self.DENSE_ABOVE or x.dtype == torch.float32:
+        if path == "dense_cast":
             return self.dense(x.to(self.dense.dtype)).to(x.dtype)
-        if self.kernel is not None:
-            return self.kernel(x, self.packed, self.out_features, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
         return y if self.bias is None else y + self.bias
 
@@ -777,6 +789,8 @@ class LlamaModel(nn.Module):
             self.lm_head.wide = wide_linear(head, None, pack, wide)
         self.max_positions = max_positions or arch.max_position_embeddings
         self.register_buffer("rope", rope_table(arch, self.max_positions, embed.device))
+        # whether a step's layers run in one C++ call (layer_loop.py; PACELINE_LAYER_LOOP, read at build)
+        self.layer_loop = layer_loop.enabled()
         if wide == "int8":
             self._calibrate_int8()
 
@@ -894,22 +908,45 @@ class LlamaModel(nn.Module):
         return drain(self.forward_layers(input_ids, positions, meta, kv_cache))
 
     def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                       kv_cache: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+                       kv_cache: torch.Tensor, span: int | None = None) -> Generator[None, None, torch.Tensor]:
         """forward, suspended after every layer (a bare `yield`); returns the hidden states. Why: several models in
         one loop (engine/multi.py) run another model's whole step between two layers of a long one, so that
-        model's streams wait for one layer of it rather than the whole step. forward is this, run through."""
+        model's streams wait for one layer of it rather than the whole step. forward is this, run through.
+
+        Where the C++ layer loop runs the step (layer_loop.py), it yields after every `span` layers instead (None:
+        every layer in one call): the runner asks for 1 where the step may be suspended (ModelRunner.execute_iter)
+        and None where nothing suspends it (execute)."""
         h = F.embedding(input_ids, self.embed)
         norm = self.norm
         if self.wide_above is not None and h.shape[0] > self.wide_above:
             h, norm = h.float(), self.norm32
         rope = self.rope[positions].unsqueeze(1)  # [T, 1, d/2], shared by every layer
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
-            yield
+        loop = self._layer_loop(h, meta)
+        if loop is not None:  # the same ops, called from C++: the same bits without ~10 Python op calls a layer
+            stack, paths = loop
+            rot, n = torch.view_as_real(rope), len(self.layers)
+            span = span or n
+            for first in range(0, n, span):
+                h = stack.run(h, rot, kv_cache, meta, first, min(first + span, n), paths)
+                yield
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
+                yield
         fused = self.layers[0].fused if len(self.layers) else None
         if fused is not None and h.dtype in (torch.float32, torch.bfloat16):
             return fused.rms_norm(h, norm, self.arch.rms_norm_eps)
         return F.rms_norm(h, (h.shape[-1],), norm, self.arch.rms_norm_eps)
+
+    def _layer_loop(self, h: torch.Tensor, meta: AttnMetadata) -> tuple[layer_loop.LayerLoop, tuple] | None:
+        """The C++ layer loop and this step's products, where it runs this step exactly as the Python loop
+        would (layer_loop.py): on, built here, the fused path and the attention op, a step in the layers' dtype."""
+        if (not getattr(self, "layer_loop", False) or meta.kernel is None or not len(self.layers)
+                or h.dtype not in (torch.float32, torch.bfloat16) or h.dtype != self.layers[0].input_norm.dtype):
+            return None
+        loop = layer_loop.for_model(self)
+        paths = loop.paths(h.shape[0], h.dtype) if loop is not None else None
+        return None if paths is None else (loop, paths)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for the rows that need a sample, in float32."""
