@@ -906,6 +906,12 @@ def build_flags(which: str, numerics_: str = "block") -> list[str]:
     return int4_kernel._flags() + extra
 
 
+def build_key() -> str:
+    """Which build and numerics serve the op here ("vnni:row", "avx2:block", ...), for the keys of measured step
+    times: the two numerics' steps cost differently."""
+    return f"{isa()}:{numerics()}"
+
+
 def _library(which: str | None = None, numerics_: str | None = None):
     """(path, namespace, flags) of a build, `which` by default the one isa() picks, with `numerics_` (default
     numerics(which)); the key hashes the flags, so no two builds share a file or a namespace."""
