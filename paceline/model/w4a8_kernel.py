@@ -52,8 +52,27 @@ bounds it now: on Zen 4 vpdpbusd and the float32 multiply/FMAs share the FMA pip
 vpdpbusd alone, FMAs alone and a mix of both ran at the same total rate), and each row and block costs 8 vpdpbusd
 and 5 multiplies/FMAs (scale, minimum, the taken-out element), so these numerics cap the op at 8/13 of the
 vpdpbusd rate.
-`PACELINE_W4A8_ISA=avx2` forces the AVX2 build (A/B runs, tests); the key of a build hashes its flags, so the two
-never share a file. Built with int4_kernel.load_op (same cache, lock and fallback). `PACELINE_W4A8_KERNEL=0` switches it off (the
+
+Row numerics (numerics(), the VNNI build's default since 2026-11-25; SOURCE's run_row): the block numerics above
+spend 5 FMA-pipe operations per row and block besides the 8 vpdpbusd. Here each row's ROW_TOPK (4) largest |x| are
+taken out (exact, float32) and the rest is quantized with one scale per row, A / 127 (A = max|rest|), refined per
+block by a power of two 2^-f (f in 0..ROW_FMAX = 3, the largest with max|block| * 2^f <= A), so the block's integer
+dot product only needs a left shift by ROW_FMAX - f (an integer op) to share the row's unit, then one conversion and
+two FMAs (scale d, and the minimum m times the block's shifted int8 sum); the unit multiplies the row once at the
+end. The taken-out inputs' weights are dequantized once per tile and chunk for every distinct index among the
+chunk's rows (a step's rows mostly share their largest channels), then one FMA per row and index. Per row, block of
+32 and tile: 8 vpdpbusd + 1 shift + 1 conversion + 2 FMAs, against 8 + 2 conversions + 5 multiplies/FMAs. Quality
+(torch emulation first, benchmarks/quality.py's "emu SPEC" modes, then the op; benchmarks/summaries/w4a8_rows.md):
+one scale per row without refinement lost (top-1 vs fp32 97.21 % with 4 outliers out, KL 0.0024), the refinement
+and the 4 outliers out keep it at the block numerics' level. Measured on Zen 4 (same file): the op alone
+1.03-1.16x the block numerics at 12-512 rows with 4 outliers, 1.14-1.27x without any (the outliers' search and
+table cost the difference), and whole steps 1.11-1.26x from 128 rows; it serves every int4 step of 7+ rows by
+default there (llama.w4a8_serves_every_row), with no dense copy. What bounds it now: a pure integer loop (no float
+work at all, wrong numerics) was 1.45-1.5x the block numerics, so the remaining conversion and FMAs still cost ~20 %.
+The AVX2 build keeps the block numerics (it has no others); `PACELINE_W4A8_NUMERICS=block` gives the VNNI build
+the block numerics again (then the two builds give the same bits, as above).
+`PACELINE_W4A8_ISA=avx2` forces the AVX2 build (A/B runs, tests); the key of a build hashes its flags, so no two
+builds (ISA, numerics) share a file. Built with int4_kernel.load_op (same cache, lock and fallback). `PACELINE_W4A8_KERNEL=0` switches it off (the
 model then serves those steps as before; PACELINE_W4A8_LINEARS, llama.py, picks the linears). CUDA never builds it (Int4Linear is CPU only).
 """
 from __future__ import annotations
