@@ -64,10 +64,11 @@ chunk's rows (a step's rows mostly share their largest channels), then one FMA p
 32 and tile: 8 vpdpbusd + 1 shift + 1 conversion + 2 FMAs, against 8 + 2 conversions + 5 multiplies/FMAs. Quality
 (torch emulation first, benchmarks/quality.py's "emu SPEC" modes, then the op; benchmarks/summaries/w4a8_rows.md):
 one scale per row without refinement lost (top-1 vs fp32 97.21 % with 4 outliers out, KL 0.0024), the refinement
-and the 4 outliers out keep it at the block numerics' level. Measured on Zen 4 (same file): the op alone
-1.03-1.16x the block numerics at 12-512 rows with 4 outliers, 1.14-1.27x without any (the outliers' search and
-table cost the difference), and whole steps 1.11-1.26x from 128 rows; it serves every int4 step of 7+ rows by
-default there (llama.w4a8_serves_every_row), with no dense copy. What bounds it now: a pure integer loop (no float
+and the 4 outliers out meet the int4 default's bar (whole windows top-1 97.87 %, KL 0.0015, against 97.82 % /
+0.0017 with the dense copies; the block numerics at every row count: 98.21 % / 0.0009). Measured on Zen 4 (same
+file): the op alone 1.00-1.13x the block numerics at 12-512 rows with 4 outliers, 1.13-1.27x without any (the
+outliers' search and table cost the difference), whole steps 1.10-1.26x from 128 rows; it serves every int4 step
+of 7+ rows by default there (llama.w4a8_serves_every_row), with no dense copy. What bounds it now: a pure integer loop (no float
 work at all, wrong numerics) was 1.45-1.5x the block numerics, so the remaining conversion and FMAs still cost ~20 %.
 The AVX2 build keeps the block numerics (it has no others); `PACELINE_W4A8_NUMERICS=block` gives the VNNI build
 the block numerics again (then the two builds give the same bits, as above).
