@@ -206,7 +206,7 @@ def main() -> int:
 
             from paceline.model import w4a8_kernel
             emulation = w4a8_emulation(emulate)
-            patch = mock.patch.object(w4a8_kernel, "op", lambda: emulation)
+            patch = mock.patch.object(w4a8_kernel, "op", lambda emulation=emulation: emulation)
             patch.start()
         if windows is None:
             windows = held_out_windows(engine, args.tokens, args.window)
