@@ -559,7 +559,8 @@ class Int4Linear:
         n, k = codes.shape
         self.out_features = n
         # w4a8: the int4 x int8 op (w4a8_kernel.py) serves steps of at least W4A8_FROM_ROWS rows where it builds:
-        # the same codes with exact float32 scales and minimums, activations rounded to int8 per block of 32. It
+        # the same codes with exact float32 scales and minimums, activations rounded to int8 (per block of 32, or per
+        # row refined per block by powers of two: w4a8_kernel.numerics()). It
         # was faster than the float32 copy and the int4 op at every row count measured, so with it (and float32
         # wide steps) the dense copy, 4 bytes a weight, is not built at all.
         # bf16_from (bfloat16 steps only, no float32 wide steps): steps of at least this many rows run the dense
