@@ -613,9 +613,6 @@ void run_row(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N,
   std::unique_ptr<int8_t[]> xs(new int8_t[size_t(M) * K]);
   std::unique_ptr<float[]> S(new float[size_t(M) * G]), u(new float[M]), tval(new float[size_t(M) * TK]);
   std::unique_ptr<int32_t[]> sh(new int32_t[size_t(M) * G]), tidx(new int32_t[size_t(M) * TK]);
-  // per chunk of rows: its distinct taken-out input indices (uniq, from ustart[chunk]) and each row's as a slot
-  std::unique_ptr<int32_t[]> slot(new int32_t[size_t(M) * TK]), uniq(new int32_t[size_t(M) * TK]);
-  std::vector<int32_t> ustart(chunks + 1, 0);
 #pragma omp parallel num_threads(nthreads)
   {
   {
@@ -626,21 +623,21 @@ void run_row(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N,
       quantize_row<T>(x + int64_t(r) * ldx, K, M, buf.get(), vmax.get(), xs.get() + 4 * int64_t(r), sh.get() + r,
                       S.get() + r, u.get() + r, tidx.get() + int64_t(r) * TK, tval.get() + int64_t(r) * TK);
   }  // the omp for ends in a barrier
+  // per chunk of rows: its distinct taken-out input indices (uniq, from ustart[chunk]) and each row's as a slot;
+  // every thread finds the same ones itself (a few hundred entries at most), which spares a barrier per call
+  std::vector<int32_t> slot(size_t(M) * TK), uniq(size_t(M) * TK), ustart(chunks + 1, 0);
   if (TOPK > 0) {
-#pragma omp single
-    {
-      std::vector<int32_t> seen(K, -1);  // input index -> its slot in the current chunk
-      int nu = 0;
-      for (int ch = 0; ch < chunks; ++ch) {
-        ustart[ch] = nu;
-        for (int64_t i = int64_t(ch) * ROW_CHUNK * TK; i < std::min<int64_t>(M, int64_t(ch + 1) * ROW_CHUNK) * TK; ++i) {
-          const int t = tidx[i];
-          if (seen[t] < ustart[ch]) { seen[t] = nu; uniq[nu++] = t; }
-          slot[i] = seen[t] - ustart[ch];
-        }
+    std::vector<int32_t> seen(K, -1);  // input index -> its slot in the current chunk
+    int nu = 0;
+    for (int ch = 0; ch < chunks; ++ch) {
+      ustart[ch] = nu;
+      for (int64_t i = int64_t(ch) * ROW_CHUNK * TK; i < std::min<int64_t>(M, int64_t(ch + 1) * ROW_CHUNK) * TK; ++i) {
+        const int t = tidx[i];
+        if (seen[t] < ustart[ch]) { seen[t] = nu; uniq[nu++] = t; }
+        slot[i] = seen[t] - ustart[ch];
       }
-      ustart[chunks] = nu;
-    }  // ends in a barrier
+    }
+    ustart[chunks] = nu;
   }
   int most = 1;
   for (int ch = 0; ch < chunks; ++ch) most = std::max(most, ustart[ch + 1] - ustart[ch]);
@@ -648,7 +645,7 @@ void run_row(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N,
       static_cast<float*>(std::aligned_alloc(64, sizeof(float) * 16 * size_t(most))), &std::free);
   for (int mc = 0, ch = 0; mc < M; mc += ROW_CHUNK, ++ch) {  // a chunk's int8 rows stay in L2 over every tile
     const int mn = std::min(ROW_CHUNK, M - mc), passes = (mn + max_r - 1) / max_r;
-    const int32_t* cu = uniq.get() + ustart[ch];
+    const int32_t* cu = uniq.data() + ustart[ch];
     const int nu = ustart[ch + 1] - ustart[ch];
 #pragma omp for schedule(static) nowait
     for (int t = 0; t < T_; ++t) {
@@ -669,7 +666,7 @@ void run_row(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N,
         const int R = (mc + mn - m0 + (passes - p) - 1) / (passes - p);  // rows split evenly over the passes
         const uint8_t* pf = p == 0 ? next : nullptr;
         const int8_t* xr = xs.get() + 4 * int64_t(m0);
-        const int32_t *shr = sh.get() + m0, *sl = slot.get() + int64_t(m0) * TK;
+        const int32_t *shr = sh.get() + m0, *sl = slot.data() + int64_t(m0) * TK;
         const float *Sr = S.get() + m0, *ur = u.get() + m0, *tv = tval.get() + int64_t(m0) * TK;
         float* yr = y == nullptr ? nullptr : y + int64_t(m0) * N + n0;
         c10::BFloat16* yb = ybf == nullptr ? nullptr : ybf + int64_t(m0) * N + n0;
