@@ -107,9 +107,9 @@ def w4a8_fake_quant(x: torch.Tensor, spec: str) -> torch.Tensor:
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     xb = xr.reshape(m, k // 32, 32)
     bmax = xb.abs().amax(-1)
-    ratio = torch.where(bmax > 0, amax / bmax, torch.full_like(bmax, 2.0 ** 30))
-    f = torch.floor(torch.log2(ratio)).clamp(0, fmax)
-    f = torch.where(bmax * torch.exp2(f) > amax, f - 1, f).clamp(0, fmax)  # log2's rounding
+    f = torch.zeros_like(bmax)  # the largest f <= fmax with bmax * 2^f <= amax (exact: powers of two)
+    for step in range(fmax):
+        f += ((f == step) & ((bmax == 0) | (bmax * 2.0 ** (step + 1) <= amax))).float()
     scale = torch.exp2(f)[..., None]
     out = (torch.round(xb * (inv[..., None] * scale)) * ((amax / 127)[..., None] / scale)).reshape(m, k)
     if topk:
