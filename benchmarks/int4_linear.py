@@ -21,6 +21,14 @@ With `--w4a8-before REV` the w4a8 op as it was at git revision REV (built under 
 variant with either op, and `--bf16` feeds bfloat16 rows (as the int4 model serves them) instead of float32:
 
     python benchmarks/int4_linear.py --w4a8 --rows 7,12,32,64 --w4a8-variants n0 --w4a8-before 413c79c --bf16
+
+`--w4a8-numerics` instead: the VNNI build's activation numerics side by side (w4a8_kernel.numerics(): "block",
+"row", or "row:K:F" for the row numerics with K taken-out inputs and block refinement up to 2^F, each built under
+its own name), one layer's four linears on bfloat16 rows with a few large channels (as the model's inputs have:
+every 150th channel x30; the row numerics' per-tile table of taken-out inputs depends on how many differ), ms per
+layer, best of 3 interleaved rounds:
+
+    python benchmarks/int4_linear.py --w4a8-numerics block,row,row:0:0 --rows 12,32,128,512
 """
 from __future__ import annotations
 
@@ -194,6 +202,40 @@ def bench_w4a8(shapes: list[tuple[str, int, int]], rows: list[int], repeats: int
               "".join(f" | {totals[m][a] / totals[m][b]:.3f}x" for a, b in pairs) + " |")
 
 
+def bench_numerics(variants: list[str], rows: list[int], shapes: list[tuple[str, int, int]]) -> None:
+    """The w4a8 op's VNNI build with each of `variants`' numerics, one layer's linears, ms (see the docstring)."""
+    from paceline.model import w4a8_kernel as wk
+    if not wk.has_vnni() or wk.load() is None:
+        raise SystemExit("the w4a8 op's VNNI build cannot run here")
+    ops, saved = {}, (wk.ROW_TOPK, wk.ROW_FMAX)
+    for v in variants:
+        name, *params = v.split(":")
+        if params:
+            wk.ROW_TOPK, wk.ROW_FMAX = int(params[0]), int(params[1])
+        ops[v] = wk.op_for("vnni", name)
+        wk.ROW_TOPK, wk.ROW_FMAX = saved
+    packs = [(n, wk.pack(*int4_codes(torch.randn(n, k)), nibbles=True), k) for _, n, k in shapes]
+    g = torch.Generator().manual_seed(0)
+    print("| rows | " + " | ".join(f"{v} ms" for v in variants) + " | " +
+          " | ".join(f"{variants[0]} / {v}" for v in variants[1:]) + " |")
+    print("|---:|" + "---:|" * (2 * len(variants) - 1))
+    for m in rows:
+        xs = {k: (torch.randn(m, k, generator=g) * torch.where(torch.arange(k) % 150 == 7, 30.0, 1.0)).to(torch.bfloat16)
+              for k in {k for _, _, k in shapes}}
+        reps, best = max(5, 2000 // m), {}
+        for _ in range(3):
+            for v, op in ops.items():
+                for n, p, k in packs:
+                    op(xs[k], p, n, None, True, 0)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    for n, p, k in packs:
+                        op(xs[k], p, n, None, True, 0)
+                best[v] = min(best.get(v, float("inf")), (time.perf_counter() - t0) / reps * 1e3)
+        print(f"| {m} | " + " | ".join(f"{best[v]:.3f}" for v in variants) + " | " +
+              " | ".join(f"{best[variants[0]] / best[v]:.3f}" for v in variants[1:]) + " |", flush=True)
+
+
 def bench_steps(drafts: list[int], repeats: int, ctx: int) -> None:
     from benchmarks.spec_cost import build
     from paceline.config import CacheConfig, EngineConfig
@@ -240,6 +282,7 @@ def main() -> None:
     p.add_argument("--w4a8-variants", default="b4,n4", help="with --w4a8: b<R> / n<R>, codes as bytes / nibbles")
     p.add_argument("--w4a8-before", default=None, help="with --w4a8: also the w4a8 op of this git revision")
     p.add_argument("--bf16", action="store_true", help="with --w4a8: bfloat16 rows for the w4a8 ops")
+    p.add_argument("--w4a8-numerics", default="", help="the w4a8 op's VNNI numerics side by side: block,row,row:K:F")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -247,6 +290,9 @@ def main() -> None:
         raise SystemExit("the C++ int4 kernel cannot be built here")
     # SmolLM2-135M: hidden 576, 9 + 3 + 3 heads of 64 (fused q/k/v), intermediate 1536 (fused gate/up)
     shapes = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
+    if args.w4a8_numerics:
+        bench_numerics(args.w4a8_numerics.split(","), [int(r) for r in args.rows.split(",")], shapes)
+        return
     if args.w4a8:
         bench_w4a8(shapes + [("lm_head", 49152, 576)], [int(r) for r in args.rows.split(",")], args.repeats,
                    args.w4a8_variants.split(","), args.w4a8_before, args.bf16)

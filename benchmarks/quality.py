@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -77,6 +78,61 @@ MODES.update({"int4 wide int8 +down": int8_wide_mode("o:gate_up:down", None),
               "int4 wide int8 +qkv t8": int8_wide_mode("qkv:o:gate_up", 8),
               "int4 wide int8 t8": int8_wide_mode(None, 8),
               "int4 wide int8 all t8": int8_wide_mode("all", 8)})
+
+
+
+def w4a8_fake_quant(x: torch.Tensor, spec: str) -> torch.Tensor:
+    """The activations as a w4a8 numerics `spec` sees them, dequantized (float32): "block" (the op's per-block
+    numerics: each block of 32's largest |x| out, then a scale per block) or "row k<K> f<F>": each row's K largest
+    |x| out (exact), one scale per row (max|rest| / 127) refined per block by a power of two 2^-f, f in 0..F (F 0:
+    one scale for the whole row; the op then shifts each block's integer sum left instead of scaling it)."""
+    m, k = x.shape
+    x = x.float()
+    if spec == "block":
+        xb = x.reshape(m, k // 32, 32).clone()
+        top = xb.abs().argmax(-1, keepdim=True)
+        xo = xb.gather(-1, top)
+        xb.scatter_(-1, top, 0.0)
+        amax = xb.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        out = torch.round(xb * inv) * (amax / 127)
+        return out.scatter_(-1, top, xo).reshape(m, k)
+    got = dict(re.findall(r"([kf])(\d+)", spec))
+    topk, fmax = int(got.get("k", 0)), int(got.get("f", 0))
+    xr = x.clone()
+    if topk:
+        idx = x.abs().topk(topk, -1).indices
+        xr.scatter_(-1, idx, 0.0)
+    amax = xr.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xb = xr.reshape(m, k // 32, 32)
+    bmax = xb.abs().amax(-1)
+    f = torch.zeros_like(bmax)  # the largest f <= fmax with bmax * 2^f <= amax (exact: powers of two)
+    for step in range(fmax):
+        f += ((f == step) & ((bmax == 0) | (bmax * 2.0 ** (step + 1) <= amax))).float()
+    scale = torch.exp2(f)[..., None]
+    out = (torch.round(xb * (inv[..., None] * scale)) * ((amax / 127)[..., None] / scale)).reshape(m, k)
+    if topk:
+        out.scatter_(-1, idx, x.gather(-1, idx))
+    return out
+
+
+def w4a8_emulation(spec: str):
+    """An op with w4a8_mm's call that computes `spec`'s numerics in torch (the exact weights times the activations
+    of w4a8_fake_quant), to weigh numerics before they are built."""
+    from paceline.model import w4a8_kernel
+    weights: dict[int, torch.Tensor] = {}
+
+    def op(x, packed, n, bias, nibbles, max_rows=0):
+        w = weights.get(packed.data_ptr())
+        if w is None:
+            codes, scale, lo = w4a8_kernel.unpack(packed, n, nibbles)
+            w = (codes.float().view(n, -1, 32) * scale[..., None] + lo[..., None]).view(n, -1)
+            weights[packed.data_ptr()] = w
+        y = w4a8_fake_quant(x, spec) @ w.T
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    return op
+
 
 NARROW = 8  # tokens per step of the second pass: the decode path's width
 CORPUS = ROOT / "paceline" / "bench" / "data" / "corpus.txt"
@@ -141,8 +197,17 @@ def main() -> int:
     windows: list[list[int]] | None = None
     rows = []
     for mode in ["fp32"] + [m for m in args.modes.split(",") if m != "fp32"]:  # fp32 first: the reference
-        kw = dict(MODES[mode])
+        # "emu SPEC": the w4a8 op at every row count (int4 wide w4a8) with SPEC's numerics emulated in torch
+        emulate = mode[4:] if mode.startswith("emu ") else None
+        kw = dict(MODES["int4 wide w4a8" if emulate else mode])
         engine = build_engine(args.model, kw.pop("env", {}), kw.pop("w4a8_linears", None), kw)
+        if emulate:
+            from unittest import mock
+
+            from paceline.model import w4a8_kernel
+            emulation = w4a8_emulation(emulate)
+            patch = mock.patch.object(w4a8_kernel, "op", lambda emulation=emulation: emulation)
+            patch.start()
         if windows is None:
             windows = held_out_windows(engine, args.tokens, args.window)
         extra = [int(c) for c in args.chunks.split(",") if c]
@@ -155,6 +220,8 @@ def main() -> int:
             rows.append({"mode": mode, "steps": "whole window" if chunk is None else f"{chunk}-token chunks",
                          **compare(windows, logits, reference), "seconds": elapsed})
             print(json.dumps(rows[-1]), flush=True)
+        if emulate:
+            patch.stop()
         del engine
 
     lines = ["| mode | steps | top-1 agreement with fp32 | perplexity | KL(fp32 ‖ mode), nats/token |",

@@ -473,10 +473,29 @@ def int4_wide_choice(choice: str | None = None) -> str:
         raise ValueError(f"PACELINE_INT4_WIDE / int4_wide must be one of {', '.join(INT4_WIDE_CHOICES)}, "
                          f"got {choice!r}")
     if choice == "auto":
-        if not cpu_has_bf16_math():
+        if not cpu_has_bf16_math() or w4a8_serves_every_row():
             return "w4a8"
         return "int8" if int8_gemm_pays() else "bf16"
     return choice
+
+
+# "auto" on a CPU where the w4a8 op runs its VNNI build with the row numerics (w4a8_kernel.numerics(): one
+# conversion and two FMAs per row and block of 32 besides the 8 vpdpbusd, where the block numerics spent 5
+# FMA-pipe operations) serves every int4 step of W4A8_FROM_ROWS rows or more with that op, and no dense copy is
+# built (212 MB of bf16 copies spared for the bundled model, and their start-up). Whole steps of the bundled model,
+# one process, the dense default ("int4_wide=int8": w4a8 op below 72 rows, then the int8 / bf16 copies) vs the op at
+# every row count (`benchmarks/profile_step.py --modes int4 --compare "int4_wide=int8,kernels=ab9e9dd+int4_wide=w4a8,
+# int4_wide=w4a8" --only "b=32,prefill 512,1500 in 512,128 prompt tokens,rows 12 ,rows 32 ,rows 128 ,rows 256 "
+# --repeats 3`, 2026-11-25 03:40-03:50 UTC, ms; the middle column is the block numerics at every row count): a
+# 512-token prefill 341.5 / 392.9 / 353.6, 1,500 tokens in 512-chunks 975.7 / 1106.1 / 974.7, 128 rows 81.1 /
+# 74.0 / 66.9, 256 rows 149.0 / 168.7 / 133.6, 128 prompt tokens + 32 decodes 100.5 / 95.4 / 92.0; quality
+# (whole 512-token windows, top-1 vs fp32 / KL) in benchmarks/summaries/w4a8_rows.md. Below 72 rows both already
+# ran the op. PACELINE_W4A8_NUMERICS=block or PACELINE_INT4_WIDE=int8 / bf16 bring the dense copies back.
+def w4a8_serves_every_row() -> bool:
+    """Whether "auto" serves an int4 model's many-row steps with the w4a8 op (no dense copy): its VNNI build with
+    the row numerics loads here."""
+    return (w4a8_kernel.enabled() and w4a8_kernel.isa() == "vnni" and w4a8_kernel.numerics() == "row"
+            and w4a8_kernel.load() is not None)
 
 
 def int8_gemm_pays() -> bool:
@@ -540,7 +559,8 @@ class Int4Linear:
         n, k = codes.shape
         self.out_features = n
         # w4a8: the int4 x int8 op (w4a8_kernel.py) serves steps of at least W4A8_FROM_ROWS rows where it builds:
-        # the same codes with exact float32 scales and minimums, activations rounded to int8 per block of 32. It
+        # the same codes with exact float32 scales and minimums, activations rounded to int8 (per block of 32, or per
+        # row refined per block by powers of two: w4a8_kernel.numerics()). It
         # was faster than the float32 copy and the int4 op at every row count measured, so with it (and float32
         # wide steps) the dense copy, 4 bytes a weight, is not built at all.
         # bf16_from (bfloat16 steps only, no float32 wide steps): steps of at least this many rows run the dense

@@ -52,8 +52,28 @@ bounds it now: on Zen 4 vpdpbusd and the float32 multiply/FMAs share the FMA pip
 vpdpbusd alone, FMAs alone and a mix of both ran at the same total rate), and each row and block costs 8 vpdpbusd
 and 5 multiplies/FMAs (scale, minimum, the taken-out element), so these numerics cap the op at 8/13 of the
 vpdpbusd rate.
-`PACELINE_W4A8_ISA=avx2` forces the AVX2 build (A/B runs, tests); the key of a build hashes its flags, so the two
-never share a file. Built with int4_kernel.load_op (same cache, lock and fallback). `PACELINE_W4A8_KERNEL=0` switches it off (the
+
+Row numerics (numerics(), the VNNI build's default since 2026-11-25; SOURCE's run_row): the block numerics above
+spend 5 FMA-pipe operations per row and block besides the 8 vpdpbusd. Here each row's ROW_TOPK (4) largest |x| are
+taken out (exact, float32) and the rest is quantized with one scale per row, A / 127 (A = max|rest|), refined per
+block by a power of two 2^-f (f in 0..ROW_FMAX = 3, the largest with max|block| * 2^f <= A), so the block's integer
+dot product only needs a left shift by ROW_FMAX - f (an integer op) to share the row's unit, then one conversion and
+two FMAs (scale d, and the minimum m times the block's shifted int8 sum); the unit multiplies the row once at the
+end. The taken-out inputs' weights are dequantized once per tile and chunk for every distinct index among the
+chunk's rows (a step's rows mostly share their largest channels), then one FMA per row and index. Per row, block of
+32 and tile: 8 vpdpbusd + 1 shift + 1 conversion + 2 FMAs, against 8 + 2 conversions + 5 multiplies/FMAs. Quality
+(torch emulation first, benchmarks/quality.py's "emu SPEC" modes, then the op; benchmarks/summaries/w4a8_rows.md):
+one scale per row without refinement lost (top-1 vs fp32 97.21 % with 4 outliers out, KL 0.0024), the refinement
+and the 4 outliers out meet the int4 default's bar (whole windows top-1 97.87 %, KL 0.0015, against 97.82 % /
+0.0017 with the dense copies; the block numerics at every row count: 98.21 % / 0.0009). Measured on Zen 4 (same
+file): the op alone 1.00-1.13x the block numerics at 12-512 rows with 4 outliers, 1.13-1.27x without any (the
+outliers' search and table cost the difference), whole steps 1.10-1.26x from 128 rows; it serves every int4 step
+of 7+ rows by default there (llama.w4a8_serves_every_row), with no dense copy. What bounds it now: a pure integer loop (no float
+work at all, wrong numerics) was 1.45-1.5x the block numerics, so the remaining conversion and FMAs still cost ~20 %.
+The AVX2 build keeps the block numerics (it has no others); `PACELINE_W4A8_NUMERICS=block` gives the VNNI build
+the block numerics again (then the two builds give the same bits, as above).
+`PACELINE_W4A8_ISA=avx2` forces the AVX2 build (A/B runs, tests); the key of a build hashes its flags, so no two
+builds (ISA, numerics) share a file. Built with int4_kernel.load_op (same cache, lock and fallback). `PACELINE_W4A8_KERNEL=0` switches it off (the
 model then serves those steps as before; PACELINE_W4A8_LINEARS, llama.py, picks the linears). CUDA never builds it (Int4Linear is CPU only).
 """
 from __future__ import annotations
@@ -86,7 +106,9 @@ SOURCE = r"""
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <tuple>
 #include <type_traits>
@@ -452,6 +474,219 @@ void run_vnni(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N
   }
   }
 }
+#ifdef W4A8_ROW_TOPK
+// The "row" numerics (w4a8_kernel.numerics(); the VNNI build's default). Why: per row and block of 32 the block
+// numerics above spend 5 FMA-pipe operations besides the 8 vpdpbusd (the scale multiply, the minimum's FMA, the
+// taken-out element's dequantize and FMA), and on Zen 4 both kinds share the FMA pipes. Here a row-block costs a
+// conversion and two FMAs. Each row's TOPK largest |x| are taken out (kept exact in float32); the rest is
+// quantized with one scale per row, A / 127 (A = max|rest|), refined per block by a power of two: block b's
+// values are rounded at A / 127 * 2^-f_b, f_b in 0..FMAX the largest with max|block| * 2^f_b <= A, so that a block
+// of small values keeps its precision. The block's exact integer dot product c_b is then shifted left by
+// FMAX - f_b (an integer op: |c_b| < 2^16, so < 2^30 after it, and its conversion stays exact) and every block of
+// the row shares one float32 unit u = A / 127 * 2^-FMAX, applied once per row at the end:
+//     y[r, c] = u * sum_b (float(c_b << (FMAX - f_b)) * d[c, b] + m[c, b] * S[r, b])  +  sum_j w[c, t_j] * x[r, t_j]
+// with S[r, b] = (block b's sum of int8 values) << (FMAX - f_b): the minimum times the quantized block sum, as in
+// the block numerics. The taken-out inputs' weights w[c, t] = d * q + m are dequantized once per tile and input
+// index for all of a chunk's rows (the rows of a step mostly share their largest channels), then one FMA per row
+// and index: per row in a fixed order from values that depend on nothing but the weights, so a row's result does
+// not depend on the other rows or the thread count. A row with a NaN gives NaN everywhere (u = NaN).
+constexpr int TOPK = W4A8_ROW_TOPK, FMAX = W4A8_ROW_FMAX, TK = TOPK > 0 ? TOPK : 1;
+static_assert(TOPK >= 0 && TOPK <= 16 && FMAX >= 0 && FMAX <= 14, "W4A8_ROW_TOPK 0..16, W4A8_ROW_FMAX 0..14");
+constexpr float POW2[16] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+
+// one row -> its int8 values step-major (xs, rows 4 * M bytes apart per step), sh and S per block ([G][M] from this
+// row on, M apart), u, and its TOPK taken-out inputs (index, value). buf: K floats, vmax: K / 16 floats of scratch
+// and 16 of zeros after them.
+template <typename T>
+inline void quantize_row(const T* x, int K, int64_t M, float* buf, float* vmax, int8_t* xs, int32_t* sh, float* S,
+                         float* u, int32_t* tidx, float* tval) {
+  const int G = K / GROUP, V = K / 16;
+  __m512 nan = _mm512_setzero_ps();
+  for (int v = 0; v < V; ++v) {
+    __m512 x16;
+    if constexpr (std::is_same_v<T, float>) x16 = _mm512_loadu_ps(x + 16 * v);
+    else x16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * v))), 16));
+    const __mmask16 bad = _mm512_cmp_ps_mask(x16, x16, _CMP_UNORD_Q);
+    nan = _mm512_mask_mov_ps(nan, bad, x16);
+    x16 = _mm512_maskz_mov_ps(__mmask16(~bad), x16);  // NaNs out of the search and the sums (u says NaN)
+    _mm512_storeu_ps(buf + 16 * v, x16);
+    vmax[v] = _mm512_reduce_max_ps(_mm512_abs_ps(x16));
+  }
+  for (int j = 0; j < TOPK; ++j) {  // the largest |x| left (the first of equal ones): through the 16-wide maxima
+    __m512 mv = _mm512_setzero_ps();
+    for (int v = 0; v < V; v += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(vmax + v));  // vmax is padded with 0s
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    int bv = 0;
+    for (int v = 0; v < V; v += 16) {
+      const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(vmax + v), top, _CMP_EQ_OQ);
+      if (eq) { bv = v + __builtin_ctz(eq); break; }
+    }
+    const __m512 x16 = _mm512_loadu_ps(buf + 16 * bv);
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_abs_ps(x16), top, _CMP_EQ_OQ);
+    const int t = 16 * bv + __builtin_ctz(uint32_t(eq) | 0x10000u);
+    tidx[j] = t;
+    tval[j] = buf[t];  // 0 where the row has fewer nonzero values than TOPK: it adds nothing
+    buf[t] = 0.0f;
+    vmax[bv] = _mm512_reduce_max_ps(_mm512_abs_ps(_mm512_loadu_ps(buf + 16 * bv)));
+  }
+  float A = 0.0f;
+  for (int v = 0; v < V; ++v) A = std::max(A, vmax[v]);
+  const float inv = A > 0.0f ? 127.0f / A : 0.0f;
+  for (int g = 0; g < G; ++g) {
+    const __m512 v0 = _mm512_loadu_ps(buf + g * GROUP), v1 = _mm512_loadu_ps(buf + g * GROUP + 16);
+    const float B = std::max(vmax[2 * g], vmax[2 * g + 1]);
+    int f = 0;  // multiplying by a power of two is exact: B * 2^f <= A compares the true values
+    while (f < FMAX && (B == 0.0f || B * POW2[f + 1] <= A)) ++f;
+    const __m512 bi = _mm512_set1_ps(inv * POW2[f]);  // a power of two times inv
+    // cvtps rounds half to even (the default MXCSR mode); |x * bi| <= 127, so the narrowing never saturates
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, bi)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, bi));
+    const int s = FMAX - f;
+    sh[int64_t(g) * M] = s;
+    S[int64_t(g) * M] = float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)) * (1 << s));  // |.| < 2^26: exact
+    alignas(16) int32_t q4[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(q4), _mm512_cvtsepi32_epi8(q0));
+    _mm_store_si128(reinterpret_cast<__m128i*>(q4 + 4), _mm512_cvtsepi32_epi8(q1));
+    int8_t* out = xs + int64_t(g) * STEPS * 4 * M;  // bytes, read back with memcpy: no type punning
+    for (int st = 0; st < STEPS; ++st) std::memcpy(out + 4 * int64_t(st) * M, q4 + st, 4);
+  }
+  const float unit = A / 127.0f / POW2[FMAX];
+  *u = _mm512_reduce_add_ps(nan) == 0.0f ? unit : std::numeric_limits<float>::quiet_NaN();
+}
+
+// R rows of one tile in the row numerics. xs, sh, S: as tile_rows_vnni's xs, a, s; u: the rows' units; slot,
+// tval: the rows' TOPK taken-out inputs as rows of `table` (this tile's dequantized weights of the chunk's
+// taken-out inputs, 16 floats each) and their values.
+template <int R, bool NIB>
+__attribute__((noinline)) void tile_rows_row(const int8_t* xs, int64_t sstride, const int32_t* sh, const float* S,
+                                             const float* u, const int32_t* slot, const float* tval,
+                                             const float* table, int64_t M, int G, const uint8_t* tile,
+                                             const float* b, float* y, c10::BFloat16* ybf, int64_t ldy, int nn,
+                                             const uint8_t* pf) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i nibshift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    const uint8_t* blk = tile + size_t(g) * block_bytes<NIB>();
+    if (pf != nullptr)  // the next tile's block into L2, a block per block (see run_vnni)
+      for (int l = 0; l < block_bytes<NIB>(); l += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + size_t(g) * block_bytes<NIB>() + l), _MM_HINT_T1);
+    const int8_t* xg = xs + int64_t(g) * STEPS * sstride;
+    const int64_t gi = int64_t(g) * M;
+    __m512i c[R];
+    for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int st = 0; st < STEPS; ++st) {
+      const __m512i w = step_codes<NIB>(blk, st, nibshift, low);
+      const int8_t* xst = xg + st * sstride;
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r)  // the row's 4 activation bytes broadcast by the vpdpbusd itself ({1to16}):
+        // for the intrinsic with _mm512_set1_epi32, GCC emits a vpbroadcastd apiece (8 % slower at 128 rows)
+        asm("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(c[r]) : "m"(*reinterpret_cast<const int32_t*>(xst + 4 * r)), "v"(w));
+    }
+    const float* sc = reinterpret_cast<const float*>(blk + code_bytes<NIB>());
+    const __m512 d = _mm512_loadu_ps(sc), m = _mm512_loadu_ps(sc + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512i ci = FMAX > 0 ? _mm512_sllv_epi32(c[r], _mm512_set1_epi32(sh[gi + r])) : c[r];
+      f[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(S[gi + r]), _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), d, f[r]));
+    }
+  }
+  const __m512 bv = _mm512_loadu_ps(b);
+  const __mmask16 keep = __mmask16((1u << nn) - 1);  // the last tile of an output size not a multiple of 16
+  for (int r = 0; r < R; ++r) {
+    __m512 v = _mm512_mul_ps(f[r], _mm512_set1_ps(u[r]));
+    for (int j = 0; j < TOPK; ++j)
+      v = _mm512_fmadd_ps(_mm512_load_ps(table + 16 * slot[r * TK + j]), _mm512_set1_ps(tval[r * TK + j]), v);
+    v = _mm512_add_ps(v, bv);
+    if (ybf != nullptr) _mm256_mask_storeu_epi16(ybf + r * ldy, keep, bf16_round(v));
+    else _mm512_mask_storeu_ps(y + r * ldy, keep, v);
+  }
+}
+
+// run_vnni with the row numerics. The quantizer splits rows, not blocks, between the threads (a row's scale needs
+// the whole row); static scheduling gives each thread a contiguous run of rows, so the step-major writes of two
+// threads meet in at most one cache line per step.
+template <bool NIB, typename T>
+void run_row(const T* x, int64_t ldx, int M, int K, const uint8_t* w, int64_t N, const float* b, float* y,
+             c10::BFloat16* ybf, int nthreads, int max_r) {
+  const int G = K / GROUP, T_ = int((N + TILE - 1) / TILE), chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
+  std::unique_ptr<int8_t[]> xs(new int8_t[size_t(M) * K]);
+  std::unique_ptr<float[]> S(new float[size_t(M) * G]), u(new float[M]), tval(new float[size_t(M) * TK]);
+  std::unique_ptr<int32_t[]> sh(new int32_t[size_t(M) * G]), tidx(new int32_t[size_t(M) * TK]);
+#pragma omp parallel num_threads(nthreads)
+  {
+  {
+    std::unique_ptr<float[]> buf(new float[K]), vmax(new float[K / 16 + 16]);
+    std::fill(vmax.get(), vmax.get() + K / 16 + 16, 0.0f);  // the padding stays 0 (quantize_row's vector search)
+#pragma omp for schedule(static)
+    for (int r = 0; r < M; ++r)
+      quantize_row<T>(x + int64_t(r) * ldx, K, M, buf.get(), vmax.get(), xs.get() + 4 * int64_t(r), sh.get() + r,
+                      S.get() + r, u.get() + r, tidx.get() + int64_t(r) * TK, tval.get() + int64_t(r) * TK);
+  }  // the omp for ends in a barrier
+  // per chunk of rows: its distinct taken-out input indices (uniq, from ustart[chunk]) and each row's as a slot;
+  // every thread finds the same ones itself (a few hundred entries at most), which spares a barrier per call
+  std::vector<int32_t> slot(size_t(M) * TK), uniq(size_t(M) * TK), ustart(chunks + 1, 0);
+  if (TOPK > 0) {
+    std::vector<int32_t> seen(K, -1);  // input index -> its slot in the current chunk
+    int nu = 0;
+    for (int ch = 0; ch < chunks; ++ch) {
+      ustart[ch] = nu;
+      for (int64_t i = int64_t(ch) * ROW_CHUNK * TK; i < std::min<int64_t>(M, int64_t(ch + 1) * ROW_CHUNK) * TK; ++i) {
+        const int t = tidx[i];
+        if (seen[t] < ustart[ch]) { seen[t] = nu; uniq[nu++] = t; }
+        slot[i] = seen[t] - ustart[ch];
+      }
+    }
+    ustart[chunks] = nu;
+  }
+  int most = 1;
+  for (int ch = 0; ch < chunks; ++ch) most = std::max(most, ustart[ch + 1] - ustart[ch]);
+  std::unique_ptr<float[], decltype(&std::free)> table(
+      static_cast<float*>(std::aligned_alloc(64, sizeof(float) * 16 * size_t(most))), &std::free);
+  for (int mc = 0, ch = 0; mc < M; mc += ROW_CHUNK, ++ch) {  // a chunk's int8 rows stay in L2 over every tile
+    const int mn = std::min(ROW_CHUNK, M - mc), passes = (mn + max_r - 1) / max_r;
+    const int32_t* cu = uniq.data() + ustart[ch];
+    const int nu = ustart[ch + 1] - ustart[ch];
+#pragma omp for schedule(static) nowait
+    for (int t = 0; t < T_; ++t) {
+      const uint8_t* tile = w + size_t(t) * G * block_bytes<NIB>();
+      const int n0 = t * TILE, nn = int(std::min<int64_t>(TILE, N - n0));
+      const __m512i low = _mm512_set1_epi8(0x0F), lowd = _mm512_set1_epi32(0x0F);
+      const __m512i nibshift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+      for (int i = 0; i < nu; ++i) {  // this tile's weights of the chunk's taken-out inputs: w = d * q + m
+        const int ti = cu[i] % GROUP;
+        const uint8_t* blk = tile + size_t(cu[i] / GROUP) * block_bytes<NIB>();
+        const __m512i q = _mm512_and_si512(_mm512_srl_epi32(step_codes<NIB>(blk, ti >> 2, nibshift, low),
+                                                            _mm_cvtsi32_si128(8 * (ti & 3))), lowd);
+        const float* sc = reinterpret_cast<const float*>(blk + code_bytes<NIB>());
+        _mm512_store_ps(table.get() + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(sc), _mm512_loadu_ps(sc + 16)));
+      }
+      const uint8_t* next = t + 1 < T_ ? tile + size_t(G) * block_bytes<NIB>() : nullptr;
+      for (int p = 0, m0 = mc; p < passes; ++p) {
+        const int R = (mc + mn - m0 + (passes - p) - 1) / (passes - p);  // rows split evenly over the passes
+        const uint8_t* pf = p == 0 ? next : nullptr;
+        const int8_t* xr = xs.get() + 4 * int64_t(m0);
+        const int32_t *shr = sh.get() + m0, *sl = slot.data() + int64_t(m0) * TK;
+        const float *Sr = S.get() + m0, *ur = u.get() + m0, *tv = tval.get() + int64_t(m0) * TK;
+        float* yr = y == nullptr ? nullptr : y + int64_t(m0) * N + n0;
+        c10::BFloat16* yb = ybf == nullptr ? nullptr : ybf + int64_t(m0) * N + n0;
+        switch (R) {
+#define W4A8_CASE(n) case n: tile_rows_row<n, NIB>(xr, 4 * int64_t(M), shr, Sr, ur, sl, tv, table.get(), M, G, tile, b + n0, yr, yb, N, nn, pf); break;
+          W4A8_CASE(1) W4A8_CASE(2) W4A8_CASE(3) W4A8_CASE(4) W4A8_CASE(5) W4A8_CASE(6) W4A8_CASE(7) W4A8_CASE(8)
+          W4A8_CASE(9) W4A8_CASE(10) W4A8_CASE(11)
+          default: tile_rows_row<12, NIB>(xr, 4 * int64_t(M), shr, Sr, ur, sl, tv, table.get(), M, G, tile, b + n0, yr, yb, N, nn, pf); break;
+#undef W4A8_CASE
+        }
+        m0 += R;
+      }
+    }
+  }
+  }
+}
+#define RUN_VNNI run_row
+#else
+#define RUN_VNNI run_vnni
+#endif
 #define W4A8_VNNI 1
 #define MAX_ROWS 12
 #define BEST_ROWS 12  // rows per pass when the caller says 0: measured, see the module's docstring
@@ -570,12 +805,12 @@ at::Tensor w4a8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const
   c10::BFloat16* yb = bf16 ? y.data_ptr<c10::BFloat16>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (x.scalar_type() == at::kFloat) {
-    if (nibbles) run_vnni<true>(x.data_ptr<float>(), x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
-    else run_vnni<false>(x.data_ptr<float>(), x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
+    if (nibbles) RUN_VNNI<true>(x.data_ptr<float>(), x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
+    else RUN_VNNI<false>(x.data_ptr<float>(), x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
   } else {
     const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
-    if (nibbles) run_vnni<true>(xb, x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
-    else run_vnni<false>(xb, x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
+    if (nibbles) RUN_VNNI<true>(xb, x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
+    else RUN_VNNI<false>(xb, x.stride(0), M, K, wp, n, b.data(), yf, yb, workers, int(max_rows));
   }
 #else
   std::vector<int8_t> xq(size_t(M) * K);
@@ -654,31 +889,66 @@ def isa() -> str:
     return want or ("vnni" if has_vnni() else "avx2")
 
 
-def build_flags(which: str) -> list[str]:
-    """The compiler flags of a build: the int4 op's (AVX2, FMA, F16C), plus AVX-512 F/BW/VL/VNNI for "vnni"."""
+NUMERICS = ("block", "row")
+# the row numerics' parameters (SOURCE's run_row): each row's ROW_TOPK largest |x| taken out, per-block refinement
+# of the row's scale by 2^-f, f in 0..ROW_FMAX
+ROW_TOPK = 4
+ROW_FMAX = 3
+
+
+def numerics(which: str | None = None) -> str:
+    """The activation numerics of the build `which` (default isa()'s): "row" (one int8 scale per row refined per
+    block by a power of two, the row's ROW_TOPK largest |x| out: SOURCE's run_row) on the VNNI build, "block" (a
+    scale and a taken-out element per block of 32) on the AVX2 build, which has only those.
+    `PACELINE_W4A8_NUMERICS=block` gives the VNNI build the block numerics (A/B runs); "row" on the AVX2 build is an
+    error."""
+    which = which or isa()
+    want = os.environ.get("PACELINE_W4A8_NUMERICS", "").strip().lower()
+    if want not in ("", *NUMERICS):
+        raise ValueError(f"PACELINE_W4A8_NUMERICS must be one of {', '.join(NUMERICS)}, got {want!r}")
+    if want == "row" and which != "vnni":
+        raise ValueError("PACELINE_W4A8_NUMERICS=row needs the VNNI build (AVX512-VNNI)")
+    return want or ("row" if which == "vnni" else "block")
+
+
+def build_flags(which: str, numerics_: str = "block") -> list[str]:
+    """The compiler flags of a build: the int4 op's (AVX2, FMA, F16C), plus AVX-512 F/BW/VL/VNNI for "vnni", plus
+    the row numerics' parameters where asked for (VNNI only)."""
     if which not in ISAS:
         raise ValueError(f"unknown w4a8 build {which!r}")
+    if numerics_ not in NUMERICS or (numerics_ == "row" and which != "vnni"):
+        raise ValueError(f"w4a8 numerics {numerics_!r} not available on the {which} build")
     extra = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if which == "vnni" else []
+    if numerics_ == "row":
+        extra += [f"-DW4A8_ROW_TOPK={ROW_TOPK}", f"-DW4A8_ROW_FMAX={ROW_FMAX}"]
     return int4_kernel._flags() + extra
 
 
-def _library(which: str | None = None):
-    """(path, namespace, flags) of a build, `which` by default the one isa() picks; the key hashes the flags, so
-    the AVX2 and the VNNI builds never share a file or a namespace."""
-    fl = build_flags(which or isa())
+def build_key() -> str:
+    """Which build and numerics serve the op here ("vnni:row", "avx2:block", ...), for the keys of measured step
+    times: the two numerics' steps cost differently."""
+    return f"{isa()}:{numerics()}"
+
+
+def _library(which: str | None = None, numerics_: str | None = None):
+    """(path, namespace, flags) of a build, `which` by default the one isa() picks, with `numerics_` (default
+    numerics(which)); the key hashes the flags, so no two builds share a file or a namespace."""
+    which = which or isa()
+    fl = build_flags(which, numerics_ or numerics(which))
     key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *fl]).encode()).hexdigest()[:16]
     from paceline.model.cache_dir import cache_root
     return cache_root() / "kernels" / f"w4a8_mm-{key}.so", f"paceline_w4a8_{key}", fl
 
 
-def op_for(which: str) -> Callable | None:
-    """The op of one build, whatever isa() says (tests and A/B runs in one process); None where it cannot be built
-    or run. Asking for "vnni" on a CPU without it is a ValueError, not a crash."""
+def op_for(which: str, numerics_: str | None = None) -> Callable | None:
+    """The op of one build and numerics (default numerics(which)), whatever isa() says (tests and A/B runs in one
+    process); None where it cannot be built or run. Asking for "vnni" on a CPU without it is a ValueError, not a
+    crash."""
     if which == "vnni" and not has_vnni():
         raise ValueError("this CPU has no AVX512-VNNI")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
-    path, namespace, fl = _library(which)
+    path, namespace, fl = _library(which, numerics_)
     return int4_kernel.load_op(path, namespace, fl, SOURCE, "w4a8_mm", f"CPU w4a8 matmul kernel ({which}) unavailable")
 
 
@@ -706,11 +976,27 @@ def op() -> Callable | None:
 
 
 def load_quantize(which: str | None = None) -> Callable | None:
-    """The activation quantizer `x -> (xq, a, s, top, xo)` of a build (by default isa()'s), from the same library,
-    for tests and emulations."""
+    """The block numerics' activation quantizer `x -> (xq, a, s, top, xo)` of a build (by default isa()'s), from
+    its block-numerics library, for tests and emulations."""
     if load() is None:
         return None
-    if which is not None and op_for(which) is None:
+    if op_for(which or isa(), "block") is None:
         return None
-    _, namespace, _ = _library(which)
+    _, namespace, _ = _library(which, "block")
     return getattr(torch.ops, namespace).w4a8_quantize
+
+
+def unpack(packed: torch.Tensor, n: int, nibbles: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack's inverse: the op's uint8 layout -> (codes [n, K] uint8, scale, minimum [n, K / 32] float32), for
+    tests and emulations."""
+    tiles, groups, _ = packed.shape
+    cb = GROUP * TILE // 2 if nibbles else GROUP * TILE
+    c = packed[..., :cb].reshape(tiles, groups, GROUP // 4, -1, 4)  # [tiles, groups, steps, 8 or 16 columns, 4]
+    if nibbles:
+        c = torch.cat([c & 0x0F, c >> 4], 3)
+    codes = c.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, groups * GROUP)[:n]
+
+    def per_column(v: torch.Tensor) -> torch.Tensor:  # float32 bytes [tiles, groups, 64] -> [n, groups]
+        return v.contiguous().view(torch.float32).permute(0, 2, 1).reshape(tiles * TILE, groups)[:n]
+
+    return codes.contiguous(), per_column(packed[..., cb:cb + 4 * TILE]), per_column(packed[..., cb + 4 * TILE:])

@@ -58,6 +58,9 @@ def test_bf16_from_at_or_below_w4a8_from_builds_no_w4a8_and_float32_steps_ignore
 def test_int4_wide_choice(monkeypatch):
     monkeypatch.delenv("PACELINE_INT4_WIDE", raising=False)
     monkeypatch.setattr(llama, "cpu_has_bf16_math", lambda: True)
+    monkeypatch.setattr(llama, "w4a8_serves_every_row", lambda: True)  # the w4a8 op's VNNI build, row numerics
+    assert int4_wide_choice() == "w4a8" and int4_wide_choice("bf16") == "bf16"
+    monkeypatch.setattr(llama, "w4a8_serves_every_row", lambda: False)
     monkeypatch.setattr(llama, "int8_gemm_pays", lambda: False)
     assert int4_wide_choice() == "bf16" and int4_wide_choice("w4a8") == "w4a8"
     monkeypatch.setattr(llama, "int8_gemm_pays", lambda: True)  # AVX512-VNNI and the int8 op's AVX-512 build

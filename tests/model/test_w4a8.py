@@ -1,7 +1,8 @@
 """The int4 x int8 op (w4a8_kernel.py): its activation quantizer equals a torch emulation bit for bit, its product
-equals the integer emulation of the same quantization within float32 rounding at any shape, rows and layout, a
-row's result does not depend on the other rows of its step, and Int4Linear / the model serve with it (no dense
-copy) close to the float reference, on tiny random models and the bundled one."""
+equals the integer emulation of the same quantization within float32 rounding at any shape, rows and layout (the
+block numerics of both builds, and the VNNI build's row numerics), a row's result does not depend on the other rows
+of its step or the thread count, and Int4Linear / the model serve with it (no dense copy) close to the float
+reference, on tiny random models and the bundled one."""
 from __future__ import annotations
 
 import pytest
@@ -48,6 +49,52 @@ def _emulate(x, codes, scale, lo, bias=None) -> torch.Tensor:
     return y if bias is None else y + bias.double()
 
 
+def _quantize_row(x: torch.Tensor, topk: int = w4a8_kernel.ROW_TOPK, fmax: int = w4a8_kernel.ROW_FMAX):
+    """The row numerics' quantization in torch (float32 as the op computes it): NaNs out (the row's unit u NaN),
+    the row's `topk` largest |x| taken out one by one (first of equals; index `tidx`, value `tval`, a 0 in its
+    place), A = max|rest|, per block f in 0..fmax the largest with max|block| * 2^f <= A (fmax for an all-zero
+    block), xq = round(rest * (127 / A) * 2^f) half to even; u = A / 127 / 2^fmax."""
+    m, k = x.shape
+    xr = x.float().clone()
+    nan = xr.isnan().any(-1)
+    xr = torch.where(xr.isnan(), torch.zeros_like(xr), xr)
+    tidx, tval = torch.zeros(m, topk, dtype=torch.long), torch.zeros(m, topk)
+    for j in range(topk):
+        t = xr.abs().argmax(-1)  # the first of equal maxima
+        tidx[:, j], tval[:, j] = t, xr.gather(-1, t[:, None])[:, 0]
+        xr.scatter_(-1, t[:, None], 0.0)
+    amax = xr.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xb = xr.view(m, k // INT4_GROUP, INT4_GROUP)
+    bmax = xb.abs().amax(-1)
+    f = torch.zeros_like(bmax, dtype=torch.long)
+    for step in range(fmax):
+        f += ((f == step) & ((bmax == 0) | (bmax * 2.0 ** (step + 1) <= amax[:, None]))).long()
+    xq = torch.round(xb * (inv[:, None] * torch.exp2(f.float()))[..., None])
+    u = amax / 127 / 2.0 ** fmax
+    u = torch.where(nan, torch.full_like(u, float("nan")), u)
+    return xq.long(), fmax - f, u, tidx, tval
+
+
+def _emulate_row(x, codes, scale, lo, bias=None) -> torch.Tensor:
+    """y in float64 from the row numerics: u * sum_b (c_b * 2^sh_b * d + m * S_b) with the exact integer block dot
+    products c_b and sums, plus each taken-out input times its dequantized weights."""
+    xq, sh, u, tidx, tval = _quantize_row(x)
+    n, k = codes.shape
+    g = k // INT4_GROUP
+    dots = torch.einsum("mgk,ngk->mng", xq, codes.view(n, g, INT4_GROUP).long()).double() * torch.exp2(sh.double())[:, None]
+    sums = xq.sum(-1).double() * torch.exp2(sh.double())  # S [m, g]
+    y = u.double()[:, None] * ((dots * scale.double()[None]).sum(-1) + sums @ lo.double().T)
+    w = (lo[..., None] + codes.view(n, g, INT4_GROUP) * scale[..., None]).double().view(n, k)
+    y = y + torch.einsum("nmj,mj->mn", w[:, tidx], tval.double())
+    return y if bias is None else y + bias.double()
+
+
+def _emulate_default(x, codes, scale, lo, bias=None) -> torch.Tensor:
+    """The emulation of the numerics the default op (w4a8_kernel.op()) runs here."""
+    return (_emulate_row if w4a8_kernel.numerics() == "row" else _emulate)(x, codes, scale, lo, bias)
+
+
 def _weight(n: int, k: int, seed: int):
     return int4_codes(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
 
@@ -75,7 +122,7 @@ def test_quantizer_equals_the_emulation_exactly(build):
 def test_op_equals_the_integer_emulation(n, k, nibbles, build):
     """45 and 37 outputs end in a partial tile; 300 rows span three row chunks of 128; pass widths 1-6 (and the
     VNNI build's 12), and 0: the build's own choice."""
-    op = w4a8_kernel.op_for(build)
+    op = w4a8_kernel.op_for(build, "block")
     codes, scale, lo = _weight(n, k, n * k)
     packed = w4a8_kernel.pack(codes, scale, lo, nibbles)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
@@ -87,6 +134,123 @@ def test_op_equals_the_integer_emulation(n, k, nibbles, build):
             got = op(x, packed, n, bias, nibbles, r)
             assert got.dtype == torch.float32 and got.shape == (m, n)
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+ROW_ONLY = pytest.mark.skipif(not HAS_VNNI, reason="the row numerics need the VNNI build")
+
+
+@ROW_ONLY
+def test_row_quantizer_emulation_matches_the_benchmark_emulation():
+    """quality.py's emulation (w4a8_fake_quant "row k4 f3", which weighed these numerics) is these numerics."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from quality import w4a8_fake_quant
+
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(1)) * 3
+    x[2, 40] = 300.0
+    xq, sh, u, tidx, tval = _quantize_row(x)
+    deq = (xq.double() * torch.exp2(sh.double())[..., None]).view(9, -1) * u.double()[:, None]
+    deq.scatter_(-1, tidx, tval.double())
+    spec = f"row k{w4a8_kernel.ROW_TOPK} f{w4a8_kernel.ROW_FMAX}"
+    torch.testing.assert_close(deq, w4a8_fake_quant(x, spec).double(), rtol=1e-6, atol=1e-6)
+
+
+@ROW_ONLY
+@pytest.mark.parametrize("n,k", [(16, 32), (45, 288), (160, 576), (37, 1536)])
+@pytest.mark.parametrize("nibbles", [True, False])
+def test_row_numerics_equal_their_emulation(n, k, nibbles):
+    """Every shape and pass width, float32 and bfloat16 rows; rows of zeros, of fewer nonzero values than the
+    taken-out count, with a huge channel, with blocks far below the row's largest (their power-of-two refinement),
+    and with a NaN (that row all NaN, the others untouched)."""
+    op = w4a8_kernel.op_for("vnni", "row")
+    codes, scale, lo = _weight(n, k, n * k + 1)
+    packed = w4a8_kernel.pack(codes, scale, lo, nibbles)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    g = torch.Generator().manual_seed(k + 1)
+    for m in (1, 3, 7, 13, 33, 300):
+        x = torch.randn(m, k, generator=g) * 3 * torch.rand(1, k, generator=g)
+        x[0, k // 2] = 500.0  # a huge channel: taken out
+        if m > 2:
+            x[1] = 0
+            x[2] = 0
+            x[2, 5] = -2.0  # fewer nonzero values than ROW_TOPK
+        if m > 5:
+            x[3, :k // 2] *= 1e-3  # blocks 2^-10 of the row's largest: refined by 2^ROW_FMAX at most
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            want = _emulate_row(xd.float(), codes, scale, lo, bias)
+            for r in ((0, 1, 5, 12) if m < 300 else (0,)):
+                got = op(xd, packed, n, bias, nibbles, r)
+                assert got.dtype == dtype and got.shape == (m, n)
+                tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+                torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    x = torch.randn(5, k, generator=g)
+    x[2, 3] = float("nan")
+    got = op(x, packed, n, bias, nibbles, 0)
+    assert got[2].isnan().all() and not got[[0, 1, 3, 4]].isnan().any()
+    torch.testing.assert_close(got[[0, 1, 3, 4]], op(x[[0, 1, 3, 4]], packed, n, bias, nibbles, 0), rtol=0, atol=0)
+
+
+@ROW_ONLY
+def test_row_numerics_rows_do_not_depend_on_the_step_or_the_threads():
+    """A row's bits alone equal its bits in any step (speculative decoding scores drafts in one step and relies on
+    it), whatever the other rows' taken-out channels (they share per-tile tables) and the thread count."""
+    op = w4a8_kernel.op_for("vnni", "row")
+    codes, scale, lo = _weight(200, 576, 8)
+    packed = w4a8_kernel.pack(codes, scale, lo, True)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(300, 576, generator=g)
+    x[::3, 17] *= 40  # most rows share a huge channel, some have their own
+    x[5, 400] = 90.0
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            full = op(x.bfloat16(), packed, 200, None, True, 0)
+            if nt == 1:
+                ref = full
+            assert torch.equal(full, ref), nt
+            for i in (0, 5, 131, 299):
+                assert torch.equal(op(x[i:i + 1].bfloat16(), packed, 200, None, True, 0)[0], ref[i])
+                assert torch.equal(op(x[i:i + 9].bfloat16(), packed, 200, None, True, 0)[0], ref[i])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_numerics_choice_and_switch(monkeypatch):
+    """row on the VNNI build, block on the AVX2 build (it has only those); PACELINE_W4A8_NUMERICS=block gives the VNNI
+    build the block numerics; row on the AVX2 build and unknown values are plain errors; the two never share a
+    library."""
+    monkeypatch.delenv("PACELINE_W4A8_NUMERICS", raising=False)
+    assert w4a8_kernel.numerics("avx2") == "block"
+    assert w4a8_kernel.numerics("vnni") == "row"
+    assert w4a8_kernel._library("vnni", "row")[1] != w4a8_kernel._library("vnni", "block")[1]
+    monkeypatch.setenv("PACELINE_W4A8_NUMERICS", "block")
+    assert w4a8_kernel.numerics("vnni") == "block"
+    assert w4a8_kernel.build_key().endswith(":block")
+    monkeypatch.setenv("PACELINE_W4A8_NUMERICS", "row")
+    with pytest.raises(ValueError, match="needs the VNNI build"):
+        w4a8_kernel.numerics("avx2")
+    monkeypatch.setenv("PACELINE_W4A8_NUMERICS", "fast")
+    with pytest.raises(ValueError, match="PACELINE_W4A8_NUMERICS"):
+        w4a8_kernel.numerics()
+    with pytest.raises(ValueError, match="not available"):
+        w4a8_kernel.build_flags("avx2", "row")
+
+
+def test_auto_serves_every_int4_row_with_the_op_where_it_runs_the_row_numerics(monkeypatch):
+    from paceline.model import llama
+
+    monkeypatch.delenv("PACELINE_INT4_WIDE", raising=False)
+    monkeypatch.delenv("PACELINE_W4A8_NUMERICS", raising=False)
+    if HAS_VNNI and llama.cpu_has_bf16_math():
+        assert llama.w4a8_serves_every_row() and llama.int4_wide_choice() == "w4a8"
+    monkeypatch.setenv("PACELINE_W4A8_NUMERICS", "block")  # the dense copies from 72 rows, as before
+    assert not llama.w4a8_serves_every_row()
+    if llama.cpu_has_bf16_math():
+        assert llama.int4_wide_choice() in ("int8", "bf16")
 
 
 def test_rows_are_independent_and_inputs_may_be_strided_or_bfloat16():
@@ -152,7 +316,7 @@ def test_bad_packs_and_inputs_are_plain_errors():
 def test_vnni_build_gives_the_avx2_builds_bits(nibbles):
     """The same integer block sums and the same float32 operations lane by lane, in the same order: every output
     bit equal at any pass width, partial tiles, row chunks, outliers and all-zero blocks; and the quantizers too."""
-    avx2, vnni = w4a8_kernel.op_for("avx2"), w4a8_kernel.op_for("vnni")
+    avx2, vnni = w4a8_kernel.op_for("avx2"), w4a8_kernel.op_for("vnni", "block")
     g = torch.Generator().manual_seed(11)
     for n, k in ((16, 32), (45, 288), (160, 576), (37, 1536)):
         codes, scale, lo = _weight(n, k, n + k)
@@ -177,14 +341,14 @@ def test_vnni_build_writes_bfloat16_as_the_avx2_build_and_torch_round():
     c10's scalar conversion: the same bits, and Tensor.to's, at ties (to even), overflow (to inf), infinities and
     subnormals; NaN stays NaN. All-zero codes, scales and minimums make y the bias exactly, so the bias picks the
     values rounded; then random bfloat16 rows (step-major quantization of bfloat16 inputs) at several widths."""
-    avx2, vnni = w4a8_kernel.op_for("avx2"), w4a8_kernel.op_for("vnni")
+    avx2, vnni = w4a8_kernel.op_for("avx2"), w4a8_kernel.op_for("vnni", "block")
     special = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -8 + 2 ** -20, float("inf"), float("-inf"),
                3.4028234663852886e38, -3.4028234663852886e38, 1e-40, -1e-40, 0.0, 3.0, -2.5, 65504.0]
     bias = torch.cat([torch.tensor(special), torch.randn(45 - len(special), generator=torch.Generator().manual_seed(9))])
     zero_pack = w4a8_kernel.pack(torch.zeros(45, 64, dtype=torch.long), torch.zeros(45, 2), torch.zeros(45, 2), True)
     x = torch.zeros(13, 64, dtype=torch.bfloat16)
     want = bias.to(torch.bfloat16).expand(13, 45).view(torch.int16)
-    for op in (avx2, vnni):
+    for op in (avx2, vnni, w4a8_kernel.op_for("vnni", "row")):
         assert torch.equal(op(x, zero_pack, 45, bias, True, 0).view(torch.int16), want)
     nan_bias = bias.clone()
     nan_bias[7] = float("nan")
@@ -235,7 +399,7 @@ def test_int4_linear_serves_every_row_count_with_the_op_and_no_dense_copy(monkey
     assert lin.w4a8 is not None and lin.dense is None
     for rows in (1, W4A8_FROM_ROWS - 1, W4A8_FROM_ROWS, 9, 300):  # below W4A8_FROM_ROWS: the int4 op
         x = torch.randn(rows, 128, generator=g)
-        want = _emulate(x, codes, scale, lo, bias.float())
+        want = _emulate_default(x, codes, scale, lo, bias.float())
         got = lin(x)
         if rows >= W4A8_FROM_ROWS:
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
