@@ -513,6 +513,10 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
 # or a test's tiny checkpoint the conversion is all the work there is. The file is a pickle written by this
 # program into the user's own cache; it is only ever read from there.
 SNAPSHOT_FORMAT = 1
+# snapshots kept in the cache, the most recently used first: every new paceline version, mode or kernel switch has
+# its own key and file (~0.4-0.5 GB for the bundled model), and without a bound they filled a development
+# machine's disk (175 files, 71 GB, 2026-11-25). A snapshot read counts as used.
+SNAPSHOT_KEEP = 8
 
 
 class _SnapshotPickler(pickle.Pickler):
@@ -575,7 +579,10 @@ def read_snapshot(path: Path) -> Any | None:
     if not path.is_file():
         return None
     try:
-        return torch.load(path, mmap=True, weights_only=False, pickle_module=_SnapshotPickle)
+        model = torch.load(path, mmap=True, weights_only=False, pickle_module=_SnapshotPickle)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used: the pruning keeps the most recently used
+        return model
     except Exception as e:  # a truncated file, a class that changed shape, a kernel that no longer loads
         warnings.warn(f"the model snapshot {path} cannot be read ({e}); building the model again")
         with contextlib.suppress(OSError):
@@ -601,6 +608,22 @@ def write_snapshot(model: Any, path: Path) -> None:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+    prune_snapshots(path.parent, keep=SNAPSHOT_KEEP, spare=path)
+
+
+def prune_snapshots(folder: Path, keep: int = SNAPSHOT_KEEP, spare: Path | None = None) -> list[Path]:
+    """Remove all but the `keep` most recently used snapshots in `folder` (by modification time, which a read
+    sets), never `spare`; returns what was removed. A process still mapping a removed file keeps its pages."""
+    try:
+        files = sorted(folder.glob("*.pt"), key=lambda f: f.stat().st_mtime, reverse=True)
+    except OSError:
+        return []
+    removed = []
+    for f in [f for f in files if f != spare][max(keep - (spare is not None), 0):]:
+        with contextlib.suppress(OSError):
+            f.unlink()
+            removed.append(f)
+    return removed
 
 
 def unpacked_linears(model: Any) -> list[Any]:

@@ -138,3 +138,24 @@ def test_loader_thread_build_from_snapshot_serves_unpacked_then_packed(gguf, mon
     for lin in linears:
         lin.packed = llama.Linear._pack(lin.weight, lin.bias)
     assert greedy(engine) == expected
+
+
+def test_prune_keeps_the_most_recently_used_snapshots(tmp_path):
+    import os
+
+    from paceline.model.loader import prune_snapshots
+
+    tmp_path = tmp_path / "snapshots"
+    tmp_path.mkdir()
+    files = []
+    for i in range(5):  # older first
+        f = tmp_path / f"{i}.pt"
+        f.write_bytes(b"x")
+        os.utime(f, (1000 + i, 1000 + i))
+        files.append(f)
+    os.utime(files[0], (2000, 2000))  # the oldest file was just read: used most recently
+    (tmp_path / ".9.pt-tmp").write_bytes(b"x")  # a write in progress is not a snapshot
+    removed = prune_snapshots(tmp_path, keep=3, spare=files[1])
+    assert sorted(f.name for f in removed) == ["2.pt", "3.pt"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [".9.pt-tmp", "0.pt", "1.pt", "4.pt"]
+    assert prune_snapshots(tmp_path / "missing") == []
