@@ -285,8 +285,10 @@ class LayerLoop:
     """One model's LayerStack and what decides, per step, which product each linear runs."""
 
     def __init__(self, model: Any, namespace: str):
-        from paceline.model.llama import Int4Linear, Linear, W8A8Linear
-        self._Int4Linear, self._Linear, self._W8A8Linear = Int4Linear, Linear, W8A8Linear
+        # the model names its linear classes (llama.LlamaModel.LINEAR_CLASSES): llama imports this module, so this
+        # one does not import llama
+        classes = model.LINEAR_CLASSES
+        self._Int4Linear, self._Linear, self._W8A8Linear = classes["int4"], classes["plain"], classes["w8a8"]
         layers = list(model.layers)
         first = layers[0]
         self.model = weakref.ref(model)
@@ -426,7 +428,8 @@ def for_model(model: Any) -> LayerLoop | None:
     if loop is None or (loop is not False and loop.current(model)):
         return loop
     loop = None
-    if getattr(model, "layer_loop", False) and len(model.layers) and model.device.type == "cpu":
+    if (getattr(model, "layer_loop", False) and getattr(model, "LINEAR_CLASSES", None) and len(model.layers)
+            and model.device.type == "cpu"):
         layers = list(model.layers)
         fused = layers[0].fused
         same = all(layer.fused == fused for layer in layers) and all(

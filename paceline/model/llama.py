@@ -749,6 +749,9 @@ class LlamaLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Inference-only Llama-family model; weights are buffers built by `from_weights`."""
 
+    # the linears the C++ layer loop knows, by role (layer_loop.LayerLoop reads them here)
+    LINEAR_CLASSES = {"int4": Int4Linear, "plain": Linear, "w8a8": W8A8Linear}
+
     def __init__(self, arch: ModelArch, layers: list[dict[str, torch.Tensor]], embed: torch.Tensor, norm: torch.Tensor,
                  lm_head: torch.Tensor | None, max_positions: int | None = None, pack: bool = True,
                  quantization: str = "none", wide_above: int | str | None = "auto", wide_linears: str = "auto",
