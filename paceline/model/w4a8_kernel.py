@@ -267,6 +267,14 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// block g of the next tile into L2, a block per block (see run_vnni); nothing for pf == nullptr
+template <bool NIB>
+inline void prefetch_block(const uint8_t* pf, int g) {
+  if (pf != nullptr)
+    for (int l = 0; l < block_bytes<NIB>(); l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + size_t(g) * block_bytes<NIB>() + l), _MM_HINT_T1);
+}
+
 // y[r][0..nn) = sum over the G blocks of one tile, for R rows of int8 activations (row stride K); bias b[16].
 // Not inlined: alone it gets the 16 vector registers for the 2R int16 accumulators, the codes and a broadcast.
 // The float32 sums live in `acc` (R x 16, the caller's scratch), loaded and stored once per block: held in
@@ -391,8 +399,7 @@ __attribute__((noinline)) void tile_rows_vnni(const int8_t* xs, int64_t sstride,
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
     const uint8_t* blk = tile + size_t(g) * block_bytes<NIB>();
-    if (pf != nullptr)  // the next tile's block into L2, a block per block (see run_vnni)
-      for (int l = 0; l < block_bytes<NIB>(); l += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + size_t(g) * block_bytes<NIB>() + l), _MM_HINT_T1);
+    prefetch_block<NIB>(pf, g);
     const uint8_t* codes = NIB ? steps : blk;  // bytes: the pack's own steps (the scales follow the last one)
     const int8_t* xg = xs + int64_t(g) * STEPS * sstride;
     const int64_t gi = int64_t(g) * M;
@@ -568,8 +575,7 @@ __attribute__((noinline)) void tile_rows_row(const int8_t* xs, int64_t sstride, 
   for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
     const uint8_t* blk = tile + size_t(g) * block_bytes<NIB>();
-    if (pf != nullptr)  // the next tile's block into L2, a block per block (see run_vnni)
-      for (int l = 0; l < block_bytes<NIB>(); l += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + size_t(g) * block_bytes<NIB>() + l), _MM_HINT_T1);
+    prefetch_block<NIB>(pf, g);
     const int8_t* xg = xs + int64_t(g) * STEPS * sstride;
     const int64_t gi = int64_t(g) * M;
     __m512i c[R];
