@@ -587,13 +587,12 @@ class Int4Linear:
         return (weight.device.type == "cpu" and dtype == torch.bfloat16 and weight.shape[1] % INT4_GROUP == 0
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
-    def _dense_serves(self, x: torch.Tensor) -> bool:
-        return self.bf16_from is not None and x.shape[0] >= self.bf16_from and x.dtype == torch.bfloat16
-
     def gated(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this (gate/up) linear's output where the step runs W8A8Linear and it fuses them
         (W8A8Linear.gated); None elsewhere, where the caller runs silu_mul over __call__'s output."""
-        return self.dense.gated(x) if self._dense_serves(x) and isinstance(self.dense, W8A8Linear) else None
+        if isinstance(self.dense, W8A8Linear) and self.path(x.shape[0], x.dtype) == "dense":
+            return self.dense.gated(x)
+        return None
 
     def path(self, rows: int, dtype: torch.dtype) -> str:
         """Which product serves a step of `rows` rows of `dtype` (the same in every layer of a step): "dense" (the
