@@ -259,7 +259,7 @@ class Engine:
                      # the kernels' switches read from the environment (what an int4 model's steps run, and which
                      # build of the w4a8 and attention ops: an AVX2 build's steps cost more than an AVX-512 one's)
                      ":".join(llama.w4a8_linears()), llama.int4_wide_choice(), w4a8_kernel.build_key(),
-                     llama.dense_rows_from_env(),
+                     llama.int4_bf16_from_rows(),
                      attention_kernel.isa(), llama.w8a8_build(), q8_kernel.build_key(), layer_loop.enabled()):
             h.update(f"{part}\0".encode())
         for src in sources:

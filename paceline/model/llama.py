@@ -391,12 +391,31 @@ INT4_BF16_FROM_ROWS = 12
 # + 6 decodes (70 rows) 66.1 vs 72.7, but a 48-token chunk + 32 decodes (80 rows) 83.4 vs 76.5, 128 rows 106.9 vs
 # 96.0, a 512-token prefill 423.3 vs 379.5. The lines cross between 70 and 80 rows, so there the copy starts.
 INT4_BF16_FROM_ROWS_VNNI = 72
+# On a CPU with AMX tiles for bf16 (Intel Sapphire Rapids and later: amx_bf16), oneDNN's bf16 matmul runs on the
+# tiles: ~2.5 TFLOP/s on 2 cores for a 1,500 x 576 x 1,536 product, ~6x its float32 one, and the dense copy wins from
+# a dozen rows on, whatever build of the w4a8 op serves the rows below. Whole steps of the bundled model, one process
+# (Intel Xeon with AMX, 2 threads; `benchmarks/profile_step.py --modes int4 --compare "int4_wide=w4a8,
+# int4_wide=bf16+int4_bf16_from=16,int4_wide=bf16+int4_bf16_from=8" --only "b=32,prefill 512,1500 in 512,rows 12 ,
+# rows 32 ,rows 128 ,probe32" --repeats 3`, 2026-11-25 07:13 UTC, ms, w4a8 op at every row / copy from 16 / from 8):
+# 12 rows 15.9 / 16.3 / 17.3, 32 rows 25.9 / 23.6 / 21.2, 128 rows 70.3 / 38.9 / 36.8, 32 decodes 36.7 / 35.0 /
+# 32.3, the probe's 128 prompt tokens + 32 decodes 96.3 / 55.5 / 52.0, a 512-token prefill 286.0 / 144.4 / 138.6,
+# 1,500 tokens in 512-chunks 1126.8 / 693.3 / 679.8. The lines meet at ~12 rows; from 16 the copy is ahead.
+INT4_BF16_FROM_ROWS_AMX = 16
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether the CPU has AMX tiles for bfloat16 (oneDNN's bf16 matmul then runs on them)."""
+    return "amx_bf16" in int4_kernel.cpu_flags()
 
 
 def int4_bf16_from_rows() -> int:
-    """From how many rows an int4 model's bf16 steps run the dense bf16 copy: where the w4a8 op's VNNI build serves
-    the rows below, later (INT4_BF16_FROM_ROWS_VNNI), else INT4_BF16_FROM_ROWS."""
-    return dense_rows_from_env() or (INT4_BF16_FROM_ROWS_VNNI if w4a8_kernel.isa() == "vnni" else INT4_BF16_FROM_ROWS)
+    """From how many rows an int4 model's bf16 steps run the dense bf16 copy: on AMX early (INT4_BF16_FROM_ROWS_AMX);
+    where the w4a8 op's VNNI build serves the rows below, later (INT4_BF16_FROM_ROWS_VNNI); else INT4_BF16_FROM_ROWS."""
+    if dense_rows_from_env():
+        return dense_rows_from_env()
+    if cpu_has_amx_bf16():
+        return INT4_BF16_FROM_ROWS_AMX
+    return INT4_BF16_FROM_ROWS_VNNI if w4a8_kernel.isa() == "vnni" else INT4_BF16_FROM_ROWS
 
 
 # what an int4 model's bfloat16 steps of many rows run: "bf16" (the dense bfloat16 copy from int4_bf16_from_rows()
@@ -473,6 +492,8 @@ def int4_wide_choice(choice: str | None = None) -> str:
         raise ValueError(f"PACELINE_INT4_WIDE / int4_wide must be one of {', '.join(INT4_WIDE_CHOICES)}, "
                          f"got {choice!r}")
     if choice == "auto":
+        if cpu_has_amx_bf16() and cpu_has_bf16_math():  # the tiles outrun every int8 op here (INT4_BF16_FROM_ROWS_AMX)
+            return "bf16"
         if not cpu_has_bf16_math() or w4a8_serves_every_row():
             return "w4a8"
         return "int8" if int8_gemm_pays() else "bf16"

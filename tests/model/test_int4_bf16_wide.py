@@ -58,6 +58,11 @@ def test_bf16_from_at_or_below_w4a8_from_builds_no_w4a8_and_float32_steps_ignore
 def test_int4_wide_choice(monkeypatch):
     monkeypatch.delenv("PACELINE_INT4_WIDE", raising=False)
     monkeypatch.setattr(llama, "cpu_has_bf16_math", lambda: True)
+    monkeypatch.setattr(llama, "cpu_has_amx_bf16", lambda: True)  # bf16 tiles: the dense copy before any int8 op
+    monkeypatch.setattr(llama, "w4a8_serves_every_row", lambda: True)
+    monkeypatch.setattr(llama, "int8_gemm_pays", lambda: True)
+    assert int4_wide_choice() == "bf16" and int4_wide_choice("w4a8") == "w4a8"
+    monkeypatch.setattr(llama, "cpu_has_amx_bf16", lambda: False)
     monkeypatch.setattr(llama, "w4a8_serves_every_row", lambda: True)  # the w4a8 op's VNNI build, row numerics
     assert int4_wide_choice() == "w4a8" and int4_wide_choice("bf16") == "bf16"
     monkeypatch.setattr(llama, "w4a8_serves_every_row", lambda: False)
@@ -131,3 +136,16 @@ def test_bundled_model_bf16_wide_steps_agree_with_float32_and_generate(monkeypat
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text.strip()
     # the first token is the float32 model's greedy choice at the prompt's end
     assert out.outputs[0].token_ids[0] == int(f32[-1].argmax())
+
+
+def test_int4_bf16_from_rows_follows_the_cpu(monkeypatch):
+    monkeypatch.delenv("PACELINE_INT4_DENSE_FROM_ROWS", raising=False)
+    monkeypatch.setattr(llama, "cpu_has_amx_bf16", lambda: True)
+    assert llama.int4_bf16_from_rows() == llama.INT4_BF16_FROM_ROWS_AMX
+    monkeypatch.setattr(llama, "cpu_has_amx_bf16", lambda: False)
+    monkeypatch.setattr(llama.w4a8_kernel, "isa", lambda: "vnni")
+    assert llama.int4_bf16_from_rows() == llama.INT4_BF16_FROM_ROWS_VNNI
+    monkeypatch.setattr(llama.w4a8_kernel, "isa", lambda: "avx2")
+    assert llama.int4_bf16_from_rows() == llama.INT4_BF16_FROM_ROWS
+    monkeypatch.setenv("PACELINE_INT4_DENSE_FROM_ROWS", "40")
+    assert llama.int4_bf16_from_rows() == 40

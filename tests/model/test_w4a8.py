@@ -246,7 +246,9 @@ def test_auto_serves_every_int4_row_with_the_op_where_it_runs_the_row_numerics(m
     monkeypatch.delenv("PACELINE_INT4_WIDE", raising=False)
     monkeypatch.delenv("PACELINE_W4A8_NUMERICS", raising=False)
     if HAS_VNNI and llama.cpu_has_bf16_math():
-        assert llama.w4a8_serves_every_row() and llama.int4_wide_choice() == "w4a8"
+        assert llama.w4a8_serves_every_row()
+        # with bf16 tiles (AMX) the dense bf16 copy serves the many-row steps instead (INT4_BF16_FROM_ROWS_AMX)
+        assert llama.int4_wide_choice() == ("bf16" if llama.cpu_has_amx_bf16() else "w4a8")
     monkeypatch.setenv("PACELINE_W4A8_NUMERICS", "block")  # the dense copies from 72 rows, as before
     assert not llama.w4a8_serves_every_row()
     if llama.cpu_has_bf16_math():
