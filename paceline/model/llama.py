@@ -399,8 +399,13 @@ INT4_BF16_FROM_ROWS_VNNI = 72
 # rows 32 ,rows 128 ,probe32" --repeats 3`, 2026-11-25 07:13 UTC, ms, w4a8 op at every row / copy from 16 / from 8):
 # 12 rows 15.9 / 16.3 / 17.3, 32 rows 25.9 / 23.6 / 21.2, 128 rows 70.3 / 38.9 / 36.8, 32 decodes 36.7 / 35.0 /
 # 32.3, the probe's 128 prompt tokens + 32 decodes 96.3 / 55.5 / 52.0, a 512-token prefill 286.0 / 144.4 / 138.6,
-# 1,500 tokens in 512-chunks 1126.8 / 693.3 / 679.8. The lines meet at ~12 rows; from 16 the copy is ahead.
-INT4_BF16_FROM_ROWS_AMX = 16
+# 1,500 tokens in 512-chunks 1126.8 / 693.3 / 679.8. The lines meet at ~12 rows, but the switch sits at 128 rows:
+# below it a chat prompt is served by the same op whether it is prefilled whole (n=2: both copies in one step, ~80
+# rows) or after a cached prefix (its last few rows), so a seeded sample repeats; with the copy from 16 or 72 rows
+# tests/entrypoints/test_openai_features_real.py's n=2 chat sample changed on the second request. The price: steps
+# of 16-127 rows keep the op (in the run above the 32-stream probe's 25-token chunk + 17 decodes 34.2 against
+# 29.2 ms, 32 decodes 36.7 against 35.0, a 48-token chunk + 32 decodes 59.1 against 39.8).
+INT4_BF16_FROM_ROWS_AMX = 128
 
 
 def cpu_has_amx_bf16() -> bool:
