@@ -53,13 +53,14 @@ memory on CPU, faulted in page by page at every gather (below).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from paceline.model import attention_kernel
+from paceline.model import attention_kernel, int4_kernel
 
 
 @dataclass
@@ -92,6 +93,11 @@ class AttnMetadata:
     kernel: Callable | None = None
     kernel_tables: torch.Tensor | None = None  # [S, max_blocks] int32 block table of every sequence
     kernel_seqs: torch.Tensor | None = None  # [S, 3] int32: first flat row, tokens, position of the first token
+    # AMX (prefill_sdpa): the prompt chunks run SDPA (the fields above the decodes') and the op the decodes only,
+    # from these tables (rows counted from the first decode); a float32 step still runs the op on everything
+    sdpa_prefill: bool = False
+    kernel_decode_tables: torch.Tensor | None = None
+    kernel_decode_seqs: torch.Tensor | None = None
 
 
 @dataclass
@@ -112,6 +118,26 @@ class DecodeGroup:
 # batches gain most (16 at 100..1,900 tokens 195 -> 96 ms): `benchmarks/decode_attention.py`.
 GROUP_COST_POSITIONS = 300
 GROUP_MAX_BYTES = 8 << 20
+# On a CPU with AMX tiles for bf16, torch's SDPA (flash, bf16 GEMMs through oneDNN on the tiles) outruns the op's
+# AVX512-BF16 row tiles on long prompt chunks, while the op stays ahead on decodes and short chunks. One layer, bf16,
+# best of 15 (`benchmarks/decode_attention.py --layer --variants eager,auto --dtypes bfloat16`, Intel Xeon with AMX,
+# 2026-11-25 07:20 UTC, ms, SDPA / op): a fresh 512-token prompt 0.957 / 1.745, a 512-token chunk at 1,000 3.077 /
+# 7.424, 1,500 whole 5.346 / 13.588, a 64-token chunk at 1,000 + 6 decodes 0.966 / 0.934, 32 decodes 0.508 / 0.171.
+# So a bf16 step whose prompt chunks hold at least SDPA_PREFILL_FROM_ROWS rows runs them through SDPA and its
+# decodes through the op. Below it (chat-length prompts, n copies of one) the op serves every row as before, so a
+# short prompt's logits do not depend on whether its prefix came from the cache.
+SDPA_PREFILL_FROM_ROWS = 256
+
+
+def prefill_sdpa(prompt_rows: int) -> bool:
+    """Whether a step with `prompt_rows` rows of prompt chunks runs them through SDPA beside the op (AMX only;
+    PACELINE_ATTN_SDPA_PREFILL=0 keeps the op on every row, =1 forces it where the op runs, for tests)."""
+    env = os.environ.get("PACELINE_ATTN_SDPA_PREFILL", "")
+    if env == "0" or prompt_rows == 0:
+        return False
+    if env == "1":
+        return True
+    return prompt_rows >= SDPA_PREFILL_FROM_ROWS and "amx_bf16" in int4_kernel.cpu_flags()
 
 
 def group_decodes(lengths: list[int], group_cost: int = GROUP_COST_POSITIONS, max_positions: int = 1 << 62) -> list[int]:
@@ -222,30 +248,19 @@ def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device |
             row += s.num_tokens
         meta.kernel_seqs = torch.tensor(rows, dtype=torch.int32)
         meta.num_prefills, meta.num_decodes = len(prefills), len(decodes)
+        if prefill_sdpa(tp):
+            meta.sdpa_prefill = True
+            _prefill_fields(meta, prefills, block_size, device)
+            if meta.prefill_kv_index is not None and workspace is not None:
+                meta.prefill_kv_out = workspace.views(len(meta.prefill_kv_index))[0]
+            if decodes:
+                meta.kernel_decode_tables = meta.kernel_tables[len(prefills):]
+                meta.kernel_decode_seqs = torch.tensor([(i, 1, s.start) for i, s in enumerate(decodes)],
+                                                       dtype=torch.int32)
         return meta
 
     if prefills:
-        meta.num_prefills = len(prefills)
-        if len(prefills) == 1 and prefills[0].start == 0:
-            meta.prefill_fresh = True
-        else:
-            qlens = [s.num_tokens for s in prefills]
-            starts = torch.tensor([s.start for s in prefills])
-            qmax = max(qlens)
-            kv_index, lmax = _blocks([s.block_table for s in prefills], [s.start + s.num_tokens for s in prefills],
-                                     block_size, device)
-            qpos = starts[:, None] + torch.arange(qmax)[None, :]  # [Bp, Qmax] position of each padded query
-            mask = torch.arange(lmax)[None, None, :] <= qpos[:, :, None]
-            meta.prefill_kv_index, meta.prefill_kv_max, meta.prefill_q_max = kv_index, lmax, qmax
-            meta.prefill_mask = mask[:, None].to(device, non_blocking=True)
-            if len(prefills) > 1:
-                lens = torch.tensor(qlens)
-                first_row = torch.cumsum(lens, 0) - lens
-                i = torch.arange(qmax)[None, :]
-                # padded queries repeat the chunk's last row; their outputs are dropped
-                meta.prefill_q_index = (first_row[:, None] + torch.minimum(i, lens[:, None] - 1)).reshape(-1).to(device)
-                valid = (i < lens[:, None]).reshape(-1)
-                meta.prefill_out_index = torch.nonzero(valid).squeeze(1).to(device)
+        _prefill_fields(meta, prefills, block_size, device)
 
     if decodes:
         meta.num_decodes = len(decodes)
@@ -270,6 +285,31 @@ def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device |
     return meta
 
 
+def _prefill_fields(meta: AttnMetadata, prefills: list[SeqSlice], block_size: int, device) -> None:
+    """The SDPA path's fields for the prompt chunks: one fresh chunk attends to its own K/V (causal), else
+    padded queries over gathered contexts with a mask."""
+    meta.num_prefills = len(prefills)
+    if len(prefills) == 1 and prefills[0].start == 0:
+        meta.prefill_fresh = True
+        return
+    qlens = [s.num_tokens for s in prefills]
+    starts = torch.tensor([s.start for s in prefills])
+    qmax = max(qlens)
+    kv_index, lmax = _blocks([s.block_table for s in prefills], [s.start + s.num_tokens for s in prefills],
+                             block_size, device)
+    qpos = starts[:, None] + torch.arange(qmax)[None, :]  # [Bp, Qmax] position of each padded query
+    mask = torch.arange(lmax)[None, None, :] <= qpos[:, :, None]
+    meta.prefill_kv_index, meta.prefill_kv_max, meta.prefill_q_max = kv_index, lmax, qmax
+    meta.prefill_mask = mask[:, None].to(device, non_blocking=True)
+    if len(prefills) > 1:
+        lens = torch.tensor(qlens)
+        first_row = torch.cumsum(lens, 0) - lens
+        i = torch.arange(qmax)[None, :]
+        # padded queries repeat the chunk's last row; their outputs are dropped
+        meta.prefill_q_index = (first_row[:, None] + torch.minimum(i, lens[:, None] - 1)).reshape(-1).to(device)
+        valid = (i < lens[:, None]).reshape(-1)
+        meta.prefill_out_index = torch.nonzero(valid).squeeze(1).to(device)
+
 def _gather(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return blocks.index_select(0, index) if out is None else torch.index_select(blocks, 0, index, out=out)
 
@@ -283,6 +323,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     t, h, d = q.shape
     kvh = k.shape[1]
     # 2-D views: index_select/index_copy_ over whole rows take the memcpy fast path (3-D ones do not)
+    if meta.kernel is not None and meta.sdpa_prefill and q.dtype == torch.bfloat16:
+        return _sdpa_prefill_op_decodes(q, k, v, k_cache, v_cache, meta, scale)
     if meta.kernel is not None:
         # one call: writes this step's K/V into their slots, then attends (float32 queries and output; row views
         # of qkv are fine, the op takes any row stride)
@@ -300,22 +342,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     tp = meta.num_prefill_tokens
     outs = []
     if meta.num_prefills:
-        if meta.prefill_fresh:
-            # 4-D on purpose: CPU's flash kernel rejects 3-D inputs and SDPA would fall back to the T x T math path
-            o = F.scaled_dot_product_attention(q[:tp].transpose(0, 1)[None], k[:tp].transpose(0, 1)[None],
-                                               v[:tp].transpose(0, 1)[None], is_causal=True, scale=scale,
-                                               enable_gqa=True)
-            outs.append(o[0].transpose(0, 1).reshape(tp, h * d))
-        else:
-            bp, qmax, lmax = meta.num_prefills, meta.prefill_q_max, meta.prefill_kv_max
-            qp = q[:tp] if meta.prefill_q_index is None else q.index_select(0, meta.prefill_q_index)
-            k_out, v_out = meta.prefill_kv_out or (None, None)
-            kc = _gather(k_blocks, meta.prefill_kv_index, k_out).view(bp, lmax, kvh, d).transpose(1, 2).to(q.dtype)
-            vc = _gather(v_blocks, meta.prefill_kv_index, v_out).view(bp, lmax, kvh, d).transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qp.view(bp, qmax, h, d).transpose(1, 2), kc, vc,
-                                               attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
-            o = o.transpose(1, 2).reshape(bp * qmax, h * d)
-            outs.append(o if meta.prefill_out_index is None else o.index_select(0, meta.prefill_out_index))
+        outs.append(_prefill_attention(q, k, v, k_blocks, v_blocks, meta, scale))
     row = tp
     for g in meta.decode_groups:
         bd, lmax = g.num_decodes, g.kv_max
@@ -328,6 +355,46 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         outs.append(o.reshape(bd, h * d))
         row += bd
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor,
+                       v_blocks: torch.Tensor, meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """The prompt chunks' rows [0, Tp) through SDPA (their K/V already in the cache) -> [Tp, H*D]."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    tp = meta.num_prefill_tokens
+    if meta.prefill_fresh:
+        # 4-D on purpose: CPU's flash kernel rejects 3-D inputs and SDPA would fall back to the T x T math path
+        o = F.scaled_dot_product_attention(q[:tp].transpose(0, 1)[None], k[:tp].transpose(0, 1)[None],
+                                           v[:tp].transpose(0, 1)[None], is_causal=True, scale=scale,
+                                           enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(tp, h * d)
+    bp, qmax, lmax = meta.num_prefills, meta.prefill_q_max, meta.prefill_kv_max
+    qp = q[:tp] if meta.prefill_q_index is None else q.index_select(0, meta.prefill_q_index)
+    k_out, v_out = meta.prefill_kv_out or (None, None)
+    kc = _gather(k_blocks, meta.prefill_kv_index, k_out).view(bp, lmax, kvh, d).transpose(1, 2).to(q.dtype)
+    vc = _gather(v_blocks, meta.prefill_kv_index, v_out).view(bp, lmax, kvh, d).transpose(1, 2).to(q.dtype)
+    o = F.scaled_dot_product_attention(qp.view(bp, qmax, h, d).transpose(1, 2), kc, vc,
+                                       attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2).reshape(bp * qmax, h * d)
+    return o if meta.prefill_out_index is None else o.index_select(0, meta.prefill_out_index)
+
+def _sdpa_prefill_op_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, meta: AttnMetadata, scale: float) -> torch.Tensor:
+    """AMX, a bf16 step with long prompt chunks (prefill_sdpa): the chunks through SDPA, the decodes through
+    the op (which writes their K/V itself)."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    tp = meta.num_prefill_tokens
+    k_cache.view(-1, kvh * d).index_copy_(0, meta.slot_mapping[:tp], k[:tp].reshape(tp, kvh * d).to(k_cache.dtype))
+    v_cache.view(-1, kvh * d).index_copy_(0, meta.slot_mapping[:tp], v[:tp].reshape(tp, kvh * d).to(v_cache.dtype))
+    o = _prefill_attention(q, k, v, k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1),
+                           meta, scale)
+    if t == tp:
+        return o
+    od = meta.kernel(q[tp:].float(), k[tp:], v[tp:], k_cache, v_cache, meta.slot_mapping[tp:],
+                     meta.kernel_decode_tables, meta.kernel_decode_seqs, scale)
+    return torch.cat([o, od.view(t - tp, h * d).to(q.dtype)])
 
 
 def dense_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

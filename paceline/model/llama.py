@@ -989,7 +989,9 @@ class LlamaModel(nn.Module):
     def _layer_loop(self, h: torch.Tensor, meta: AttnMetadata) -> tuple[layer_loop.LayerLoop, tuple] | None:
         """The C++ layer loop and this step's products, where it runs this step exactly as the Python loop
         would (layer_loop.py): on, built here, the fused path and the attention op, a step in the layers' dtype."""
+        # (a bf16 step whose long prompt chunks run SDPA beside the op, attention.prefill_sdpa, runs in Python)
         if (not getattr(self, "layer_loop", False) or meta.kernel is None or not len(self.layers)
+                or (meta.sdpa_prefill and h.dtype == torch.bfloat16)
                 or h.dtype not in (torch.float32, torch.bfloat16) or h.dtype != self.layers[0].input_norm.dtype):
             return None
         loop = layer_loop.for_model(self)

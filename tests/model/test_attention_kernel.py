@@ -81,9 +81,10 @@ DECODE_SHAPES = {
 }
 
 
-def _paged_step(shape, kvh, h, d, cache_dtype, bf16_queries, seed, first=0):
+def _paged_step(shape, kvh, h, d, cache_dtype, bf16_queries, seed, first=0, bf16_tensors=False):
     """Random K/V for each slice's context and tokens (slice i's from seed + first + i), scattered over the cache's
     blocks (block size 16); q rounded to bfloat16 values where bf16_queries (what a bfloat16 model's queries are).
+    bf16_tensors: q, k and v passed as bfloat16 tensors (a bfloat16 model's step).
     Returns the op's output, the per-slice references on the cache's rounded K/V, and the slices."""
     from paceline.model.attention import build_metadata, dense_attention_reference, paged_attention
 
@@ -108,6 +109,8 @@ def _paged_step(shape, kvh, h, d, cache_dtype, bf16_queries, seed, first=0):
     q = torch.cat(qs)
     k = torch.cat([k[s.start:] for s, k in zip(seqs, ks)])
     v = torch.cat([v[s.start:] for s, v in zip(seqs, vs)])
+    if bf16_tensors:
+        q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
     out = paged_attention(q, k, v, k_cache, v_cache, build_metadata(seqs, bs, kernel=True), d ** -0.5)
     refs = [dense_attention_reference(qq, kk, vv, s.start, d ** -0.5) for s, kk, vv, qq in zip(seqs, ks, vs, qs)]
     return out, refs, seqs
@@ -165,3 +168,35 @@ def test_prompt_chunk_rows_equal_those_of_a_shorter_chunk(cache_dtype):
         meta = build_metadata([SeqSlice(start, n, table)], bs, kernel=True)
         outs.append(paged_attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, d ** -0.5))
     assert torch.equal(outs[0][:16], outs[1])
+
+
+@pytest.mark.parametrize("shape", [[(0, 40), (2, 1), (50, 1)], [(30, 45), (0, 20), (5, 1), (70, 1)], [(0, 33)]])
+def test_sdpa_prefill_beside_the_op_decodes(monkeypatch, shape):
+    """The AMX path (attention.prefill_sdpa, forced here): a bfloat16 step's prompt chunks (one fresh, or several
+    over earlier context) run SDPA and its decodes the op. The chunks' rows stay within bfloat16 rounding of the
+    dense reference; the decodes' rows are bit for bit what the op alone gives them."""
+    got = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PACELINE_ATTN_SDPA_PREFILL", flag)
+        got[flag], refs, seqs = _paged_step(shape, 3, 9, 64, torch.bfloat16, True, seed=3, bf16_tensors=True)
+    tp = sum(s.num_tokens for s in seqs if s.num_tokens > 1)
+    assert got["1"].dtype == torch.bfloat16 and got["1"].shape == got["0"].shape
+    assert torch.equal(got["1"][tp:], got["0"][tp:])
+    row = 0
+    for s, ref in zip(seqs, refs):
+        torch.testing.assert_close(got["1"][row:row + s.num_tokens].float().view(ref.shape), ref.float(),
+                                   atol=2e-2, rtol=2e-2)
+        row += s.num_tokens
+
+
+def test_prefill_sdpa_only_on_amx_and_long_chunks(monkeypatch):
+    from paceline.model import attention, int4_kernel
+
+    monkeypatch.delenv("PACELINE_ATTN_SDPA_PREFILL", raising=False)
+    monkeypatch.setattr(int4_kernel, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    assert attention.prefill_sdpa(attention.SDPA_PREFILL_FROM_ROWS)
+    assert not attention.prefill_sdpa(attention.SDPA_PREFILL_FROM_ROWS - 1) and not attention.prefill_sdpa(0)
+    monkeypatch.setattr(int4_kernel, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert not attention.prefill_sdpa(4096)
+    monkeypatch.setenv("PACELINE_ATTN_SDPA_PREFILL", "1")
+    assert attention.prefill_sdpa(2) and not attention.prefill_sdpa(0)
