@@ -31,6 +31,7 @@ SHORT_STEP_FRACTION = 0.35
 # (Scheduler.step_target_ms), as a fraction of max_step_ms: 72 ms under the 120 ms default. A full-target step buys
 # the prompts queued behind it their turn sooner; with none queued it buys only this prompt a few tens of ms of TTFT
 # and every running stream pays for them in its token gap (docs/scheduling.md, "A calm target")
+LONE_PREFILL_TOKENS = 2048  # SchedulerConfig.lone_prefill_tokens under a step-time target derived from the TBT goal
 CALM_STEP_FRACTION = 0.6
 
 
@@ -90,6 +91,13 @@ class SchedulerConfig:
     max_num_seqs: int | str = 128  # the most requests in one step; "auto": core/auto_batch.py
     max_model_len: int = 8192
     long_prefill_token_threshold: int = 0  # 0: off; else the most tokens one prompt may take per step
+    # the token budget of a stall-free step with no decode and nothing swapped out while a step-time target is on
+    # (no stream waits on it): a lone prompt runs in chunks this big (0: off, max_num_batched_tokens bounds every
+    # step). None: not given; a scheduler alone takes 0, an EngineConfig that derives max_step_ms from its
+    # tbt_goal_ms derives LONE_PREFILL_TOKENS (never below the step budget). Why: a 1,500-token prompt alone took
+    # 488 ms of compute in 512-token chunks against 352 ms whole (attention over a gathered prefix costs more than
+    # causal attention within one chunk; Intel Xeon with AMX, profile_step.py, 2026-11-25 07:09 UTC)
+    lone_prefill_tokens: int | None = None
     max_num_partial_prefills: int = 0  # 0: unlimited; else how many prompts may be mid-prefill at once
     preemption_mode: str = "recompute"  # one of PREEMPTION_MODES
     priority_aging_s: float = 0.0  # 0: off; else a waiting request gains one priority level per this many seconds
@@ -114,6 +122,7 @@ class SchedulerConfig:
     # mid-prefill); 0: off. None: not given; derived like short_step_ms (CALM_STEP_FRACTION x max_step_ms)
     calm_step_ms: float | None = None
     calm_step_ms_given: bool = field(init=False, default=False, repr=False)
+    lone_prefill_tokens_given: bool = field(init=False, default=False, repr=False)
     # time slices: a request demoted to level L queues as if it had arrived L * level_aging_s after its demotion,
     # so fresh work passes it only for a while (0: strict levels, which can starve it under sustained load)
     level_aging_s: float = 5.0
@@ -134,6 +143,10 @@ class SchedulerConfig:
         self.short_step_ms_given = self.short_step_ms is not None
         if self.short_step_ms is None:
             self.short_step_ms = 0.0
+        if self.lone_prefill_tokens is None:
+            self.lone_prefill_tokens = 0
+        else:
+            self.lone_prefill_tokens_given = True
         self.calm_step_ms_given = self.calm_step_ms is not None
         if self.calm_step_ms is None:
             self.calm_step_ms = 0.0
@@ -147,6 +160,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.lone_prefill_tokens < 0:
+            raise ValueError(f"lone_prefill_tokens must be >= 0, got {self.lone_prefill_tokens}")
         if self.max_queue_delay_s < 0:
             raise ValueError(f"max_queue_delay_s must be >= 0, got {self.max_queue_delay_s}")
         if self.max_step_ms < 0:
@@ -232,3 +247,5 @@ class EngineConfig:
                 s.short_step_ms = s.max_step_ms * SHORT_STEP_FRACTION
             if not s.calm_step_ms_given:
                 s.calm_step_ms = s.max_step_ms * CALM_STEP_FRACTION
+            if not s.lone_prefill_tokens_given and not s.auto_max_num_batched_tokens:
+                s.lone_prefill_tokens = max(LONE_PREFILL_TOKENS, s.max_num_batched_tokens)

@@ -248,6 +248,7 @@ class MultiEngine:
         self.turns = LoadTurns()
         self._turn_since_step = False  # a load's turn was served since the last step
         self._inflight: dict[str, _Run] = {}  # model -> its suspended step (at most one each)
+        self._lone: dict[str, int] = {}  # model -> its own lone_prefill_tokens (0 while another model is busy)
         self._layers: dict[str, int] = {}  # model -> layer boundaries in one of its sliced steps (learned)
         self._tail_s: dict[str, float] = {}  # model -> its last sliced step's tail: last boundary to the end
         self._decode_s: dict[str, float] = {}  # model -> its last step of decodes alone (no prompt chunk)
@@ -267,6 +268,7 @@ class MultiEngine:
             self._debut[name] = timeline
         self._step_ms[name] = engine.scheduler.config.max_step_ms
         self._budget[name] = engine.scheduler.config.max_num_batched_tokens
+        self._lone[name] = engine.scheduler.config.lone_prefill_tokens
 
     def remove_model(self, name: str) -> Engine:
         """Take an idle model out of the loop; the caller drops the Engine to free its memory."""
@@ -281,6 +283,7 @@ class MultiEngine:
             debut.finish()
         self._step_ms.pop(name, None)
         self._budget.pop(name, None)
+        self._lone.pop(name, None)
         self._since.pop(name, None)
         for learned in (self._layers, self._tail_s, self._decode_s):
             learned.pop(name, None)
@@ -373,6 +376,9 @@ class MultiEngine:
     def _start(self, name: str, busy: list[str], sliced: bool) -> "_Run":
         engine = self.engines[name]
         config = engine.scheduler.config
+        # a step of prompts alone may use the lone-prefill budget only while no other model is busy: beside them
+        # the budgets below bound it
+        config.lone_prefill_tokens = self._lone[name] if len(busy) == 1 else 0
         if sliced:
             # Another model's streams wait for a slice of this step, not all of it (`_advance`): a step of prompts
             # alone is cut to the whole target only and a debut's prompt runs whole. The target stays shared: this

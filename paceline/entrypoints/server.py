@@ -765,6 +765,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "scheduling_policy": (SchedulerConfig, "scheduling_policy"),
     "preemption_mode": (SchedulerConfig, "preemption_mode"),
     "long_prefill_token_threshold": (SchedulerConfig, "long_prefill_token_threshold"),
+    "lone_prefill_tokens": (SchedulerConfig, "lone_prefill_tokens"),
     "max_num_partial_prefills": (SchedulerConfig, "max_num_partial_prefills"),
     "priority_aging_s": (SchedulerConfig, "priority_aging_s"),
     "max_batch_wait_ms": (SchedulerConfig, "max_batch_wait_ms"),
@@ -826,6 +827,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
          type=int_or_auto)
     flag("max_num_seqs", "most requests in one step; auto: as many as the step-time target allows each step",
          type=int_or_auto)
+    flag("lone_prefill_tokens", "token budget of a step no stream waits on (no decode; step-time target on); "
+         "0: the step budget", type=int)
     flag("max_model_len", "context length (capped by the model's)", type=int)
     flag("block_size", "tokens per KV-cache block", type=int)
     flag("kv_cache_memory_gb", "memory for the KV cache, GiB", type=float)

@@ -68,7 +68,9 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
     total = out.num_batched_tokens
     prompts = [s.num_tokens for s in out.scheduled if not s.is_decode]
     if cfg.policy == "stall-free":
-        assert total <= cfg.max_num_batched_tokens
+        # a step no stream waits on (no decode, a step-time target) may take the lone-prefill budget instead
+        lone = cfg.max_step_ms > 0 and not any(s.is_decode for s in out.scheduled)
+        assert total <= (max(cfg.max_num_batched_tokens, cfg.lone_prefill_tokens) if lone else cfg.max_num_batched_tokens)
     elif cfg.policy == "prefill-first":
         assert total <= cfg.max_num_batched_tokens or len(out.scheduled) == 1
     else:  # one whole prompt may overflow the budget

@@ -7,7 +7,8 @@ import pytest
 from sched_util import make_request, make_scheduler, step
 from test_short_step_target import chunks_of, linear_model, streams
 
-from paceline.config import CALM_STEP_FRACTION, DEFAULT_TBT_GOAL_MS, EngineConfig, SchedulerConfig, step_target_ms
+from paceline.config import (CALM_STEP_FRACTION, DEFAULT_TBT_GOAL_MS, LONE_PREFILL_TOKENS, EngineConfig,
+                             SchedulerConfig, step_target_ms)
 
 
 def scheduler(calm_step_ms: float, short_step_ms: float = 45):
@@ -62,6 +63,38 @@ def test_no_decode_means_no_time_limit_even_alone() -> None:
     sched = scheduler(90)
     sched.add_request(make_request("p", 1500, max_tokens=1000))
     assert step(sched, 1.0).batch == [("p", 512)]
+
+
+def lone(tokens: int):
+    return make_scheduler("stall-free", budget=512, step_time=linear_model, max_step_ms=150, calm_step_ms=90,
+                          lone_prefill_tokens=tokens)
+
+
+def test_a_step_no_stream_waits_on_takes_the_lone_budget() -> None:
+    for tokens, chunk in ((2048, 1500), (1024, 1024), (0, 512)):
+        sched = lone(tokens)
+        sched.add_request(make_request("p", 1500, max_tokens=1000))
+        assert step(sched, 1.0).batch == [("p", chunk)]
+
+
+def test_the_lone_budget_ends_once_a_stream_runs() -> None:
+    sched = lone(2048)
+    sched.add_request(make_request("a", 40, max_tokens=50))
+    step(sched, 1.0)  # "a" prefilled whole: a stream from now on
+    sched.add_request(make_request("p", 3000, max_tokens=10))
+    chunk = dict(step(sched, 1.1).batch)
+    assert chunk["a"] == 1 and chunk["p"] <= 512  # the step budget and the step-time target again
+
+
+def test_the_serving_default_derives_the_lone_budget_and_a_named_one_is_kept() -> None:
+    assert EngineConfig().scheduler.lone_prefill_tokens == LONE_PREFILL_TOKENS
+    assert SchedulerConfig().lone_prefill_tokens == 0  # a scheduler alone: off
+    big = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=4096)).scheduler
+    assert big.lone_prefill_tokens == 4096  # never below the step budget
+    assert EngineConfig(scheduler=SchedulerConfig(lone_prefill_tokens=0)).scheduler.lone_prefill_tokens == 0
+    assert EngineConfig(tbt_goal_ms=0).scheduler.lone_prefill_tokens == 0
+    with pytest.raises(ValueError, match="lone_prefill_tokens"):
+        SchedulerConfig(lone_prefill_tokens=-1)
 
 
 def test_the_serving_default_derives_the_calm_target_and_a_named_one_is_kept() -> None:
