@@ -47,10 +47,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 slice_tokens=st.sampled_from([0, 0, 1, 3]),
                 slice_ms=st.sampled_from([0.0, 0.0, 2000.0]),
                 level_aging=st.sampled_from([0.0, 3.0]),
-                short_step=st.booleans(), calm_step=st.booleans())
+                short_step=st.booleans(), calm_step=st.booleans(), lone=st.sampled_from([0, 0, 16]))
     def setup(self, policy, scheduling, mode, block_size, num_blocks, budget, max_seqs, host_blocks, threshold,
               partial, aging, wait_ms, step_ms, spec=None, slice_tokens=0, slice_ms=0.0, level_aging=0.0,
-              short_step=False, calm_step=False) -> None:
+              short_step=False, calm_step=False, lone=0) -> None:
         if policy == "static":
             slice_tokens, slice_ms = 0, 0.0
         self.sched = make_scheduler(policy, budget=budget, max_seqs=max_seqs, num_blocks=num_blocks,
@@ -64,7 +64,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                     if spec else None, time_slice_tokens=slice_tokens, time_slice_ms=slice_ms,
                                     level_aging_s=level_aging,
                                     short_step_ms=step_ms / 2 if short_step and policy == "stall-free" else 0.0,
-                                    calm_step_ms=step_ms * 0.7 if calm_step and policy == "stall-free" else 0.0)
+                                    calm_step_ms=step_ms * 0.7 if calm_step and policy == "stall-free" else 0.0,
+                                    lone_prefill_tokens=lone)
         self.capacity = num_blocks * block_size
         self.now = 0.0
         self.count = 0
@@ -122,8 +123,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not (set(out.preempted_ids) | set(out.swapped_out_ids)) & set(out.swapped_in_ids)
         for s in out.scheduled:  # a request resumed this step is not preempted in it
             assert s.request.request_id not in out.preempted_ids
-        if sched.config.policy == "stall-free":
-            assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        if sched.config.policy == "stall-free":  # the lone-prefill budget only where no decode runs (check_output)
+            cfg = sched.config
+            lone = cfg.max_step_ms > 0 and not any(s.is_decode for s in out.scheduled)
+            assert out.num_batched_tokens <= (max(cfg.max_num_batched_tokens, cfg.lone_prefill_tokens) if lone
+                                              else cfg.max_num_batched_tokens)
         tokens = {s.request.request_id: rng.randrange(100) for s in out.scheduled if s.needs_sample and not s.spec_token_ids}
         # a speculative decode: the target keeps a random prefix of the proposals (often all), then its own token
         verified = {s.request.request_id: s.spec_token_ids[:rng.choice([0, len(s.spec_token_ids), rng.randrange(len(s.spec_token_ids) + 1)])]
