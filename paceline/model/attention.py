@@ -26,7 +26,9 @@ rev=0695ec0,avx2,avx512,eager`: a 512-token chunk at 1,000 11.14 -> 5.24 ms (bf1
 bf16 cache and a bf16 model's queries). Why: their per-score horizontal sums and scalar softmax dominated; one
 layer, best of 15, 08:44 UTC, `decode_attention.py --layer --variants rev=c757601,avx512,avx2`: 32 bf16 decodes at
 100-200 tokens 0.194 -> 0.124 ms, 6 at 1,900 0.477 -> 0.270 ms (float32 decodes unchanged on Zen 4).
-`PACELINE_ATTN_ISA=avx2` forces the AVX2 build (attention_kernel.py).
+`PACELINE_ATTN_ISA=avx2` forces the AVX2 build (attention_kernel.py). On a CPU with AMX bf16 tiles a bf16 step's
+prompt chunks of SDPA_PREFILL_FROM_ROWS+ rows run torch's SDPA instead (its GEMMs on the tiles) and its decodes the
+op (`prefill_sdpa`, below).
 
 The eager path:
 
@@ -310,6 +312,7 @@ def _prefill_fields(meta: AttnMetadata, prefills: list[SeqSlice], block_size: in
         valid = (i < lens[:, None]).reshape(-1)
         meta.prefill_out_index = torch.nonzero(valid).squeeze(1).to(device)
 
+
 def _gather(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return blocks.index_select(0, index) if out is None else torch.index_select(blocks, 0, index, out=out)
 
@@ -322,9 +325,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     t, h, d = q.shape
     kvh = k.shape[1]
-    # 2-D views: index_select/index_copy_ over whole rows take the memcpy fast path (3-D ones do not)
     if meta.kernel is not None and meta.sdpa_prefill and q.dtype == torch.bfloat16:
         return _sdpa_prefill_op_decodes(q, k, v, k_cache, v_cache, meta, scale)
+    # 2-D views: index_select/index_copy_ over whole rows take the memcpy fast path (3-D ones do not)
     if meta.kernel is not None:
         # one call: writes this step's K/V into their slots, then attends (float32 queries and output; row views
         # of qkv are fine, the op takes any row stride)

@@ -414,10 +414,11 @@ def cpu_has_amx_bf16() -> bool:
 
 
 def int4_bf16_from_rows() -> int:
-    """From how many rows an int4 model's bf16 steps run the dense bf16 copy: on AMX early (INT4_BF16_FROM_ROWS_AMX);
-    where the w4a8 op's VNNI build serves the rows below, later (INT4_BF16_FROM_ROWS_VNNI); else INT4_BF16_FROM_ROWS."""
-    if dense_rows_from_env():
-        return dense_rows_from_env()
+    """From how many rows an int4 model's bf16 steps run the dense bf16 copy: PACELINE_INT4_DENSE_FROM_ROWS; with AMX
+    bf16 tiles INT4_BF16_FROM_ROWS_AMX; where the w4a8 op's VNNI build serves the rows below INT4_BF16_FROM_ROWS_VNNI;
+    else INT4_BF16_FROM_ROWS."""
+    if rows := dense_rows_from_env():
+        return rows
     if cpu_has_amx_bf16():
         return INT4_BF16_FROM_ROWS_AMX
     return INT4_BF16_FROM_ROWS_VNNI if w4a8_kernel.isa() == "vnni" else INT4_BF16_FROM_ROWS
