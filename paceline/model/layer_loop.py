@@ -360,7 +360,7 @@ class LayerLoop:
             self.ops[role] = op
         return True
 
-    def _path(self, lins: list, rows: int, dtype: torch.dtype, gated: bool) -> int | None:
+    def _path(self, lins: list, rows: int, dtype: torch.dtype, gated: bool, decodes: int = 0) -> int | None:
         """Which product serves every layer's linear of one kind for a step of `rows` rows of `dtype`, the op it
         needs set; None where the stack cannot run it exactly as the Python loop would."""
         from paceline.model import w4a8_kernel, w8a8_kernel
@@ -369,7 +369,7 @@ class LayerLoop:
             return DENSE if lin.wide is None or dtype != torch.float32 else None
         if not isinstance(lin, self._Int4Linear):
             return None
-        path = lin.path(rows, dtype)
+        path = lin.path(rows, dtype, decodes)
         if path == "int4":
             return INT4 if self._set_op("int4", lin.kernel) else None
         if path == "w4a8":
@@ -387,11 +387,11 @@ class LayerLoop:
                 return W8A8_SILU if self._set_op("w8a8_silu", op) else None
         return W8A8
 
-    def paths(self, rows: int, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
+    def paths(self, rows: int, dtype: torch.dtype, decodes: int = 0) -> tuple[int, int, int, int] | None:
         """The four linears' products for this step, or None (the Python loop runs it)."""
         out = []
         for k, lins in enumerate(self.kinds):
-            p = self._path(lins, rows, dtype, KINDS[k] == "gate_up")
+            p = self._path(lins, rows, dtype, KINDS[k] == "gate_up", decodes)
             if p is None:
                 return None
             out.append(p)

@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import threading
+from functools import partial
 import warnings
 from typing import Generator, TypeVar
 
@@ -406,6 +407,12 @@ INT4_BF16_FROM_ROWS_VNNI = 72
 # of 16-127 rows keep the op (in the run above the 32-stream probe's 25-token chunk + 17 decodes 34.2 against
 # 29.2 ms, 32 decodes 36.7 against 35.0, a 48-token chunk + 32 decodes 59.1 against 39.8).
 INT4_BF16_FROM_ROWS_AMX = 128
+# ... but a step holding at least INT4_BF16_FROM_DECODES_AMX decodes runs the copy whatever its rows: a decode's
+# logits already depend on its batch (the int4 op serves 1-6 rows, the w4a8 op 7+), and a chat prompt alone keeps
+# its op. Whole steps (`benchmarks/profile_step.py --modes int4 --only "b=32,probe32"`, with the rule and without,
+# 2026-11-25 08:25 UTC, ms, without / with): 25 prompt tokens + 17 decodes 37.8 / 33.2, a 100-token prompt + 17
+# decodes 72.3 / 46.1, 48 prompt tokens + 32 decodes 62.6 / 45.4, 32 decodes 39.7 / 38.4; one decode 13.3 / 13.3.
+INT4_BF16_FROM_DECODES_AMX = 16
 
 
 def cpu_has_amx_bf16() -> bool:
@@ -594,6 +601,9 @@ class Int4Linear:
         # bfloat16 copy (dense="bf16"), or its int8 requantization (dense="int8": W8A8Linear); the w4a8 op then
         # serves only the rows between W4A8_FROM_ROWS and bf16_from, if any
         self.bf16_from = bf16_from if bf16_from is not None and not wide and dtype == torch.bfloat16 else None
+        # with AMX bf16 tiles a step of this many decodes runs the dense copy too (INT4_BF16_FROM_DECODES_AMX)
+        self.bf16_decodes_from = (INT4_BF16_FROM_DECODES_AMX if self.bf16_from is not None and dense == "bf16"
+                                  and cpu_has_amx_bf16() else None)
         use_w4a8 = (w4a8 and self.kernel is not None and wide != "int8"
                     and (self.bf16_from is None or self.bf16_from > W4A8_FROM_ROWS) and w4a8_kernel.load() is not None)
         self.w4a8 = w4a8_kernel.pack(codes, scale, lo, nibbles=True) if use_w4a8 else None
@@ -614,19 +624,20 @@ class Int4Linear:
         return (weight.device.type == "cpu" and dtype == torch.bfloat16 and weight.shape[1] % INT4_GROUP == 0
                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
-    def gated(self, x: torch.Tensor) -> torch.Tensor | None:
+    def gated(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor | None:
         """silu(gate) * up of this (gate/up) linear's output where the step runs W8A8Linear and it fuses them
         (W8A8Linear.gated); None elsewhere, where the caller runs silu_mul over __call__'s output."""
-        if isinstance(self.dense, W8A8Linear) and self.path(x.shape[0], x.dtype) == "dense":
+        if isinstance(self.dense, W8A8Linear) and self.path(x.shape[0], x.dtype, decodes) == "dense":
             return self.dense.gated(x)
         return None
 
-    def path(self, rows: int, dtype: torch.dtype) -> str:
+    def path(self, rows: int, dtype: torch.dtype, decodes: int = 0) -> str:
         """Which product serves a step of `rows` rows of `dtype` (the same in every layer of a step): "dense" (the
         dense copy, as it is), "w4a8" (the int4 x int8 op), "int4" (paceline's int4 op), "dense_cast" (the dense
         copy in its own dtype, cast back) or "torch_int4" (torch's int4 op). __call__ runs it; the C++ layer loop
         (layer_loop.py) asks it once per step."""
-        if self.bf16_from is not None and rows >= self.bf16_from and dtype == torch.bfloat16:
+        if self.bf16_from is not None and dtype == torch.bfloat16 and (
+                rows >= self.bf16_from or (self.bf16_decodes_from is not None and decodes >= self.bf16_decodes_from)):
             return "dense"
         # w4a8_kernel.op() None: a snapshot built with the op, mapped where it cannot build (int4 op below)
         if self.w4a8 is not None and rows >= W4A8_FROM_ROWS and w4a8_kernel.op() is not None:
@@ -637,8 +648,8 @@ class Int4Linear:
             return "dense_cast"
         return "int4" if self.kernel is not None else "torch_int4"
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        path = self.path(x.shape[0], x.dtype)
+    def __call__(self, x: torch.Tensor, decodes: int = 0) -> torch.Tensor:
+        path = self.path(x.shape[0], x.dtype, decodes)
         if path == "dense":
             return self.dense(x)
         if path == "w4a8":
@@ -733,6 +744,7 @@ class LlamaLayer(nn.Module):
         # (and the int4 x int8 op does not serve it either there: int8 wide steps are a choice of their own)
         self.down = make_linear(w["down"], None, pack, quantization, dtype, "fp32" if wide == "int8" else wide,
                                 int4_rows, "" if wide == "int8" else "down", bf16_from, int4_dense)
+        self.int4 = all(isinstance(lin, Int4Linear) for lin in (self.qkv, self.o, self.gate_up, self.down))
         self.register_buffer("input_norm", w["input_norm"])
         self.register_buffer("post_norm", w["post_norm"])
         # float32 steps (wide) read float32 norm weights: rms_norm wants its input's dtype
@@ -750,26 +762,31 @@ class LlamaLayer(nn.Module):
         if h.dtype != input_norm.dtype and self.norms32 is not None:
             input_norm, post_norm = self.norms32
         f = self.fused
+        if self.int4:  # an int4 layer's linears also hear how many decodes the step holds (Int4Linear.path)
+            nd = meta.num_decodes
+            qkv_, o_, gate_up_, down_ = (partial(lin, decodes=nd) for lin in (self.qkv, self.o, self.gate_up, self.down))
+        else:
+            qkv_, o_, gate_up_, down_ = self.qkv, self.o, self.gate_up, self.down
         if f is not None and h.dtype in (torch.float32, torch.bfloat16):
-            qkv = self.qkv(f.rms_norm(h, input_norm, self.eps))
+            qkv = qkv_(f.rms_norm(h, input_norm, self.eps))
             qk = f.rope(qkv, torch.view_as_real(rope), nh + nkv, d)  # rope [T, 1, d/2] complex: (cos, sin) pairs
             v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
             attn = paged_attention(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)
-            h, x = f.add_rms_norm(h, self.o(attn), post_norm, self.eps)
-            gated = self.gate_up.gated(x) if isinstance(self.gate_up, Int4Linear) else None
-            return h + self.down(gated if gated is not None else f.silu_mul(self.gate_up(x)))
+            h, x = f.add_rms_norm(h, o_(attn), post_norm, self.eps)
+            gated = self.gate_up.gated(x, meta.num_decodes) if self.int4 else None
+            return h + down_(gated if gated is not None else f.silu_mul(gate_up_(x)))
         x = F.rms_norm(h, (h.shape[-1],), input_norm, self.eps)
-        qkv = self.qkv(x)
+        qkv = qkv_(x)
         qk = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d // 2, 2)
         if qk.dtype != torch.float32:
             qk = qk.float()
         qk = torch.view_as_real(torch.view_as_complex(qk) * rope).view(t, nh + nkv, d).to(h.dtype)
         v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
         attn = paged_attention(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)
-        h = h + self.o(attn)
+        h = h + o_(attn)
         x = F.rms_norm(h, (h.shape[-1],), post_norm, self.eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate).mul_(up))
+        gate, up = gate_up_(x).chunk(2, dim=-1)
+        return h + down_(F.silu(gate).mul_(up))
 
 
 class LlamaModel(nn.Module):
@@ -996,7 +1013,7 @@ class LlamaModel(nn.Module):
                 or h.dtype not in (torch.float32, torch.bfloat16) or h.dtype != self.layers[0].input_norm.dtype):
             return None
         loop = layer_loop.for_model(self)
-        paths = loop.paths(h.shape[0], h.dtype) if loop is not None else None
+        paths = loop.paths(h.shape[0], h.dtype, meta.num_decodes) if loop is not None else None
         return None if paths is None else (loop, paths)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
