@@ -149,3 +149,21 @@ def test_int4_bf16_from_rows_follows_the_cpu(monkeypatch):
     assert llama.int4_bf16_from_rows() == llama.INT4_BF16_FROM_ROWS
     monkeypatch.setenv("PACELINE_INT4_DENSE_FROM_ROWS", "40")
     assert llama.int4_bf16_from_rows() == 40
+
+
+def test_amx_steps_of_many_decodes_run_the_dense_copy(monkeypatch):
+    """With AMX bf16 tiles a step holding INT4_BF16_FROM_DECODES_AMX decodes runs the dense copy below
+    INT4_BF16_FROM_ROWS_AMX rows; a step of prompt rows alone keeps the op (a chat prompt's logits must not depend on
+    a prefix-cache hit). Without AMX the decodes change nothing."""
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(llama, "cpu_has_amx_bf16", lambda: True)
+    amx = Int4Linear(w, None, torch.bfloat16, kernel_rows=256, w4a8=True, bf16_from=llama.INT4_BF16_FROM_ROWS_AMX)
+    many = llama.INT4_BF16_FROM_DECODES_AMX
+    assert amx.path(many + 5, torch.bfloat16, decodes=many) == "dense"
+    assert amx.path(many + 5, torch.bfloat16) != "dense" and amx.path(many + 5, torch.bfloat16, many - 1) != "dense"
+    assert amx.path(many, torch.float32, decodes=many) != "dense"  # bf16 steps only
+    x = torch.randn(many, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(amx(x, decodes=many), amx.dense(x), rtol=0, atol=0)
+    monkeypatch.setattr(llama, "cpu_has_amx_bf16", lambda: False)
+    plain = Int4Linear(w, None, torch.bfloat16, kernel_rows=256, w4a8=True, bf16_from=llama.INT4_BF16_FROM_ROWS_AMX)
+    assert plain.bf16_decodes_from is None and plain.path(many + 5, torch.bfloat16, decodes=64) != "dense"
