@@ -31,8 +31,8 @@ SHORT_STEP_FRACTION = 0.35
 # (Scheduler.step_target_ms), as a fraction of max_step_ms: 72 ms under the 120 ms default. A full-target step buys
 # the prompts queued behind it their turn sooner; with none queued it buys only this prompt a few tens of ms of TTFT
 # and every running stream pays for them in its token gap (docs/scheduling.md, "A calm target")
-LONE_PREFILL_TOKENS = 2048  # SchedulerConfig.lone_prefill_tokens under a step-time target derived from the TBT goal
 CALM_STEP_FRACTION = 0.6
+LONE_PREFILL_TOKENS = 2048  # SchedulerConfig.lone_prefill_tokens under a step-time target derived from the TBT goal
 
 
 # `--max-num-seqs auto` / `--max-num-batched-tokens auto` (core/auto_batch.py): chosen before every step from the
@@ -98,6 +98,7 @@ class SchedulerConfig:
     # 488 ms of compute in 512-token chunks against 352 ms whole (attention over a gathered prefix costs more than
     # causal attention within one chunk; Intel Xeon with AMX, profile_step.py, 2026-11-25 07:09 UTC)
     lone_prefill_tokens: int | None = None
+    lone_prefill_tokens_given: bool = field(init=False, default=False, repr=False)
     max_num_partial_prefills: int = 0  # 0: unlimited; else how many prompts may be mid-prefill at once
     preemption_mode: str = "recompute"  # one of PREEMPTION_MODES
     priority_aging_s: float = 0.0  # 0: off; else a waiting request gains one priority level per this many seconds
@@ -122,7 +123,6 @@ class SchedulerConfig:
     # mid-prefill); 0: off. None: not given; derived like short_step_ms (CALM_STEP_FRACTION x max_step_ms)
     calm_step_ms: float | None = None
     calm_step_ms_given: bool = field(init=False, default=False, repr=False)
-    lone_prefill_tokens_given: bool = field(init=False, default=False, repr=False)
     # time slices: a request demoted to level L queues as if it had arrived L * level_aging_s after its demotion,
     # so fresh work passes it only for a while (0: strict levels, which can starve it under sustained load)
     level_aging_s: float = 5.0
@@ -143,10 +143,9 @@ class SchedulerConfig:
         self.short_step_ms_given = self.short_step_ms is not None
         if self.short_step_ms is None:
             self.short_step_ms = 0.0
+        self.lone_prefill_tokens_given = self.lone_prefill_tokens is not None
         if self.lone_prefill_tokens is None:
             self.lone_prefill_tokens = 0
-        else:
-            self.lone_prefill_tokens_given = True
         self.calm_step_ms_given = self.calm_step_ms is not None
         if self.calm_step_ms is None:
             self.calm_step_ms = 0.0

@@ -91,7 +91,7 @@ class StallFree(Policy):
         fit = sched.chunk_within_step_time
         decodes, prefills = _split_running(sched)
         _run_decodes(sched, step, decodes)
-        if (cfg.max_step_ms > 0 and not decodes and not sched.swapped and step.used == 0
+        if (cfg.max_step_ms > 0 and not decodes and not sched.swapped
                 and cfg.lone_prefill_tokens > step.max_tokens and not cfg.auto_max_num_batched_tokens):
             # no stream waits on this step (SchedulerConfig.lone_prefill_tokens): prompts run in bigger chunks
             step.max_tokens = cfg.lone_prefill_tokens

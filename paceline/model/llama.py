@@ -13,7 +13,6 @@ import contextlib
 import math
 import os
 import threading
-from functools import partial
 import warnings
 from typing import Generator, TypeVar
 
@@ -393,8 +392,8 @@ INT4_BF16_FROM_ROWS = 12
 # 96.0, a 512-token prefill 423.3 vs 379.5. The lines cross between 70 and 80 rows, so there the copy starts.
 INT4_BF16_FROM_ROWS_VNNI = 72
 # On a CPU with AMX tiles for bf16 (Intel Sapphire Rapids and later: amx_bf16), oneDNN's bf16 matmul runs on the
-# tiles: ~2.5 TFLOP/s on 2 cores for a 1,500 x 576 x 1,536 product, ~6x its float32 one, and the dense copy wins from
-# a dozen rows on, whatever build of the w4a8 op serves the rows below. Whole steps of the bundled model, one process
+# tiles (the layer linears of a whole 1,500-token step, ~318 GFLOP, in 130 ms: ~2.4 TFLOP/s on 2 cores; docs/
+# performance.md, "On a CPU with AMX"), and the dense copy wins from a dozen rows on, whatever build of the w4a8 op serves the rows below. Whole steps of the bundled model, one process
 # (Intel Xeon with AMX, 2 threads; `benchmarks/profile_step.py --modes int4 --compare "int4_wide=w4a8,
 # int4_wide=bf16+int4_bf16_from=16,int4_wide=bf16+int4_bf16_from=8" --only "b=32,prefill 512,1500 in 512,rows 12 ,
 # rows 32 ,rows 128 ,probe32" --repeats 3`, 2026-11-25 07:13 UTC, ms, w4a8 op at every row / copy from 16 / from 8):
@@ -762,31 +761,28 @@ class LlamaLayer(nn.Module):
         if h.dtype != input_norm.dtype and self.norms32 is not None:
             input_norm, post_norm = self.norms32
         f = self.fused
-        if self.int4:  # an int4 layer's linears also hear how many decodes the step holds (Int4Linear.path)
-            nd = meta.num_decodes
-            qkv_, o_, gate_up_, down_ = (partial(lin, decodes=nd) for lin in (self.qkv, self.o, self.gate_up, self.down))
-        else:
-            qkv_, o_, gate_up_, down_ = self.qkv, self.o, self.gate_up, self.down
+        # an int4 layer's linears also hear how many decodes the step holds (Int4Linear.path)
+        kw = {"decodes": meta.num_decodes} if self.int4 else {}
         if f is not None and h.dtype in (torch.float32, torch.bfloat16):
-            qkv = qkv_(f.rms_norm(h, input_norm, self.eps))
+            qkv = self.qkv(f.rms_norm(h, input_norm, self.eps), **kw)
             qk = f.rope(qkv, torch.view_as_real(rope), nh + nkv, d)  # rope [T, 1, d/2] complex: (cos, sin) pairs
             v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
             attn = paged_attention(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)
-            h, x = f.add_rms_norm(h, o_(attn), post_norm, self.eps)
-            gated = self.gate_up.gated(x, meta.num_decodes) if self.int4 else None
-            return h + down_(gated if gated is not None else f.silu_mul(gate_up_(x)))
+            h, x = f.add_rms_norm(h, self.o(attn, **kw), post_norm, self.eps)
+            gated = self.gate_up.gated(x, **kw) if self.int4 else None
+            return h + self.down(gated if gated is not None else f.silu_mul(self.gate_up(x, **kw)), **kw)
         x = F.rms_norm(h, (h.shape[-1],), input_norm, self.eps)
-        qkv = qkv_(x)
+        qkv = self.qkv(x, **kw)
         qk = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d // 2, 2)
         if qk.dtype != torch.float32:
             qk = qk.float()
         qk = torch.view_as_real(torch.view_as_complex(qk) * rope).view(t, nh + nkv, d).to(h.dtype)
         v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
         attn = paged_attention(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)
-        h = h + o_(attn)
+        h = h + self.o(attn, **kw)
         x = F.rms_norm(h, (h.shape[-1],), post_norm, self.eps)
-        gate, up = gate_up_(x).chunk(2, dim=-1)
-        return h + down_(F.silu(gate).mul_(up))
+        gate, up = self.gate_up(x, **kw).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate).mul_(up), **kw)
 
 
 class LlamaModel(nn.Module):

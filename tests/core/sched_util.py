@@ -58,6 +58,14 @@ def step(sched: Scheduler, now: float, token: int = 7, result: StepResult | None
     return view
 
 
+def stall_free_budget(cfg, out: SchedulerOutput) -> int:
+    """The most tokens a stall-free step may hold: the step budget, or the lone-prefill budget for a step no stream
+    waits on (no decode, a step-time target)."""
+    if cfg.max_step_ms > 0 and not any(s.is_decode for s in out.scheduled):
+        return max(cfg.max_num_batched_tokens, cfg.lone_prefill_tokens)
+    return cfg.max_num_batched_tokens
+
+
 def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str] | None = None) -> None:
     """A step's output, checked before update(): limits, block coverage, starts. `running_before`: the ids
     running when the step began, if known; requests admitted in the step come after the chunks in flight."""
@@ -68,9 +76,7 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
     total = out.num_batched_tokens
     prompts = [s.num_tokens for s in out.scheduled if not s.is_decode]
     if cfg.policy == "stall-free":
-        # a step no stream waits on (no decode, a step-time target) may take the lone-prefill budget instead
-        lone = cfg.max_step_ms > 0 and not any(s.is_decode for s in out.scheduled)
-        assert total <= (max(cfg.max_num_batched_tokens, cfg.lone_prefill_tokens) if lone else cfg.max_num_batched_tokens)
+        assert total <= stall_free_budget(cfg, out)
     elif cfg.policy == "prefill-first":
         assert total <= cfg.max_num_batched_tokens or len(out.scheduled) == 1
     else:  # one whole prompt may overflow the budget

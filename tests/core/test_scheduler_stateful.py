@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from sched_util import check_output, check_state, make_scheduler
+from sched_util import check_output, check_state, make_scheduler, stall_free_budget
 
 from paceline.core.outputs import StepResult
 from paceline.request import Request, RequestStatus
@@ -123,11 +123,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not (set(out.preempted_ids) | set(out.swapped_out_ids)) & set(out.swapped_in_ids)
         for s in out.scheduled:  # a request resumed this step is not preempted in it
             assert s.request.request_id not in out.preempted_ids
-        if sched.config.policy == "stall-free":  # the lone-prefill budget only where no decode runs (check_output)
-            cfg = sched.config
-            lone = cfg.max_step_ms > 0 and not any(s.is_decode for s in out.scheduled)
-            assert out.num_batched_tokens <= (max(cfg.max_num_batched_tokens, cfg.lone_prefill_tokens) if lone
-                                              else cfg.max_num_batched_tokens)
+        if sched.config.policy == "stall-free":
+            assert out.num_batched_tokens <= stall_free_budget(sched.config, out)
         tokens = {s.request.request_id: rng.randrange(100) for s in out.scheduled if s.needs_sample and not s.spec_token_ids}
         # a speculative decode: the target keeps a random prefix of the proposals (often all), then its own token
         verified = {s.request.request_id: s.spec_token_ids[:rng.choice([0, len(s.spec_token_ids), rng.randrange(len(s.spec_token_ids) + 1)])]
