@@ -62,7 +62,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from paceline.model import attention_kernel, int4_kernel
+from paceline.model import amx_attention_kernel, attention_kernel, int4_kernel
 
 
 @dataclass
@@ -80,6 +80,8 @@ class AttnMetadata:
     # prompt chunks
     num_prefills: int = 0
     prefill_fresh: bool = False  # one chunk starting at 0: attend to its own K/V, causal
+    prefill_starts: list[int] = field(default_factory=list)  # each chunk's first position
+    prefill_lens: list[int] = field(default_factory=list)  # each chunk's tokens
     prefill_q_index: torch.Tensor | None = None  # [Bp * Qmax] flat row per padded query (None: Bp == 1)
     prefill_out_index: torch.Tensor | None = None  # [Tp] padded row of each real query (None: Bp == 1)
     prefill_kv_index: torch.Tensor | None = None  # [Bp * Lmax / block_size] blocks of each chunk's context
@@ -291,6 +293,8 @@ def _prefill_fields(meta: AttnMetadata, prefills: list[SeqSlice], block_size: in
     """The SDPA path's fields for the prompt chunks: one fresh chunk attends to its own K/V (causal), else
     padded queries over gathered contexts with a mask."""
     meta.num_prefills = len(prefills)
+    meta.prefill_starts = [s.start for s in prefills]
+    meta.prefill_lens = [s.num_tokens for s in prefills]
     if len(prefills) == 1 and prefills[0].start == 0:
         meta.prefill_fresh = True
         return
@@ -362,25 +366,45 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor,
                        v_blocks: torch.Tensor, meta: AttnMetadata, scale: float) -> torch.Tensor:
-    """The prompt chunks' rows [0, Tp) through SDPA (their K/V already in the cache) -> [Tp, H*D]."""
+    """The prompt chunks' rows [0, Tp) through SDPA, or the AMX op where it runs (their K/V already in the
+    cache) -> [Tp, H*D]."""
     t, h, d = q.shape
     kvh = k.shape[1]
     tp = meta.num_prefill_tokens
+    amx = _amx_op(q, h, kvh, d)
     if meta.prefill_fresh:
+        if amx is not None:
+            return amx(q[:tp], k[:tp], v[:tp], 0, scale).view(tp, h * d)
         # 4-D on purpose: CPU's flash kernel rejects 3-D inputs and SDPA would fall back to the T x T math path
         o = F.scaled_dot_product_attention(q[:tp].transpose(0, 1)[None], k[:tp].transpose(0, 1)[None],
                                            v[:tp].transpose(0, 1)[None], is_causal=True, scale=scale,
                                            enable_gqa=True)
         return o[0].transpose(0, 1).reshape(tp, h * d)
     bp, qmax, lmax = meta.num_prefills, meta.prefill_q_max, meta.prefill_kv_max
-    qp = q[:tp] if meta.prefill_q_index is None else q.index_select(0, meta.prefill_q_index)
     k_out, v_out = meta.prefill_kv_out or (None, None)
-    kc = _gather(k_blocks, meta.prefill_kv_index, k_out).view(bp, lmax, kvh, d).transpose(1, 2).to(q.dtype)
-    vc = _gather(v_blocks, meta.prefill_kv_index, v_out).view(bp, lmax, kvh, d).transpose(1, 2).to(q.dtype)
-    o = F.scaled_dot_product_attention(qp.view(bp, qmax, h, d).transpose(1, 2), kc, vc,
-                                       attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
+    kc = _gather(k_blocks, meta.prefill_kv_index, k_out).view(bp, lmax, kvh, d).to(q.dtype)
+    vc = _gather(v_blocks, meta.prefill_kv_index, v_out).view(bp, lmax, kvh, d).to(q.dtype)
+    if amx is not None:  # one call per chunk over its gathered context: no padded queries, no mask
+        outs, row = [], 0
+        for i, (start, n) in enumerate(zip(meta.prefill_starts, meta.prefill_lens)):
+            outs.append(amx(q[row:row + n], kc[i], vc[i], start, scale).view(n, h * d))
+            row += n
+        return outs[0] if bp == 1 else torch.cat(outs)
+    qp = q[:tp] if meta.prefill_q_index is None else q.index_select(0, meta.prefill_q_index)
+    o = F.scaled_dot_product_attention(qp.view(bp, qmax, h, d).transpose(1, 2), kc.transpose(1, 2),
+                                       vc.transpose(1, 2), attn_mask=meta.prefill_mask, scale=scale,
+                                       enable_gqa=True)
     o = o.transpose(1, 2).reshape(bp * qmax, h * d)
     return o if meta.prefill_out_index is None else o.index_select(0, meta.prefill_out_index)
+
+
+def _amx_op(q: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> Callable | None:
+    """The AMX attention op for bfloat16 prompt rows on a CPU with the tiles (amx_attention_kernel.py), else None."""
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or not amx_attention_kernel.supports(head_dim, heads,
+                                                                                                 kv_heads):
+        return None
+    return amx_attention_kernel.load()
+
 
 def _sdpa_prefill_op_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, meta: AttnMetadata, scale: float) -> torch.Tensor:

@@ -170,11 +170,14 @@ def test_prompt_chunk_rows_equal_those_of_a_shorter_chunk(cache_dtype):
     assert torch.equal(outs[0][:16], outs[1])
 
 
+@pytest.mark.parametrize("amx", ["0", "1"])
 @pytest.mark.parametrize("shape", [[(0, 40), (2, 1), (50, 1)], [(30, 45), (0, 20), (5, 1), (70, 1)], [(0, 33)]])
-def test_sdpa_prefill_beside_the_op_decodes(monkeypatch, shape):
+def test_sdpa_prefill_beside_the_op_decodes(monkeypatch, shape, amx):
     """The AMX path (attention.prefill_sdpa, forced here): a bfloat16 step's prompt chunks (one fresh, or several
-    over earlier context) run SDPA and its decodes the op. The chunks' rows stay within bfloat16 rounding of the
-    dense reference; the decodes' rows are bit for bit what the op alone gives them."""
+    over earlier context) run SDPA, or the AMX attention op where this CPU has it (amx=1), and its decodes the op.
+    The chunks' rows stay within bfloat16 rounding of the dense reference; the decodes' rows are bit for bit what
+    the op alone gives them."""
+    monkeypatch.setenv("PACELINE_ATTN_AMX", amx)
     got = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("PACELINE_ATTN_SDPA_PREFILL", flag)
