@@ -32,7 +32,10 @@ import torch
 
 from paceline.model import int4_kernel
 
-SOURCE = r"""
+# The includes and helpers every AMX op needs (pasted at the top of their sources): the tile state's
+# request, a tile configuration of 8 tiles of 16 rows x 64 bytes, 64-byte aligned scratch, and the compiler
+# barrier that gcc 12's tile intrinsics lack.
+AMX_COMMON = r"""
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Functions.h>
@@ -48,7 +51,7 @@ SOURCE = r"""
 #include <cstring>
 #include <vector>
 
-namespace {
+namespace amx {
 
 #define BARRIER() asm volatile("" ::: "memory")
 
@@ -71,10 +74,29 @@ void load_tile_config() {  // all 8 tiles 16 rows x 64 bytes
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   for (int i = 0; i < 8; ++i) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+  BARRIER();  // else gcc drops the stores above: it does not see ldtilecfg read cfg
   _tile_loadconfig(&cfg);
 }
 
-// 2^t for t <= 0 (finite; scalef flushes far-negative n to 0): round to n, f = t - n in [-0.5, 0.5], degree-6 Taylor polynomial of 2^f, times 2^n by scalef
+// 64-byte aligned scratch: a tile row is one whole cache line only when its start is aligned
+template <typename T>
+struct Aligned {
+  T* p;
+  explicit Aligned(size_t n) : p(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))) {}
+  ~Aligned() { std::free(p); }
+  T* data() { return p; }
+};
+
+}  // namespace amx
+"""
+
+SOURCE = AMX_COMMON + r"""
+namespace {
+
+using namespace amx;
+
+// 2^t for t <= 0 (finite; scalef flushes far-negative n to 0): round to n, f = t - n in [-0.5, 0.5], degree-6
+// Taylor polynomial of 2^f, times 2^n by scalef
 inline __m512 exp2_nonpositive(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
@@ -87,15 +109,6 @@ inline __m512 exp2_nonpositive(__m512 t) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
-
-// 64-byte aligned scratch: a tile row is one whole cache line only when its start is aligned
-template <typename T>
-struct Aligned {
-  T* p;
-  explicit Aligned(size_t n) : p(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))) {}
-  ~Aligned() { std::free(p); }
-  T* data() { return p; }
-};
 
 inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max(n, 0)) - 1); }
 
@@ -313,9 +326,14 @@ FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w", "-mavx512f",
          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
 
 
+def cpu_has_amx() -> bool:
+    """This CPU has the bfloat16 tiles and the AVX-512 (BF16) the AMX ops' vector parts run on."""
+    return set(REQUIRED_FLAGS) <= int4_kernel.cpu_flags()
+
+
 def supported() -> bool:
-    """This CPU has the tiles (and the AVX-512 the softmax runs on); PACELINE_ATTN_AMX=0 says no."""
-    return os.environ.get("PACELINE_ATTN_AMX", "1") != "0" and set(REQUIRED_FLAGS) <= int4_kernel.cpu_flags()
+    """This CPU has the tiles; PACELINE_ATTN_AMX=0 says no."""
+    return os.environ.get("PACELINE_ATTN_AMX", "1") != "0" and cpu_has_amx()
 
 
 def supports(head_dim: int, heads: int, kv_heads: int) -> bool:

@@ -15,8 +15,8 @@ same arguments in the same order, so every tensor it produces has the bits the P
 (tests/model/test_layer_loop.py checks the logits).
 
 What it covers: the fused path (fused_kernel's ops) with the attention op (attention_kernel), on float32 and
-bfloat16 steps of a model whose layers all run one kind of product per linear: Int4Linear's int4 op, w4a8 op, dense
-bf16 copy (oneDNN) or W8A8Linear copy (with its fused SiLU * up for gate_up), and plain Linear (oneDNN prepacked, or
+bfloat16 steps of a model whose layers all run one kind of product per linear: Int4Linear's int4 op, w4a8 op, AMX
+op, dense bf16 copy (oneDNN) or W8A8Linear copy (with its fused SiLU * up for gate_up), and plain Linear (oneDNN prepacked, or
 F.linear before packing). Anything else (CUDA, float32 wide steps of a bf16 model, the eager attention, a product
 the stack does not know) returns None from `LayerLoop.paths` and the Python loop runs. `PACELINE_LAYER_LOOP=0`
 switches it off for models built afterwards (A/B runs).
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from paceline.model import int4_kernel
+from paceline.model import int4_amx_kernel, int4_kernel
 
 SOURCE = r"""
 #include <torch/custom_class.h>
@@ -56,7 +56,7 @@ using at::Tensor;
 using OptTensor = std::optional<at::Tensor>;
 
 // products a linear can run (LayerLoop.PATHS names them in this order)
-enum Path : int64_t { INT4 = 0, W4A8 = 1, DENSE = 2, W8A8 = 3, W8A8_SILU = 4, NUM_PATHS = 5 };
+enum Path : int64_t { INT4 = 0, W4A8 = 1, DENSE = 2, W8A8 = 3, W8A8_SILU = 4, INT4_AMX = 5, NUM_PATHS = 6 };
 enum Kind : int64_t { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3, NUM_KINDS = 4 };
 
 // one layer's weights for one product of one linear
@@ -89,6 +89,7 @@ using Rope = Tensor(const Tensor&, const Tensor&, int64_t, int64_t);
 using SiluMul = Tensor(const Tensor&);
 using Int4Mm = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t);
 using W4a8Mm = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, bool, int64_t);
+using Int4AmxMm = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&);
 using W8a8Mm = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, int64_t);
 using W8a8Silu = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, int64_t, bool);
 using Attn = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -106,6 +107,7 @@ struct LayerStack : torch::CustomClassHolder {
   std::optional<c10::TypedOperatorHandle<SiluMul>> silu_mul_;
   std::optional<c10::TypedOperatorHandle<Int4Mm>> int4_;
   std::optional<c10::TypedOperatorHandle<W4a8Mm>> w4a8_;
+  std::optional<c10::TypedOperatorHandle<Int4AmxMm>> int4_amx_;
   std::optional<c10::TypedOperatorHandle<W8a8Mm>> w8a8_;
   std::optional<c10::TypedOperatorHandle<W8a8Silu>> w8a8_silu_;
   std::optional<c10::TypedOperatorHandle<Attn>> attn_;
@@ -126,6 +128,7 @@ struct LayerStack : torch::CustomClassHolder {
     else if (role == "silu_mul") silu_mul_ = find<SiluMul>(name);
     else if (role == "int4") int4_ = find<Int4Mm>(name);
     else if (role == "w4a8") w4a8_ = find<W4a8Mm>(name);
+    else if (role == "int4_amx") int4_amx_ = find<Int4AmxMm>(name);
     else if (role == "w8a8") w8a8_ = find<W8a8Mm>(name);
     else if (role == "w8a8_silu") w8a8_silu_ = find<W8a8Silu>(name);
     else if (role == "attention") attn_ = find<Attn>(name);
@@ -147,8 +150,8 @@ struct LayerStack : torch::CustomClassHolder {
                 kind, "/", path);
     Lin& l = layers[layer].lin[kind][path];
     l.w = std::move(w);
-    if (path == W8A8 || path == W8A8_SILU) {
-      TORCH_CHECK(a.has_value(), "layer_loop: a W8A8 linear needs its column scales");
+    if (path == W8A8 || path == W8A8_SILU || path == INT4_AMX) {
+      TORCH_CHECK(a.has_value(), "layer_loop: a W8A8 / AMX linear needs its column scales / scales and minimums");
       l.a = *a;
     }
     l.packed = path == DENSE && flag;
@@ -178,6 +181,9 @@ struct LayerStack : torch::CustomClassHolder {
       case W8A8_SILU:
         TORCH_CHECK(w8a8_silu_, "layer_loop: no gated w8a8 op set");
         return w8a8_silu_->call(x, l.w, l.a, l.bias, l.smooth, l.n, l.flag);
+      case INT4_AMX:
+        TORCH_CHECK(int4_amx_, "layer_loop: no AMX int4 op set");
+        return int4_amx_->call(x, l.w, l.a, l.bias);
     }
     TORCH_CHECK(false, "layer_loop: bad path ", path);
   }
@@ -235,9 +241,9 @@ TORCH_LIBRARY(NAMESPACE, m) {
 TORCH_LIBRARY_IMPL(NAMESPACE, CatchAll, m) { m.impl("abi", &abi); }
 """
 
-PATHS = ("int4", "w4a8", "dense", "w8a8", "w8a8_silu")
+PATHS = ("int4", "w4a8", "dense", "w8a8", "w8a8_silu", "amx")
 KINDS = ("qkv", "o", "gate_up", "down")
-INT4, W4A8, DENSE, W8A8, W8A8_SILU = range(5)
+INT4, W4A8, DENSE, W8A8, W8A8_SILU, INT4_AMX = range(6)
 
 
 def enabled() -> bool:
@@ -341,6 +347,8 @@ class LayerLoop:
                 add(i, k, INT4, lin.packed, None, lin.bias, None, lin.out_features, False)
             if lin.w4a8 is not None:
                 add(i, k, W4A8, lin.w4a8, None, lin.bias, None, lin.out_features, True)
+            if lin.amx is not None:
+                add(i, k, INT4_AMX, lin.amx[0], lin.amx[1], lin.bias, None, lin.out_features, False)
             dense = lin.dense
             if isinstance(dense, self._W8A8Linear):
                 add(i, k, W8A8, dense.wq, dense.col_scale, dense.bias, dense.inv_smooth, dense.outliers, False)
@@ -374,6 +382,8 @@ class LayerLoop:
             return INT4 if self._set_op("int4", lin.kernel) else None
         if path == "w4a8":
             return W4A8 if self._set_op("w4a8", w4a8_kernel.op()) else None
+        if path == "amx":
+            return INT4_AMX if self._set_op("int4_amx", int4_amx_kernel.load()) else None
         if path != "dense":
             return None
         dense = lin.dense

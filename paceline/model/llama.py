@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paceline.model import fused_kernel, int4_kernel, layer_loop, logits_kernel, q8_kernel, w4a8_kernel, w8a8_kernel
+from paceline.model import fused_kernel, int4_amx_kernel, int4_kernel, layer_loop, logits_kernel, q8_kernel, w4a8_kernel, w8a8_kernel
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
@@ -412,6 +412,17 @@ INT4_BF16_FROM_ROWS_AMX = 128
 # 2026-11-25 08:25 UTC, ms, without / with): 25 prompt tokens + 17 decodes 37.8 / 33.2, a 100-token prompt + 17
 # decodes 72.3 / 46.1, 48 prompt tokens + 32 decodes 62.6 / 45.4, 32 decodes 39.7 / 38.4; one decode 13.3 / 13.3.
 INT4_BF16_FROM_DECODES_AMX = 16
+# With AMX the codes themselves go through the tiles (int4_amx_kernel.py: expanded to the dense copy's bf16 values
+# in registers) for bf16 steps from W4A8_FROM_ROWS rows (in place of the w4a8 op, which is then not built) up to the
+# dense copy's threshold: such steps wait on streaming weights, and the codes are a quarter of the copy's bytes.
+# A step of many decodes (INT4_BF16_FROM_DECODES_AMX) runs the copy from INT4_AMX_DENSE_FROM_ROWS_DECODES rows,
+# where oneDNN's tiles outrun the expansion. Whole steps (ms, median of 7; this op from 1 row / from 7 / before
+# it: w4a8 from 7, the copy for 16+ decodes; one process, 2026-11-25 09:15-09:18 UTC, /tmp/thr.py over
+# profile_step's scenarios): 1 decode 14.2 / 11.7 / 11.4 (1 row: the int4 op stays), 16 decodes - / 18.2 / 23.0,
+# 32 decodes - / 28.1 / 33.9, a fresh 16-row chunk - / 14.1 / 18.6, 64 rows - / 27.2 / 40.1, 48 prompt rows + 32
+# decodes - / 38.5 / 39.5, 76 + 20 decodes - / 40.0 / 39.0, 100 + 17 decodes - / 47.9 / 40.7.
+INT4_AMX_FROM_ROWS = W4A8_FROM_ROWS
+INT4_AMX_DENSE_FROM_ROWS_DECODES = 96
 
 
 def cpu_has_amx_bf16() -> bool:
@@ -603,7 +614,10 @@ class Int4Linear:
         # with AMX bf16 tiles a step of this many decodes runs the dense copy too (INT4_BF16_FROM_DECODES_AMX)
         self.bf16_decodes_from = (INT4_BF16_FROM_DECODES_AMX if self.bf16_from is not None and dense == "bf16"
                                   and cpu_has_amx_bf16() else None)
-        use_w4a8 = (w4a8 and self.kernel is not None and wide != "int8"
+        # the codes in the AMX op's layout (INT4_AMX_FROM_ROWS), where it builds and the dense copy is bf16
+        self.amx = (int4_amx_kernel.pack(codes, scale, lo) if self.bf16_decodes_from is not None
+                    and int4_amx_kernel.supports(*codes.shape) and int4_amx_kernel.load() is not None else None)
+        use_w4a8 = (w4a8 and self.kernel is not None and wide != "int8" and self.amx is None
                     and (self.bf16_from is None or self.bf16_from > W4A8_FROM_ROWS) and w4a8_kernel.load() is not None)
         self.w4a8 = w4a8_kernel.pack(codes, scale, lo, nibbles=True) if use_w4a8 else None
         if use_w4a8 and self.bf16_from is None and W4A8_FROM_ROWS <= self.kernel_rows + 1:
@@ -632,11 +646,17 @@ class Int4Linear:
 
     def path(self, rows: int, dtype: torch.dtype, decodes: int = 0) -> str:
         """Which product serves a step of `rows` rows of `dtype` (the same in every layer of a step): "dense" (the
-        dense copy, as it is), "w4a8" (the int4 x int8 op), "int4" (paceline's int4 op), "dense_cast" (the dense
+        dense copy, as it is), "amx" (the codes on the AMX tiles), "w4a8" (the int4 x int8 op), "int4" (paceline's int4 op), "dense_cast" (the dense
         copy in its own dtype, cast back) or "torch_int4" (torch's int4 op). __call__ runs it; the C++ layer loop
         (layer_loop.py) asks it once per step."""
+        if self.bf16_from is not None and dtype == torch.bfloat16 and rows >= self.bf16_from:
+            return "dense"
+        if (self.amx is not None and dtype == torch.bfloat16 and rows >= INT4_AMX_FROM_ROWS
+                and int4_amx_kernel.load() is not None):  # None: a snapshot made here, switched off since
+            many = self.bf16_decodes_from is not None and decodes >= self.bf16_decodes_from
+            return "dense" if many and rows >= INT4_AMX_DENSE_FROM_ROWS_DECODES else "amx"
         if self.bf16_from is not None and dtype == torch.bfloat16 and (
-                rows >= self.bf16_from or (self.bf16_decodes_from is not None and decodes >= self.bf16_decodes_from)):
+                self.bf16_decodes_from is not None and decodes >= self.bf16_decodes_from):
             return "dense"
         # w4a8_kernel.op() None: a snapshot built with the op, mapped where it cannot build (int4 op below)
         if self.w4a8 is not None and rows >= W4A8_FROM_ROWS and w4a8_kernel.op() is not None:
@@ -651,6 +671,8 @@ class Int4Linear:
         path = self.path(x.shape[0], x.dtype, decodes)
         if path == "dense":
             return self.dense(x)
+        if path == "amx":
+            return int4_amx_kernel.load()(x, *self.amx, self.bias)
         if path == "w4a8":
             return w4a8_kernel.op()(x, self.w4a8, self.out_features, self.bias, True, w4a8_kernel.MAX_R)
         if path == "int4":

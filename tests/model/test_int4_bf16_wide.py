@@ -25,7 +25,8 @@ def _dequantized(w: torch.Tensor) -> torch.Tensor:
     return (lo[..., None] + codes.view(n, -1, INT4_GROUP) * scale[..., None]).view(n, -1)
 
 
-def test_rows_route_to_int4_op_w4a8_then_dense_bf16():
+def test_rows_route_to_int4_op_w4a8_then_dense_bf16(monkeypatch):
+    monkeypatch.setenv("PACELINE_INT4_AMX", "0")  # where it builds, the AMX op takes the w4a8 op's rows: test_int4_amx.py
     g = torch.Generator().manual_seed(0)
     w, bias = torch.randn(96, 128, generator=g), torch.randn(96, generator=g).to(torch.bfloat16)
     deq = _dequantized(w)
@@ -154,8 +155,10 @@ def test_int4_bf16_from_rows_follows_the_cpu(monkeypatch):
 def test_amx_steps_of_many_decodes_run_the_dense_copy(monkeypatch):
     """With AMX bf16 tiles a step holding INT4_BF16_FROM_DECODES_AMX decodes runs the dense copy below
     INT4_BF16_FROM_ROWS_AMX rows; a step of prompt rows alone keeps the op (a chat prompt's logits must not depend on
-    a prefix-cache hit). Without AMX the decodes change nothing."""
+    a prefix-cache hit). Without AMX the decodes change nothing. (Where the AMX int4 op builds it serves those
+    steps first: tests/model/test_int4_amx.py; switched off here.)"""
     w = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setenv("PACELINE_INT4_AMX", "0")
     monkeypatch.setattr(llama, "cpu_has_amx_bf16", lambda: True)
     amx = Int4Linear(w, None, torch.bfloat16, kernel_rows=256, w4a8=True, bf16_from=llama.INT4_BF16_FROM_ROWS_AMX)
     many = llama.INT4_BF16_FROM_DECODES_AMX
