@@ -416,11 +416,11 @@ INT4_BF16_FROM_DECODES_AMX = 16
 # in registers) for bf16 steps from W4A8_FROM_ROWS rows (in place of the w4a8 op, which is then not built) up to the
 # dense copy's threshold: such steps wait on streaming weights, and the codes are a quarter of the copy's bytes.
 # A step of many decodes (INT4_BF16_FROM_DECODES_AMX) runs the copy from INT4_AMX_DENSE_FROM_ROWS_DECODES rows,
-# where oneDNN's tiles outrun the expansion. Whole steps (ms, median of 7; this op from 1 row / from 7 / before
-# it: w4a8 from 7, the copy for 16+ decodes; one process, 2026-11-25 09:15-09:18 UTC, /tmp/thr.py over
-# profile_step's scenarios): 1 decode 14.2 / 11.7 / 11.4 (1 row: the int4 op stays), 16 decodes - / 18.2 / 23.0,
-# 32 decodes - / 28.1 / 33.9, a fresh 16-row chunk - / 14.1 / 18.6, 64 rows - / 27.2 / 40.1, 48 prompt rows + 32
-# decodes - / 38.5 / 39.5, 76 + 20 decodes - / 40.0 / 39.0, 100 + 17 decodes - / 47.9 / 40.7.
+# where oneDNN's tiles outrun the expansion (76 prompt rows + 20 decodes 40.0 ms on this op, 39.0 on the copy; 100 +
+# 17: 47.9 / 40.7, one-off A/B, 09:17 UTC). Whole steps, `benchmarks/profile_step.py --modes int4 --compare
+# "int4_amx=0,int4_amx=1" --only "b=1 ,b=32,probe32,rows 16,rows 32,rows 64" --repeats 5` (2026-11-25 09:48 UTC, ms,
+# off / on): 32 decodes 33.4 / 27.1, 16 prompt rows 18.5 / 14.1, 64 rows 39.0 / 27.2, one decode 10.9 / 10.6 (the
+# int4 op either way: from 1 row this op took 14.2 ms there).
 INT4_AMX_FROM_ROWS = W4A8_FROM_ROWS
 INT4_AMX_DENSE_FROM_ROWS_DECODES = 96
 
