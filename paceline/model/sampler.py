@@ -4,10 +4,13 @@ Order of processing for each row (as vLLM does): min_tokens masking of EOS/stop 
 (over prompt + output tokens), frequency and presence penalties (over output tokens), then greedy argmax, or
 temperature -> top-k -> top-p -> min-p -> draw.
 
-Draws use the exponential race: argmax(p / q) with q ~ Exp(1) per vocabulary entry is a sample from p. A
-seeded request's q for output position i comes from a generator seeded with hash(seed, i), so the token
-depends only on (logits, params, seed, i): not on what else is in the batch, and not on whether the request
-was preempted and recomputed. Unseeded requests share one engine-wide generator.
+Draws invert the row's cumulative distribution: with u ~ U[0, 1), the first token whose cumulative probability
+exceeds u times the row's total is a sample from p (a zero-probability token is never chosen). One uniform a row:
+the exponential race this replaced (argmax(p / q), q ~ Exp(1) per vocabulary entry) drew 49,152 variates a row,
+30 ms of a 32-row step on 2 cores against 0.6 ms for the cumulative sum and search (2026-11-25). A seeded
+request's u for output position i comes from a generator seeded with hash(seed, i), so the token depends only on
+(logits, params, seed, i): not on what else is in the batch, and not on whether the request was preempted and
+recomputed. Unseeded requests share one engine-wide generator.
 
 Logprobs are the model's raw log-softmax (before penalties, temperature and filtering), which is what vLLM
 returns by default.
@@ -178,16 +181,20 @@ class Sampler:
         if any(m > 0 for m in min_p):
             mp = torch.tensor(min_p, device=dev)[:, None]
             probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
-        q = torch.empty_like(probs)
+        u = torch.empty(len(rand), 1, device=dev)
         unseeded = [j for j, i in enumerate(rand) if rows[i].params.seed is None]
         if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(generator=self.generator)
+            u[unseeded] = torch.rand(len(unseeded), 1, device=dev, generator=self.generator)
         for j, i in enumerate(rand):
             r = rows[i]
             if r.params.seed is not None:
-                g = seeded_generator(r.params.seed, len(r.output_token_ids), dev)
-                q[j].exponential_(generator=g)
-        tokens[rand] = (probs / q).argmax(dim=-1)
+                u[j] = torch.rand(1, device=dev, generator=seeded_generator(r.params.seed, len(r.output_token_ids), dev))
+        cdf = probs.cumsum(dim=-1)
+        total = cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, u * total, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+        # a row with no finite positive mass (NaN logits) keeps its argmax rather than an arbitrary index
+        ok = torch.isfinite(total.squeeze(1)) & (total.squeeze(1) > 0)
+        tokens[rand] = torch.where(ok, drawn, tokens[rand])
         return tokens
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[TokenLogprobs | None]:

@@ -71,7 +71,13 @@ def test_regex_choice_grammar_and_json_object(llm: LLM, compiler: GrammarCompile
               for so, _ in cases]
     outs = llm.generate(["Reply in the required format:"] * len(cases), params)
     for (so, ok), out in zip(cases, outs):
-        assert ok(out.outputs[0].text), (so, out.outputs[0].text)
+        text = out.outputs[0].text
+        if "grammar" in so and "(" in so["grammar"] and out.outputs[0].finish_reason == "length":
+            # the only unbounded language here: a sample may still be in its (B|C)+ loop at max_tokens, and must then
+            # be a prefix of a sentence of it
+            assert re.fullmatch(r"A[BC]*", text), (so, text)
+            continue
+        assert ok(text), (so, text)
 
 
 def test_strict_schema_closes_objects(compiler: GrammarCompiler) -> None:
