@@ -28,6 +28,22 @@ from paceline.sampling import SamplingParams
 
 _NEG_INF = float("-inf")
 _ARGMAX: list = []  # the C++ argmax (fused_kernel.py) or None, found once per process
+_SAMPLE: list = []  # the C++ draw (fused_kernel.py) or None, found once per process
+
+
+def _temperature_only(p: SamplingParams) -> bool:
+    return p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0
+
+
+def _sample_op(logits: torch.Tensor):
+    """The fused draw (fused_kernel.sample_rows) for float32 CPU logits, or None (torch's ops draw)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] % 8 \
+            or logits.stride(1) != 1:
+        return None
+    if not _SAMPLE:
+        ops = fused_kernel.load()
+        _SAMPLE.append(ops.sample_rows if ops is not None else None)
+    return _SAMPLE[0]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -164,11 +180,35 @@ class Sampler:
         return logits
 
     def _choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        tokens = greedy_tokens(logits)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
-            return tokens
+            return greedy_tokens(logits)
         dev = logits.device
+        u = torch.empty(len(rand), device=dev)
+        unseeded = [j for j, i in enumerate(rand) if rows[i].params.seed is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), device=dev, generator=self.generator)
+        for j, i in enumerate(rand):
+            r = rows[i]
+            if r.params.seed is not None:
+                u[j] = torch.rand(1, device=dev, generator=seeded_generator(r.params.seed, len(r.output_token_ids), dev))
+        plain = [j for j, i in enumerate(rand) if _temperature_only(rows[i].params)]
+        op = _sample_op(logits)
+        if op is not None and len(plain) == len(rows):  # every row a plain draw (the common case): no copies
+            inv_temp = torch.tensor([1.0 / r.params.temperature for r in rows], dtype=torch.float32)
+            drawn = op(logits, inv_temp, u)
+            return drawn if bool((drawn >= 0).all()) else torch.where(drawn >= 0, drawn, greedy_tokens(logits))
+        tokens = greedy_tokens(logits)
+        if op is not None and plain:  # a request's rows take the same path at every step: its params decide
+            picked = [rand[j] for j in plain]
+            inv_temp = torch.tensor([1.0 / rows[i].params.temperature for i in picked], dtype=torch.float32)
+            drawn = op(logits[picked], inv_temp, u[plain].contiguous())
+            tokens[picked] = torch.where(drawn >= 0, drawn, tokens[picked])
+            drop = set(plain)
+            keep = [j for j in range(len(rand)) if j not in drop]
+            rand, u = [rand[j] for j in keep], u[keep]
+            if not rand:
+                return tokens
         x = logits[rand]
         temp = torch.tensor([rows[i].params.temperature for i in rand], device=dev)[:, None]
         x = x / temp
@@ -181,17 +221,9 @@ class Sampler:
         if any(m > 0 for m in min_p):
             mp = torch.tensor(min_p, device=dev)[:, None]
             probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
-        u = torch.empty(len(rand), 1, device=dev)
-        unseeded = [j for j, i in enumerate(rand) if rows[i].params.seed is None]
-        if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), 1, device=dev, generator=self.generator)
-        for j, i in enumerate(rand):
-            r = rows[i]
-            if r.params.seed is not None:
-                u[j] = torch.rand(1, device=dev, generator=seeded_generator(r.params.seed, len(r.output_token_ids), dev))
         cdf = probs.cumsum(dim=-1)
         total = cdf[:, -1:]
-        drawn = torch.searchsorted(cdf, u * total, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+        drawn = torch.searchsorted(cdf, u[:, None] * total, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
         # a row with no finite positive mass (NaN logits) keeps its argmax rather than an arbitrary index
         ok = torch.isfinite(total.squeeze(1)) & (total.squeeze(1) > 0)
         tokens[rand] = torch.where(ok, drawn, tokens[rand])

@@ -149,3 +149,46 @@ def test_logit_bias_bans_and_forces_tokens():
     # logprobs stay the model's own
     _, lps = Sampler()(logits[:1], [_row(temperature=0.0, logprobs=0, logit_bias={7: 100.0})])
     assert lps[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[7]), abs=1e-5)
+
+
+# the fused draw (fused_kernel.sample_rows) serves plain-temperature rows of float32 CPU logits whose vocabulary is a
+# multiple of 8; V = 50 above keeps torch's path, these use 64
+def _fused():
+    from paceline.model import fused_kernel
+    ops = fused_kernel.load()
+    if ops is None:
+        pytest.skip("the fused kernels cannot be built here")
+    return ops.sample_rows
+
+
+def test_fused_draw_follows_softmax_and_never_draws_minus_inf():
+    _fused()
+    logits = torch.tensor([[2.0, 1.0, 0.0, float("-inf")] + [-30.0] * 60])
+    sampler = Sampler(seed=3)
+    tokens, _ = sampler(logits.expand(4000, 64).contiguous(), [_row(temperature=1.0) for _ in range(4000)])
+    counts = torch.bincount(torch.tensor(tokens), minlength=64).float() / 4000
+    assert (counts[:3] - torch.softmax(logits[0], -1)[:3]).abs().max() < 0.03 and counts[3] == 0
+
+
+def test_fused_draw_is_the_inverse_cdf():
+    op = _fused()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 64, generator=g) * 3
+    x[:, 10] = float("-inf")
+    inv_t = torch.rand(300, generator=g) + 0.5
+    u = torch.rand(300, generator=g)
+    cdf = torch.softmax(x.double() * inv_t[:, None].double(), -1).cumsum(-1)
+    ref = torch.searchsorted(cdf, u[:, None].double() * cdf[:, -1:], right=True).squeeze(1)
+    got = op(x, inv_t, u)
+    # float32 weights against float64 ones: a u within rounding of a boundary may land on the neighbour
+    assert (got == ref).float().mean() > 0.99 and not (got == 10).any()
+    assert op(torch.full((1, 64), float("nan")), inv_t[:1], u[:1]).item() == -1  # the caller keeps its argmax
+
+
+def test_fused_and_filtered_rows_keep_their_seeded_tokens_in_one_batch():
+    _fused()
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)) * 2
+    rows = [_row(temperature=0.9, seed=11), _row(temperature=0.9, top_k=5, seed=12), _row(temperature=0.0)]
+    together, _ = Sampler()(logits.clone(), rows)
+    alone = [Sampler()(logits[i:i + 1].clone(), [rows[i]])[0][0] for i in range(3)]
+    assert together == alone and together[2] == int(logits[2].argmax())
