@@ -579,6 +579,8 @@ def main() -> int:
                          "each) and print the table and the targets")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads each server may use")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's temperature (default greedy; 1.0: the OpenAI API's default, sampled)")
     ap.add_argument("--output-dir", default=None, help="default benchmarks/results/vs_vllm-<time>")
     args = ap.parse_args()
     # killed (a timeout, Ctrl-C in another shell): unwind, so every server started so far is stopped
@@ -619,6 +621,9 @@ def main() -> int:
         else:
             raise SystemExit(f"unknown peer {peer!r}")
 
+    for _, small, default, _ in plan:
+        for system in (small, default):
+            system.endpoint_options = {**system.endpoint_options, "temperature": args.temperature}
     rows = []
     for name, small, default, chat in plan:
         if default.skip:
