@@ -90,6 +90,7 @@ def install(timers: Timers, runner) -> None:
 
 
 TIMERS: list[Timers] = [Timers()]
+TEMPERATURE = [0.0]  # every request's (--temperature): 0 greedy, else a sampled draw per row
 
 
 def scenarios(vocab: int, bs: int):
@@ -124,7 +125,7 @@ def build_outputs(steps, vocab: int, bs: int):
     from paceline.request import Request
     from paceline.sampling import SamplingParams
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=None)
+    greedy = SamplingParams(temperature=TEMPERATURE[0], max_tokens=None)
     outs, next_block = [], 0
     reqs: dict[tuple, tuple] = {}
     for step in steps:
@@ -336,6 +337,7 @@ def main() -> None:
     p.add_argument("--modes", default="fp32,bf16,int4")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (the sampler's cost)")
     p.add_argument("--model-kw", default="", help="LlamaModel.from_weights keywords, e.g. wide_above=none")
     p.add_argument("--compare", default="",
                    help="A/B instead of the breakdown: variants separated by ',' (keywords joined by '+'), "
@@ -344,6 +346,7 @@ def main() -> None:
     p.add_argument("--check-same", action="store_true",
                    help="with --compare: whether the variants' logits are bit for bit the same (no timing)")
     args = p.parse_args()
+    TEMPERATURE[0] = args.temperature
     torch.set_num_threads(args.threads)
     from paceline.model.loader import load_checkpoint
 
