@@ -16,10 +16,10 @@ same arguments in the same order, so every tensor it produces has the bits the P
 
 What it covers: the fused path (fused_kernel's ops) with the attention op (attention_kernel), on float32 and
 bfloat16 steps of a model whose layers all run one kind of product per linear: Int4Linear's int4 op, w4a8 op, AMX
-op, dense bf16 copy (oneDNN) or W8A8Linear copy (with its fused SiLU * up for gate_up), and plain Linear (oneDNN prepacked, or
-F.linear before packing). Anything else (CUDA, float32 wide steps of a bf16 model, the eager attention, a product
-the stack does not know) returns None from `LayerLoop.paths` and the Python loop runs. `PACELINE_LAYER_LOOP=0`
-switches it off for models built afterwards (A/B runs).
+op, dense bf16 copy (oneDNN) or W8A8Linear copy (with its fused SiLU * up for gate_up), and plain Linear (oneDNN
+prepacked, or F.linear before packing). Anything else (CUDA, float32 wide steps of a bf16 model, the eager
+attention, a product the stack does not know) returns None from `LayerLoop.paths` and the Python loop runs.
+`PACELINE_LAYER_LOOP=0` switches it off for models built afterwards (A/B runs).
 
 A step that nothing suspends (ModelRunner.execute: one model serving) runs every layer in one call; a step that
 several models' loop may suspend between two layers (ModelRunner.execute_iter, engine/multi.py) runs one call per

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paceline.model import fused_kernel, int4_amx_kernel, int4_kernel, layer_loop, logits_kernel, q8_kernel, w4a8_kernel, w8a8_kernel
+from paceline.model import (fused_kernel, int4_amx_kernel, int4_kernel, layer_loop, logits_kernel, q8_kernel,
+                            w4a8_kernel, w8a8_kernel)
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
 
@@ -646,8 +647,8 @@ class Int4Linear:
 
     def path(self, rows: int, dtype: torch.dtype, decodes: int = 0) -> str:
         """Which product serves a step of `rows` rows of `dtype` (the same in every layer of a step): "dense" (the
-        dense copy, as it is), "amx" (the codes on the AMX tiles), "w4a8" (the int4 x int8 op), "int4" (paceline's int4 op), "dense_cast" (the dense
-        copy in its own dtype, cast back) or "torch_int4" (torch's int4 op). __call__ runs it; the C++ layer loop
+        dense copy, as it is), "amx" (the codes on the AMX tiles), "w4a8" (the int4 x int8 op), "int4" (paceline's
+        int4 op), "dense_cast" (the dense copy in its own dtype, cast back) or "torch_int4" (torch's int4 op). __call__ runs it; the C++ layer loop
         (layer_loop.py) asks it once per step."""
         if self.bf16_from is not None and dtype == torch.bfloat16 and rows >= self.bf16_from:
             return "dense"

@@ -7,7 +7,8 @@ temperature -> top-k -> top-p -> min-p -> draw.
 Draws invert the row's cumulative distribution: with u ~ U[0, 1), the first token whose cumulative probability
 exceeds u times the row's total is a sample from p (a zero-probability token is never chosen). One uniform a row:
 the exponential race this replaced (argmax(p / q), q ~ Exp(1) per vocabulary entry) drew 49,152 variates a row,
-30 ms of a 32-row step on 2 cores against 0.6 ms for the cumulative sum and search (2026-11-25). A seeded
+32 of a 32-row sampled step's 67 ms on 2 cores (2026-11-25; docs/performance.md). Rows with only a temperature
+draw in one C++ pass (fused_kernel.sample_rows), the others through torch's softmax, cumsum and search. A seeded
 request's u for output position i comes from a generator seeded with hash(seed, i), so the token depends only on
 (logits, params, seed, i): not on what else is in the batch, and not on whether the request was preempted and
 recomputed. Unseeded requests share one engine-wide generator.
