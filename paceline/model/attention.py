@@ -128,7 +128,8 @@ GROUP_MAX_BYTES = 8 << 20
 # 2026-11-25 07:20 UTC, ms, SDPA / op): a fresh 512-token prompt 0.957 / 1.745, a 512-token chunk at 1,000 3.077 /
 # 7.424, 1,500 whole 5.346 / 13.588, a 64-token chunk at 1,000 + 6 decodes 0.966 / 0.934, 32 decodes 0.508 / 0.171.
 # So a bf16 step whose prompt chunks hold at least SDPA_PREFILL_FROM_ROWS rows runs them through SDPA and its
-# decodes through the op. Below it (chat-length prompts, n copies of one) the op serves every row as before, so a
+# decodes through the op. (Since, _prefill_attention runs such chunks on paceline's own AMX op where it builds,
+# amx_attention_kernel.py, faster again than SDPA: the threshold was set against SDPA and kept.) Below it (chat-length prompts, n copies of one) the op serves every row as before, so a
 # short prompt's logits do not depend on whether its prefix came from the cache.
 SDPA_PREFILL_FROM_ROWS = 256
 
@@ -408,8 +409,8 @@ def _amx_op(q: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> Callab
 
 def _sdpa_prefill_op_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, meta: AttnMetadata, scale: float) -> torch.Tensor:
-    """AMX, a bf16 step with long prompt chunks (prefill_sdpa): the chunks through SDPA, the decodes through
-    the op (which writes their K/V itself)."""
+    """AMX, a bf16 step with long prompt chunks (prefill_sdpa): the chunks through _prefill_attention (the AMX
+    op, or SDPA), the decodes through the op (which writes their K/V itself)."""
     t, h, d = q.shape
     kvh = k.shape[1]
     tp = meta.num_prefill_tokens

@@ -62,43 +62,22 @@ void expand_block(const uint8_t* codes, const float* sl, int groups, uint16_t* w
     }
 }
 
-// rows [m, m + 16 * two) x this block's 32 columns: C tiles 0/1 (rows m, columns 0-15 / 16-31), 2/3 (rows m + 16)
-template <bool TWO>
-void block_rows(const uint16_t* xp, int k, const uint16_t* wb, int groups, float* cb) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (TWO) { _tile_zero(2); _tile_zero(3); }
-  for (int g = 0; g < groups; ++g) {
-    _tile_loadd(4, xp + g * 32, k * 2);
-    _tile_loadd(6, wb + size_t(g) * 1024, 64);
-    _tile_loadd(7, wb + size_t(g) * 1024 + 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (TWO) {
-      _tile_loadd(5, xp + size_t(16) * k + g * 32, k * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, cb, 128);
-  _tile_stored(1, cb + 16, 128);
-  if (TWO) { _tile_stored(2, cb + 512, 128); _tile_stored(3, cb + 528, 128); }
-  BARRIER();
-}
-
-// At most 32 rows: each group's two B tiles expanded right before their use into a two-slot ring that stays in L1,
-// so the vector expansion of group g + 1 overlaps the tiles' products of group g (the two-phase path above expands
-// a whole block first, for reuse over more row pairs)
-template <bool TWO>
-void fused_rows(const uint16_t* xp, int k, const uint8_t* codes, const float* sl, int groups, uint16_t* ring,
+// rows [m, m + 16 * two) x this block's 32 columns: C tiles 0/1 (rows m, columns 0-15 / 16-31), 2/3 (rows m + 16).
+// B tiles: the block's expanded groups in wb ([K/32][1024]), or, FUSED (at most 32 rows), each group expanded right
+// before its products into a two-slot ring (wb's first 2048) that stays in L1, so that the vector expansion of group
+// g + 1 overlaps the tiles' work on group g (the unfused path expands a whole block first, for reuse over more rows)
+template <bool TWO, bool FUSED>
+void block_rows(const uint16_t* xp, int k, const uint8_t* codes, const float* sl, int groups, uint16_t* wb,
                 float* cb) {
   _tile_zero(0);
   _tile_zero(1);
   if (TWO) { _tile_zero(2); _tile_zero(3); }
   for (int g = 0; g < groups; ++g) {
-    uint16_t* w = ring + (g & 1) * 1024;
-    expand_block(codes + size_t(g) * 512, sl + size_t(g) * 64, 1, w);
-    BARRIER();
+    uint16_t* w = wb + size_t(FUSED ? (g & 1) : g) * 1024;
+    if (FUSED) {
+      expand_block(codes + size_t(g) * 512, sl + size_t(g) * 64, 1, w);
+      BARRIER();
+    }
     _tile_loadd(4, xp + g * 32, k * 2);
     _tile_loadd(6, w, 64);
     _tile_loadd(7, w + 512, 64);
@@ -109,7 +88,7 @@ void fused_rows(const uint16_t* xp, int k, const uint8_t* codes, const float* sl
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    BARRIER();  // the ring slot is written again two groups on: after these loads
+    if (FUSED) BARRIER();  // the ring slot is written again two groups on: after these loads
   }
   _tile_stored(0, cb, 128);
   _tile_stored(1, cb + 16, 128);
@@ -150,7 +129,7 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& codes, const at::T
 #pragma omp parallel
   {
     load_tile_config();
-    Aligned<uint16_t> wb(size_t(std::max(groups, 2)) * 1024);  // a block's tiles, or fused_rows' two-slot ring
+    Aligned<uint16_t> wb(size_t(std::max(groups, 2)) * 1024);  // a block's tiles, or the fused path's two-slot ring
     Aligned<float> cb(1024);
 #pragma omp for schedule(static)
     for (int nb = 0; nb < nblocks; ++nb) {
@@ -162,10 +141,11 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& codes, const at::T
       }
       for (int b = 0; b < mb; b += 2) {
         const bool two = b + 1 < mb;
-        if (mb <= 2 && two) fused_rows<true>(xp.data(), k, codes_nb, sl_nb, groups, wb.data(), cb.data());
-        else if (mb <= 2) fused_rows<false>(xp.data(), k, codes_nb, sl_nb, groups, wb.data(), cb.data());
-        else if (two) block_rows<true>(xp.data() + size_t(b) * 16 * k, k, wb.data(), groups, cb.data());
-        else block_rows<false>(xp.data() + size_t(b) * 16 * k, k, wb.data(), groups, cb.data());
+        const uint16_t* xb = xp.data() + size_t(b) * 16 * k;
+        if (mb <= 2 && two) block_rows<true, true>(xb, k, codes_nb, sl_nb, groups, wb.data(), cb.data());
+        else if (mb <= 2) block_rows<false, true>(xb, k, codes_nb, sl_nb, groups, wb.data(), cb.data());
+        else if (two) block_rows<true, false>(xb, k, codes_nb, sl_nb, groups, wb.data(), cb.data());
+        else block_rows<false, false>(xb, k, codes_nb, sl_nb, groups, wb.data(), cb.data());
         for (int i = 0; i < (two ? 32 : 16) && b * 16 + i < m; ++i) {
           const float* c = cb.data() + i * 32;
           uint16_t* o = od + size_t(b * 16 + i) * n + nb * 32;
