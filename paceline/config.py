@@ -33,6 +33,12 @@ SHORT_STEP_FRACTION = 0.35
 # and every running stream pays for them in its token gap (docs/scheduling.md, "A calm target")
 CALM_STEP_FRACTION = 0.6
 LONE_PREFILL_TOKENS = 2048  # SchedulerConfig.lone_prefill_tokens under a step-time target derived from the TBT goal
+# The offline API's step budget (LLM() without a TBT goal and without max_num_batched_tokens): no stream reads tokens
+# as they come, so a step may be as long as makes the tokens cheapest. Measured on the Intel Xeon with AMX (2 threads,
+# `LLM().generate`, 2026-11-25 12:00-12:10 UTC, two processes a budget, alternating): 64 prompts of 300 tokens + 64
+# out each 8.46-8.86 s at 512, 8.33-8.62 at 1,024, 7.58-8.31 at 2,048, 7.74-7.90 at 4,096; a lone 1,500-token
+# prompt 382-421 ms at 512 (three chunks), 307-357 ms at 2,048 (whole)
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 # `--max-num-seqs auto` / `--max-num-batched-tokens auto` (core/auto_batch.py): chosen before every step from the

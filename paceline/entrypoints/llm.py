@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
+from paceline.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, CacheConfig, EngineConfig, SchedulerConfig
 from paceline.core.outputs import TokenLogprobs
 from paceline.engine.pipelined import engine_for
 from paceline.sampling import SamplingParams
@@ -71,15 +71,23 @@ def prompt_from_dict(prompt: dict) -> str | list[int]:
                      'a prompt dict takes "prompt" (text) or "prompt_token_ids" (a list of ids)')
 
 
+def offline_defaults(kwargs: dict) -> dict:
+    """An LLM's keywords with the offline defaults filled in: nobody reads tokens as they come, so no TBT goal (and
+    no start-up profile) unless asked for, and then a step budget for throughput, not for token gaps
+    (config.OFFLINE_MAX_NUM_BATCHED_TOKENS); with a TBT goal, the server's budget."""
+    out = {"tbt_goal_ms": 0.0, **kwargs}
+    if not out["tbt_goal_ms"]:
+        out.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
+    return out
+
+
 class LLM:
     """`LLM(model=None, dtype="auto", max_num_batched_tokens=..., scheduler=..., ...)`; keywords as in config.py."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         if "scheduler" in kwargs:  # the CLI's name for SchedulerConfig.policy
             kwargs["policy"] = kwargs.pop("scheduler")
-        # offline, nobody reads tokens as they come: no TBT goal (and no start-up profile) unless asked for
-        kwargs.setdefault("tbt_goal_ms", 0.0)
-        self.engine = engine_for(_split_kwargs({"model": model, **kwargs}))
+        self.engine = engine_for(_split_kwargs({"model": model, **offline_defaults(kwargs)}))
         self._ids = itertools.count()
 
     @property

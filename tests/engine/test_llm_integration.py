@@ -104,6 +104,23 @@ def test_step_stats_count_decodes_and_prompt_chunks(llm: LLM) -> None:
         engine.step()
 
 
+def test_offline_budget_prefills_a_long_prompt_in_one_step(llm: LLM) -> None:
+    """Offline (no TBT goal) the step budget is OFFLINE_MAX_NUM_BATCHED_TOKENS, not the server's 512: a 1,200-token
+    prompt is one step. Given a budget or a TBT goal, the LLM keeps the server's defaults."""
+    from paceline.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
+    from paceline.entrypoints.llm import offline_defaults
+    assert llm.engine.scheduler.config.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
+    engine = llm.engine
+    ids = [(17 * i) % 4000 + 100 for i in range(1200)]
+    engine.add_request("offline-long", ids, greedy(1))
+    engine.step()
+    assert engine.last_step.num_prefill_tokens == 1200
+    while engine.has_unfinished():
+        engine.step()
+    assert offline_defaults({"max_num_batched_tokens": 256})["max_num_batched_tokens"] == 256
+    assert "max_num_batched_tokens" not in offline_defaults({"tbt_goal_ms": 160.0})
+
+
 def test_shared_params_without_max_tokens_fit_each_prompt(llm: LLM) -> None:
     shared = SamplingParams(temperature=0.0, max_tokens=None, stop_token_ids=[0])
     engine = llm.engine
