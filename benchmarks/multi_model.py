@@ -165,6 +165,8 @@ ONE_LOOP_VARIANTS = {
     # the span rule's cap on the other models' wait, 0.8x / 0.85x their step (PACELINE_SLICE_DUE_MAX; the default 0.9)
     "one-loop-due-max-0.8": {"PACELINE_SLICE_DUE_MAX": "0.8"},
     "one-loop-due-max-0.85": {"PACELINE_SLICE_DUE_MAX": "0.85"},
+    "one-loop-due-max-0.6": {"PACELINE_SLICE_DUE_MAX": "0.6"},
+    "one-loop-due-max-0.5": {"PACELINE_SLICE_DUE_MAX": "0.5"},
     # the span rule bounded by the whole step-time target, not the calm one (PACELINE_SLICE_CALM; the default on)
     "one-loop-no-calm": {"PACELINE_SLICE_CALM": "0"},
 }
