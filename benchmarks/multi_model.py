@@ -35,6 +35,7 @@ from paceline.bench.workload import LengthDist, ModelShare, RequestSpec, generat
 # not beside the first requests (a server holding two 2 GiB pools had its first ~12 s of steps 3-10x slower,
 # 2026-11-24 08:20 UTC; docs in benchmarks/summaries/multi_model.md)
 SETTLE_S = 0.0
+STEP_LOGS = False  # --step-logs: servers keep their dashboard; each one-loop arm's step log lands in the output folder
 SWITCH_SPACING_S = 6.0  # between two switches: the switched model's request ends and it unloads (keep_alive 0)
 MODELS = {"smol-fp32": ["--dtype", "float32"], "smol-int4": ["--quantization", "int4"]}
 
@@ -45,8 +46,9 @@ class Served:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / f"{label}.log", "w")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
+        dashboard = [] if STEP_LOGS else ["--no-dashboard"]
         self.proc = subprocess.Popen([sys.executable, "-m", "paceline.entrypoints.server", "--port", str(self.port),
-                                      "--no-dashboard", *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+                                      *dashboard, *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 900
         while True:
             try:
@@ -269,6 +271,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--settle", type=float, default=0.0,
                    help="seconds each server idles once up before its traffic starts (its KV prefault runs then)")
+    p.add_argument("--step-logs", action="store_true",
+                   help="keep the servers' dashboards and save each one-loop arm's step log (<arm>-steps.json)")
     p.add_argument("--out", default=None, help="folder for logs and results.json (default: a temp folder)")
     one_loop = ", ".join(ONE_LOOP_VARIANTS)
     switches = ", ".join("switch" + (f"-{k}" if k else "") for k in SWITCH_VARIANTS)
@@ -278,8 +282,8 @@ def main() -> None:
                         f"snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the "
                         f"order given: {switches}")
     args = p.parse_args()
-    global SETTLE_S
-    SETTLE_S = args.settle
+    global SETTLE_S, STEP_LOGS
+    SETTLE_S, STEP_LOGS = args.settle, args.step_logs
     out = Path(args.out or tempfile.mkdtemp(prefix="multi-model-"))
     out.mkdir(parents=True, exist_ok=True)
     only = set(args.only.split(","))
@@ -316,6 +320,8 @@ def main() -> None:
         server = Served(["--models-config", str(models_yaml(out / "models.yaml"))], args.threads, out, key, env)
         try:
             results[key.replace("-", "_")] = drive(Endpoint(server.url), requests, prompts_for(requests), args.seconds)
+            if STEP_LOGS:  # every model's step records (GET /dashboard/steps), to explain a gap from the steps
+                (out / f"{key}-steps.json").write_text(httpx.get(server.url + "/dashboard/steps", timeout=30).text)
         finally:
             server.stop()
         print(key, results[key.replace("-", "_")], flush=True)
