@@ -356,10 +356,13 @@ def supports(head_dim: int, heads: int, kv_heads: int) -> bool:
 
 
 @functools.cache
-def _library_path() -> tuple[Path, str]:
+def library_path(source: str, stem: str) -> tuple[Path, str]:
+    """Where an AMX op built from `source` with FLAGS is cached, and its torch.ops namespace: both named by `stem`
+    and a hash of the stem, the source, the flags and torch's version (a library built under another namespace never
+    shares the name). Remembered: layers ask for their op every step."""
     from paceline.model.cache_dir import cache_root
-    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *FLAGS]).encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"amx_attention-{key}.so", f"paceline_amx_attn_{key}"
+    key = hashlib.sha256("\n".join([stem, source, torch.__version__, *FLAGS]).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"{stem}-{key}.so", f"paceline_{stem}_{key}"
 
 
 def load() -> Callable | None:
@@ -367,6 +370,6 @@ def load() -> Callable | None:
     is switched off, or it cannot be built (the reason logged once)."""
     if not supported():
         return None
-    path, namespace = _library_path()
+    path, namespace = library_path(SOURCE, "amx_attention")
     return int4_kernel.load_op(path, namespace, FLAGS, SOURCE, "amx_attention",
                                "AMX attention kernel unavailable, using SDPA")

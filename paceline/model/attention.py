@@ -129,8 +129,9 @@ GROUP_MAX_BYTES = 8 << 20
 # 7.424, 1,500 whole 5.346 / 13.588, a 64-token chunk at 1,000 + 6 decodes 0.966 / 0.934, 32 decodes 0.508 / 0.171.
 # So a bf16 step whose prompt chunks hold at least SDPA_PREFILL_FROM_ROWS rows runs them through SDPA and its
 # decodes through the op. (Since, _prefill_attention runs such chunks on paceline's own AMX op where it builds,
-# amx_attention_kernel.py, faster again than SDPA: the threshold was set against SDPA and kept.) Below it (chat-length prompts, n copies of one) the op serves every row as before, so a
-# short prompt's logits do not depend on whether its prefix came from the cache.
+# amx_attention_kernel.py, faster again than SDPA: the threshold was set against SDPA and kept.) Below it
+# (chat-length prompts, n copies of one) the op serves every row as before, so a short prompt's logits do not
+# depend on whether its prefix came from the cache.
 SDPA_PREFILL_FROM_ROWS = 256
 
 

@@ -20,10 +20,7 @@ Built like the other ops, only where the CPU has amx_bf16 (amx_attention_kernel.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -195,18 +192,11 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[to
     return packed, scale_lo
 
 
-@functools.cache
-def _library_path() -> tuple[Path, str]:
-    from paceline.model.cache_dir import cache_root
-    key = hashlib.sha256("\n".join([SOURCE, torch.__version__, *amx_attention_kernel.FLAGS]).encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"int4_amx-{key}.so", f"paceline_int4_amx_{key}"
-
-
 def load() -> Callable | None:
     """The op `(x, codes, scale_lo, bias) -> y`, building it first if needed; None where this CPU lacks AMX, it
     is switched off, or it cannot be built (the reason logged once)."""
     if not supported():
         return None
-    path, namespace = _library_path()
+    path, namespace = amx_attention_kernel.library_path(SOURCE, "int4_amx")
     return int4_kernel.load_op(path, namespace, amx_attention_kernel.FLAGS, SOURCE, "int4_amx_mm",
                                "AMX int4 matmul unavailable, using the dense copy")

@@ -649,8 +649,8 @@ class Int4Linear:
     def path(self, rows: int, dtype: torch.dtype, decodes: int = 0) -> str:
         """Which product serves a step of `rows` rows of `dtype` (the same in every layer of a step): "dense" (the
         dense copy, as it is), "amx" (the codes on the AMX tiles), "w4a8" (the int4 x int8 op), "int4" (paceline's
-        int4 op), "dense_cast" (the dense copy in its own dtype, cast back) or "torch_int4" (torch's int4 op). __call__ runs it; the C++ layer loop
-        (layer_loop.py) asks it once per step."""
+        int4 op), "dense_cast" (the dense copy in its own dtype, cast back) or "torch_int4" (torch's int4 op).
+        __call__ runs it; the C++ layer loop (layer_loop.py) asks it once per step."""
         if self.bf16_from is not None and dtype == torch.bfloat16 and rows >= self.bf16_from:
             return "dense"
         if (self.amx is not None and dtype == torch.bfloat16 and rows >= INT4_AMX_FROM_ROWS
