@@ -93,6 +93,25 @@ def per_model(records: list, duration: float) -> dict:
     return out
 
 
+def decode_steps_beside(log: dict, window_s: float = 0.06) -> dict:
+    """From a loop's step log (GET /dashboard/steps): each model's decode-only steps split by whether another
+    model ran a decode step within `window_s` of it (its streams interleaved with this one's) or not: count and
+    median duration in ms. Why: a step that follows another model's reads its weights back from farther away."""
+    steps = [s for m in log["models"] for s in m["steps"] if s["decode"] > 0]
+    out = {}
+    for name in sorted({s["model"] for s in steps}):
+        others = np.array(sorted(s["t"] for s in steps if s["model"] != name))
+        split: dict[str, list[float]] = {"beside": [], "apart": []}
+        for s in steps:
+            if s["model"] == name and s["prefill"] == 0:
+                i = np.searchsorted(others, s["t"] - window_s)
+                near = i < len(others) and others[i] <= s["t"] + window_s
+                split["beside" if near else "apart"].append(1e3 * s["dur"])
+        out[name] = {k: {"steps": len(v), "median_ms": round(float(np.median(v)), 1) if v else None}
+                     for k, v in split.items()}
+    return out
+
+
 def drive(ep: Endpoint, requests: list[RequestSpec], prompts: list, duration: float) -> dict:
     res = run(ep, requests, prompts, progress=False, scrape_interval=None, deadline_s=duration + 240)
     return per_model(res.records, res.duration_s)
@@ -321,7 +340,9 @@ def main() -> None:
         try:
             results[key.replace("-", "_")] = drive(Endpoint(server.url), requests, prompts_for(requests), args.seconds)
             if STEP_LOGS:  # every model's step records (GET /dashboard/steps), to explain a gap from the steps
-                (out / f"{key}-steps.json").write_text(httpx.get(server.url + "/dashboard/steps", timeout=30).text)
+                log = httpx.get(server.url + "/dashboard/steps", timeout=30).json()
+                (out / f"{key}-steps.json").write_text(json.dumps(log))
+                results[key.replace("-", "_")]["decode_steps"] = decode_steps_beside(log)
         finally:
             server.stop()
         print(key, results[key.replace("-", "_")], flush=True)
