@@ -335,10 +335,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         return _sdpa_prefill_op_decodes(q, k, v, k_cache, v_cache, meta, scale)
     # 2-D views: index_select/index_copy_ over whole rows take the memcpy fast path (3-D ones do not)
     if meta.kernel is not None:
-        # one call: writes this step's K/V into their slots, then attends (float32 queries and output; row views
-        # of qkv are fine, the op takes any row stride)
-        o = meta.kernel(q if q.dtype == torch.float32 else q.float(), k, v, k_cache, v_cache, meta.slot_mapping,
-                        meta.kernel_tables, meta.kernel_seqs, scale)
+        # one call: writes this step's K/V into their slots, then attends (float32 or bfloat16 queries, the output
+        # in their dtype; row views of qkv are fine, the op takes any row stride)
+        o = meta.kernel(q if q.dtype in (torch.float32, torch.bfloat16) else q.float(), k, v, k_cache, v_cache,
+                        meta.slot_mapping, meta.kernel_tables, meta.kernel_seqs, scale)
         return o.view(t, h * d).to(q.dtype)
     k_flat = k_cache.view(-1, kvh * d)
     v_flat = v_cache.view(-1, kvh * d)
@@ -421,7 +421,7 @@ def _sdpa_prefill_op_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                            meta, scale)
     if t == tp:
         return o
-    od = meta.kernel(q[tp:].float(), k[tp:], v[tp:], k_cache, v_cache, meta.slot_mapping[tp:],
+    od = meta.kernel(q[tp:], k[tp:], v[tp:], k_cache, v_cache, meta.slot_mapping[tp:],
                      meta.kernel_decode_tables, meta.kernel_decode_seqs, scale)
     return torch.cat([o, od.view(t - tp, h * d).to(q.dtype)])
 

@@ -213,9 +213,8 @@ struct LayerStack : torch::CustomClassHolder {
       Tensor v = qkv.slice(1, (nh + nkv) * d).view({t, nkv, d});
       Tensor q = qk.slice(1, 0, nh), k = qk.slice(1, nh);
       Tensor kv = kv_cache.select(0, i);
-      Tensor o = attn_->call(q.scalar_type() == at::kFloat ? q : q.to(at::kFloat), k, v, kv.select(0, 0),
-                             kv.select(0, 1), slots, tables, seqs, scale);
-      Tensor attn = o.view({t, nh * d}).to(q.scalar_type());
+      Tensor attn = attn_->call(q, k, v, kv.select(0, 0), kv.select(0, 1), slots, tables, seqs, scale)
+                        .view({t, nh * d});  // in q's dtype (float32 or bfloat16)
       auto hx = add_rms_norm_->call(h, linear(i, O, p_o, attn, w4a8_rows), L.post_norm, eps);
       Tensor gated = p_gate_up == W8A8_SILU ? linear(i, GATE_UP, W8A8_SILU, std::get<1>(hx), w4a8_rows)
                                             : silu_mul_->call(linear(i, GATE_UP, p_gate_up, std::get<1>(hx), w4a8_rows));

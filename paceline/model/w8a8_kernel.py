@@ -44,6 +44,7 @@ import torch
 
 from paceline.model import int4_kernel
 from paceline.model.attention_kernel import AVX512_MATH
+from paceline.model.fused_kernel import SILU_BF16_AVX512
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -57,6 +58,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -220,7 +222,7 @@ inline void scale_row(const int32_t* acc, float a, const float* cs, const float*
   }
 }
 
-""" + AVX512_MATH + r"""
+""" + AVX512_MATH + SILU_BF16_AVX512 + r"""
 // a float32 vector rounded to bfloat16 (nearest even, as store16) and kept as float32
 inline __m512 round_bf16(__m512 v) {
   __m512i i = _mm512_castps_si512(v);
@@ -232,9 +234,9 @@ inline __m512 round_to(__m512 v, const float*) { return v; }
 inline __m512 round_to(__m512 v, const bf16*) { return round_bf16(v); }
 
 // one row of a gate/up linear (gate the first I = N / 2 columns, up the rest): y[i] = silu(g[i]) * u[i], y [I].
-// rounded: g and u rounded to T first and silu(g) = g / (1 + e^-g) with a true division: the bits of scale_row's
-// output followed by fused_kernel's silu_mul (the same e^x polynomial and operations), only without writing and
-// reading back the [rows, N] product. Else from the float32 g and u, the reciprocal as vrcp14ps and one Newton
+// rounded: g and u rounded to T first and silu_mul's arithmetic (for bfloat16 its AVX-512 one, SILU_BF16_AVX512;
+// for float32 e^x by exp16 and a true division): the bits of scale_row's output followed by fused_kernel's
+// silu_mul, only without writing and reading back the [rows, N] product. Else from the float32 g and u, the reciprocal as vrcp14ps and one Newton
 // step (~2^-28 relative) in place of vdivps.
 template <typename T, bool rounded>
 inline void gated_row(const int32_t* acc, float a, const float* cs, const float* b, int64_t N, T* y,
@@ -248,6 +250,10 @@ inline void gated_row(const int32_t* acc, float a, const float* cs, const float*
     if (rounded) {
       g = round_to(g, y);
       u = round_to(u, y);
+    }
+    if (rounded && std::is_same<T, bf16>::value) {  // silu_mul's bfloat16 arithmetic on AVX-512
+      store16(y + n, silu_mul_bf16_16(g, u), m);
+      continue;
     }
     const __m512 d = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
     if (rounded) {

@@ -203,3 +203,33 @@ def test_prefill_sdpa_only_on_amx_and_long_chunks(monkeypatch):
     assert not attention.prefill_sdpa(4096)
     monkeypatch.setenv("PACELINE_ATTN_SDPA_PREFILL", "1")
     assert attention.prefill_sdpa(2) and not attention.prefill_sdpa(0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_queries_give_the_bits_of_the_casts_around_the_op(cache_dtype):
+    """A bfloat16 model passes its queries as they are (a row view of the RoPE output) and gets a bfloat16 output:
+    the same bits as widening them first and rounding the float32 output, the casts its layer made before."""
+    from paceline.model.attention import build_metadata
+
+    shape = DECODE_SHAPES["mixed"]
+    bs, kvh, h, d = 16, 3, 9, 64
+    nb = sum(-(-(s + n) // bs) for s, n in shape) + 2
+    free = torch.randperm(nb, generator=torch.Generator().manual_seed(2)).tolist()
+    seqs = [SeqSlice(s, n, [free.pop() for _ in range(-(-(s + n) // bs))]) for s, n in shape]
+    t = sum(n for _, n in shape)
+    g = torch.Generator().manual_seed(9)
+    k_cache = torch.randn(nb, bs, kvh, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(nb, bs, kvh, d, generator=g).to(cache_dtype)
+    qk = torch.randn(t, h + kvh, d, generator=g).bfloat16()  # queries and keys in one tensor, as RoPE returns them
+    q, k = qk[:, :h], qk[:, h:]
+    v = torch.randn(t, kvh, d, generator=g).bfloat16()
+    if cache_dtype == torch.float32:  # new K/V come in the cache's dtype (or float32)
+        k, v = k.float(), v.float()
+    meta = build_metadata(seqs, bs, kernel=True)
+    run = lambda queries: meta.kernel(queries, k, v, k_cache, v_cache, meta.slot_mapping, meta.kernel_tables,
+                                      meta.kernel_seqs, d ** -0.5)
+    got = run(q)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, h, d)
+    assert torch.equal(got, run(q.float()).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        run(q.half())
