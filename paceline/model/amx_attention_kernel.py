@@ -8,9 +8,12 @@ Layout (one work item = one KV head x 16 query positions, the GQA group's query 
 SmolLM2): K and V are first packed per call into the pair layout the B operand wants (K: 16 keys x 32 dims per
 tile, each row a pair of dims for all 16 keys; V: 32 keys x 16 dims, each row a pair of keys), zero beyond the
 keys. An item computes all of its causal scores (its rows x keys up to its last position, in 32-key steps) into
-a float32 buffer that stays in L2, takes an exact two-pass softmax along each row (max, then 2^x by a degree-4
-polynomial and scalef, P rounded to bfloat16 as torch's bfloat16 SDPA does), and accumulates P.V in float32
-tiles over every key with no rescaling; the output is divided by the row sums and rounded to bfloat16.
+a float32 buffer that stays in L2, taking each row's max from L1 right behind the tiles' stores; then, per query
+head and 32-key step, the exact softmax's numerators (2^x by a degree-4 polynomial and scalef, P rounded to
+bfloat16 as torch's bfloat16 SDPA does) go into a two-slot L1 ring one step ahead of their P.V product, which
+accumulates in float32 tiles over every key with no rescaling; the output is divided by the row sums and rounded
+to bfloat16. Why that order: the op is bound by L2 traffic, not by the tiles; a separate max pass and P written
+whole to L2 and read back cost ~10 % of a 1,500-token prompt's attention (the same bits either way).
 
 Linux grants the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); each thread loads its tile
 configuration per call, because oneDNN reconfigures the tiles between ours. gcc 12's tile load/store intrinsics do
@@ -165,8 +168,23 @@ void attend_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
   // is ~3x its issue interval: 4 independent tiles keep it busy), a last 32-key step in 2
   const uint32_t* kg = kp + size_t(g) * nb16 * DC * 256;
   constexpr int KB = DC * 256;  // one 16-key block of packed K, in uint32
+  // each row's max, taken one key step behind the tiles' stores (those scores still sit in L1, and the loads do not
+  // wait on the stores in flight), so that the softmax reads the scores from L2 once, not twice
+  float rowmax[16 * 8];
+  const __m512 lowest = _mm512_set1_ps(-INFINITY);
   for (int h = 0; h < group; ++h) {
     float* sh = sc + size_t(h * 16) * ncols;
+    __m512 mx[16];
+    for (int i = 0; i < 16; ++i) mx[i] = lowest;
+    auto take_max = [&](int k0, int w) {  // keys [k0, k0 + w) of each row, masked to the keys it sees
+      BARRIER();
+      for (int i = 0; i < rows_valid; ++i) {
+        const int n = std::min(s_eff, q_start + p0 + i + 1);
+        const float* s = sh + size_t(i) * ncols + k0;
+        for (int c = 0; c < w; c += 16)
+          mx[i] = _mm512_max_ps(mx[i], _mm512_mask_loadu_ps(lowest, first(n - k0 - c), s + c));
+      }
+    };
     _tile_loadd(0, qp + h * 16 * D, D * 2);
     if (DC == 2) _tile_loadd(1, qp + h * 16 * D + 32, D * 2);
     int key = 0;
@@ -187,7 +205,9 @@ void attend_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
       _tile_stored(3, sh + key + 16, ncols * 4);
       _tile_stored(4, sh + key + 32, ncols * 4);
       _tile_stored(5, sh + key + 48, ncols * 4);
+      if (key > 0) take_max(key - 64, 64);
     }
+    if (key > 0) take_max(key - 64, 64);
     if (key < ncols) {
       const uint32_t* kb = kg + size_t(key / 16) * KB;
       _tile_zero(2); _tile_zero(3);
@@ -199,61 +219,61 @@ void attend_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
       }
       _tile_stored(2, sh + key, ncols * 4);
       _tile_stored(3, sh + key + 16, ncols * 4);
+      take_max(key, 32);
     }
+    for (int i = 0; i < 16; ++i) rowmax[h * 16 + i] = i < rows_valid ? _mm512_reduce_max_ps(mx[i]) : 0.0f;
   }
   BARRIER();
-  // exact softmax along each row: P (bfloat16, zero past the row's keys) and the row sums
-  float sums[16 * 8];
-  for (int r = 0; r < group * 16; ++r) {
-    const int i = r % 16;
-    float* s = sc + size_t(r) * ncols;
-    uint16_t* p = pb + size_t(r) * ncols;
-    const int n = i < rows_valid ? std::min(s_eff, q_start + p0 + i + 1) : 0;
-    // the row max in 4 independent chains (one chain waits out vmaxps's latency on every vector)
-    const __m512 lowest = _mm512_set1_ps(-INFINITY);
-    __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
-    int j = 0;
-    for (; j + 64 <= n; j += 64) {
-      m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
-      m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
-      m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + j + 32));
-      m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + j + 48));
-    }
-    for (; j < n; j += 16) m0 = _mm512_max_ps(m0, _mm512_mask_loadu_ps(lowest, first(n - j), s + j));
-    const float m = n > 0 ? _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3))) : 0.0f;
-    const __m512 ms = _mm512_set1_ps(m * scale2), sv = _mm512_set1_ps(scale2);
-    __m512 sum = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    j = 0;
-    for (; j + 32 <= n; j += 32) {  // two sums: two chains of adds
-      const __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sv, ms));
-      const __m512 e1 = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), sv, ms));
-      sum = _mm512_add_ps(sum, e);
-      sum1 = _mm512_add_ps(sum1, e1);
-      _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e));
-    }
-    sum = _mm512_add_ps(sum, sum1);
-    for (; j + 16 <= n; j += 16) {
-      const __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sv, ms));
-      sum = _mm512_add_ps(sum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    for (; j < ncols; j += 16) {  // the row's last keys, then zeros to the 32-key edge
-      const __m512 e = _mm512_maskz_mov_ps(first(n - j), exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sv, ms)));
-      sum = _mm512_add_ps(sum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    sums[r] = n > 0 ? _mm512_reduce_add_ps(sum) : 1.0f;
-  }
-  BARRIER();
-  // P.V per query head: OC float32 tiles of 16 rows x 16 dims, over every 32-key step
+  // exact softmax and P.V per query head, 32 keys a step: the step's P (16 rows x 32 keys, bfloat16, zero past
+  // each row's keys) is written into a two-slot ring in L1 one step ahead of its tile load (so the load does not
+  // wait on the stores in flight), then multiplied by OC float32 tiles of V. Each row's sums follow the order of
+  // the whole-row loop this replaced (two chains over whole 32-key steps, joined at the row's first partial step,
+  // then the rest in one): the same bits, without P's round trip through L2.
   const uint16_t* vg = vp + size_t(g) * nb32 * OC * 512;
+  const int steps = ncols / 32;
+  const __m512 sv = _mm512_set1_ps(scale2);
   for (int h = 0; h < group; ++h) {
+    __m512 sum[16], sum1[16], ms[16];
+    int n[16];
+    for (int i = 0; i < 16; ++i) {
+      n[i] = i < rows_valid ? std::min(s_eff, q_start + p0 + i + 1) : 0;
+      ms[i] = _mm512_set1_ps(rowmax[h * 16 + i] * scale2);
+      sum[i] = _mm512_setzero_ps();
+      sum1[i] = _mm512_setzero_ps();
+    }
+    const float* sh = sc + size_t(h * 16) * ncols;
+    auto make_p = [&](int kb, uint16_t* slot) {  // P of keys [32 kb, 32 kb + 32) of the head's 16 rows
+      const int j = kb * 32;
+      for (int i = 0; i < 16; ++i) {
+        uint16_t* p = slot + i * 32;
+        if (j > n[i]) {  // past the row's last step: zeros
+          _mm512_storeu_si512(p, _mm512_setzero_si512());
+          continue;
+        }
+        const float* s = sh + size_t(i) * ncols + j;
+        __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s), sv, ms[i]));
+        __m512 e1 = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16), sv, ms[i]));
+        if (j + 32 <= n[i]) {
+          sum[i] = _mm512_add_ps(sum[i], e);
+          sum1[i] = _mm512_add_ps(sum1[i], e1);
+        } else {  // the row's first step that is not whole: join the chains, then its last keys
+          sum[i] = _mm512_add_ps(sum[i], sum1[i]);
+          e = _mm512_maskz_mov_ps(first(n[i] - j), e);
+          e1 = _mm512_maskz_mov_ps(first(n[i] - j - 16), e1);
+          sum[i] = _mm512_add_ps(_mm512_add_ps(sum[i], e), e1);
+        }
+        _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e1, e));
+      }
+    };
     _tile_zero(0);
     _tile_zero(1);
     if (OC == 4) { _tile_zero(2); _tile_zero(3); }
-    for (int kb = 0; kb < ncols / 32; ++kb) {
+    make_p(0, pb);
+    for (int kb = 0; kb < steps; ++kb) {
+      if (kb + 1 < steps) make_p(kb + 1, pb + ((kb + 1) & 1) * 512);
+      BARRIER();
       const uint16_t* vb = vg + size_t(kb) * OC * 512;
-      _tile_loadd(4, pb + size_t(h * 16) * ncols + kb * 32, ncols * 2);
+      _tile_loadd(4, pb + (kb & 1) * 512, 64);
       _tile_loadd(5, vb, 64);
       _tile_loadd(6, vb + 512, 64);
       _tile_dpbf16ps(0, 4, 5);
@@ -264,13 +284,19 @@ void attend_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
         _tile_dpbf16ps(2, 4, 7);
         _tile_dpbf16ps(3, 4, 5);
       }
+      BARRIER();  // the slot is written again two steps on: after this load
+    }
+    float sums[16];
+    for (int i = 0; i < 16; ++i) {
+      if (n[i] == ncols) sum[i] = _mm512_add_ps(sum[i], sum1[i]);  // every step whole: the chains are joined here
+      sums[i] = n[i] > 0 ? _mm512_reduce_add_ps(sum[i]) : 1.0f;
     }
     _tile_stored(0, ob, D * 4);
     _tile_stored(1, ob + 16, D * 4);
     if (OC == 4) { _tile_stored(2, ob + 32, D * 4); _tile_stored(3, ob + 48, D * 4); }
     BARRIER();
     for (int i = 0; i < rows_valid; ++i) {
-      const __m512 inv = _mm512_set1_ps(1.0f / sums[h * 16 + i]);
+      const __m512 inv = _mm512_set1_ps(1.0f / sums[i]);
       uint16_t* o = out + (p0 + i) * out_stride + (g * group + h) * D;
       for (int c = 0; c < D; c += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c),
@@ -310,7 +336,7 @@ at::Tensor amx_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
     load_tile_config();
     Aligned<uint16_t> qp(size_t(group) * 16 * d);
     Aligned<float> sc(size_t(group) * 16 * nb32 * 32);
-    Aligned<uint16_t> pb(size_t(group) * 16 * nb32 * 32);
+    Aligned<uint16_t> pb(1024);  // the two-slot ring of P tiles
     Aligned<float> ob(16 * d);
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < items; ++it) {
