@@ -323,6 +323,16 @@ def _gather(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None)
     return blocks.index_select(0, index) if out is None else torch.index_select(blocks, 0, index, out=out)
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttnMetadata) -> None:
+    """This step's K/V [T, KVH, D] into their cache slots (meta.slot_mapping), in the cache's dtype (a float32 step
+    of a bfloat16 model, LlamaModel.wide_above, stores bfloat16). 2-D views: index_copy_ over whole rows takes
+    the memcpy fast path (3-D ones do not)."""
+    t, kvh, d = k.shape
+    k_cache.view(-1, kvh * d).index_copy_(0, meta.slot_mapping, k.reshape(t, kvh * d).to(k_cache.dtype))
+    v_cache.view(-1, kvh * d).index_copy_(0, meta.slot_mapping, v.reshape(t, kvh * d).to(v_cache.dtype))
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttnMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] for this step's tokens; caches [num_blocks, block_size, KVH, D] -> [T, H*D].
@@ -340,11 +350,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         o = meta.kernel(q if q.dtype in (torch.float32, torch.bfloat16) else q.float(), k, v, k_cache, v_cache,
                         meta.slot_mapping, meta.kernel_tables, meta.kernel_seqs, scale)
         return o.view(t, h * d).to(q.dtype)
-    k_flat = k_cache.view(-1, kvh * d)
-    v_flat = v_cache.view(-1, kvh * d)
-    # a float32 step of a bfloat16 model (LlamaModel.wide_above) stores its K/V in the cache's dtype
-    k_flat.index_copy_(0, meta.slot_mapping, k.reshape(t, kvh * d).to(k_cache.dtype))
-    v_flat.index_copy_(0, meta.slot_mapping, v.reshape(t, kvh * d).to(v_cache.dtype))
+    write_kv(k, v, k_cache, v_cache, meta)
     k_blocks = k_cache.view(k_cache.shape[0], -1)
     v_blocks = v_cache.view(v_cache.shape[0], -1)
 

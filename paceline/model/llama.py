@@ -23,7 +23,7 @@ from torch import nn
 from paceline.model import (fused_kernel, int4_amx_kernel, int4_kernel, layer_loop, logits_kernel, q8_kernel,
                             w4a8_kernel, w8a8_kernel)
 from paceline.model.arch import ModelArch
-from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention
+from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention, write_kv
 
 
 T = TypeVar("T")
@@ -778,7 +778,10 @@ class LlamaLayer(nn.Module):
                       and fused_kernel.supports(w["input_norm"].shape[0], self.head_dim, inter) else None)
 
     def forward(self, h: torch.Tensor, rope: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+                v_cache: torch.Tensor, keep: tuple[torch.Tensor, AttnMetadata] | None = None) -> torch.Tensor:
+        """keep (row indices, their metadata as one-token slices, None for no rows): a step's last layer where only
+        those rows feed logits (LlamaModel.forward_layers): every row's K/V still goes into the cache, then only the
+        kept rows go on through attention, o and the MLP, and the result holds those rows, in keep's order."""
         t = h.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         input_norm, post_norm = self.input_norm, self.post_norm
@@ -791,6 +794,10 @@ class LlamaLayer(nn.Module):
             qkv = self.qkv(f.rms_norm(h, input_norm, self.eps), **kw)
             qk = f.rope(qkv, torch.view_as_real(rope), nh + nkv, d)  # rope [T, 1, d/2] complex: (cos, sin) pairs
             v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
+            if keep is not None:
+                qk, v, h, meta, kw = self._keep(qk, v, h, meta, k_cache, v_cache, keep)
+                if meta is None:  # no row feeds logits: the K/V were all this layer owed the step
+                    return h
             attn = paged_attention(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)
             h, x = f.add_rms_norm(h, self.o(attn, **kw), post_norm, self.eps)
             gated = self.gate_up.gated(x, **kw) if self.int4 else None
@@ -802,11 +809,25 @@ class LlamaLayer(nn.Module):
             qk = qk.float()
         qk = torch.view_as_real(torch.view_as_complex(qk) * rope).view(t, nh + nkv, d).to(h.dtype)
         v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
+        if keep is not None:
+            qk, v, h, meta, kw = self._keep(qk, v, h, meta, k_cache, v_cache, keep)
+            if meta is None:
+                return h
         attn = paged_attention(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)
         h = h + self.o(attn, **kw)
         x = F.rms_norm(h, (h.shape[-1],), post_norm, self.eps)
         gate, up = self.gate_up(x, **kw).chunk(2, dim=-1)
         return h + self.down(F.silu(gate).mul_(up), **kw)
+
+
+    def _keep(self, qk: torch.Tensor, v: torch.Tensor, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, keep: tuple[torch.Tensor, AttnMetadata]) -> tuple:
+        """forward's keep: every row's K/V into the cache (later steps read them), then the kept rows' qk, v, h, their
+        metadata and the linears' keywords."""
+        write_kv(qk[:, self.num_heads:], v, k_cache, v_cache, meta)
+        rows, meta = keep
+        kw = {"decodes": meta.num_decodes} if self.int4 and meta is not None else {}
+        return qk[rows], v[rows], h[rows], meta, kw
 
 
 class LlamaModel(nn.Module):
@@ -994,14 +1015,20 @@ class LlamaModel(nn.Module):
         return drain(self.forward_layers(input_ids, positions, meta, kv_cache))
 
     def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                       kv_cache: torch.Tensor, span: int | None = None) -> Generator[None, None, torch.Tensor]:
+                       kv_cache: torch.Tensor, span: int | None = None,
+                       keep: tuple[torch.Tensor, AttnMetadata] | None = None) -> Generator[None, None, torch.Tensor]:
         """forward, suspended after every layer (a bare `yield`); returns the hidden states. Why: several models in
         one loop (engine/multi.py) run another model's whole step between two layers of a long one, so that
         model's streams wait for one layer of it rather than the whole step. forward is this, run through.
 
         Where the C++ layer loop runs the step (layer_loop.py), it yields after every `span` layers instead (None:
         every layer in one call): the runner asks for 1 where the step may be suspended (ModelRunner.execute_iter)
-        and None where nothing suspends it (execute)."""
+        and None where nothing suspends it (execute).
+
+        keep (row indices, their metadata as one-token slices; ModelRunner.keep_rows): the rows whose hidden states
+        the caller needs (those that feed logits). The last layer then runs only those rows past its K/V (Layer's
+        keep), and the result holds them, in keep's order. Why: a prompt chunk needs the last layer's K/V of every
+        token but its attention, o and MLP for its last token at most (~3 % of a 1,500-token prompt's step)."""
         h = F.embedding(input_ids, self.embed)
         norm = self.norm
         if self.wide_above is not None and h.shape[0] > self.wide_above:
@@ -1011,13 +1038,18 @@ class LlamaModel(nn.Module):
         if loop is not None:  # the same ops, called from C++: the same bits without ~10 Python op calls a layer
             stack, paths = loop
             rot, n = torch.view_as_real(rope), len(self.layers)
+            whole = n - 1 if keep is not None else n  # the layers run for every row
             span = span or n
-            for first in range(0, n, span):
-                h = stack.run(h, rot, kv_cache, meta, first, min(first + span, n), paths)
+            for first in range(0, whole, span):
+                h = stack.run(h, rot, kv_cache, meta, first, min(first + span, whole), paths)
+                yield
+            if keep is not None:
+                h = self.layers[-1](h, rope, meta, kv_cache[n - 1, 0], kv_cache[n - 1, 1], keep)
                 yield
         else:
+            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                h = layer(h, rope, meta, kv_cache[i, 0], kv_cache[i, 1])
+                h = layer(h, rope, meta, kv_cache[i, 0], kv_cache[i, 1], keep if i == last else None)
                 yield
         fused = self.layers[0].fused if len(self.layers) else None
         if fused is not None and h.dtype in (torch.float32, torch.bfloat16):
