@@ -217,19 +217,24 @@ void silu_mul_rows(const at::Tensor& gu, at::Tensor& y) {
 }
 
 // bfloat16 rows on AVX-512 (silu_mul_bf16_16's arithmetic): 16 lanes a step, the last 8 of a row masked
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void silu_mul_rows_bf16_avx512(const at::Tensor& gu, at::Tensor& y) {
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void silu_mul_rows_bf16_avx512(const at::Tensor& gu, at::Tensor& y) {
   const int64_t T_ = gu.size(0), I = gu.size(1) / 2, ld = gu.stride(0);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(gu.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
 #pragma omp parallel for schedule(static) num_threads(threads_for(T_ * I))
   for (int64_t t = 0; t < T_; ++t)
     for (int64_t i = 0; i < I; i += 16) {
       const __mmask16 m = I - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (I - i)) - 1);
       const uint16_t* x = xp + t * ld + i;
-      const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x)), 16));
-      const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + I)), 16));
-      __m512i r = _mm512_castps_si512(silu_mul_bf16_16(g, u));  // to bfloat16, nearest even (no NaNs), as store8
-      r = _mm512_add_epi32(_mm512_add_epi32(r, _mm512_set1_epi32(0x7FFF)), _mm512_and_si512(_mm512_srli_epi32(r, 16), _mm512_set1_epi32(1)));
+      const __m512i g16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x));
+      const __m512i u16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + I));
+      const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(g16, 16));
+      const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(u16, 16));
+      // to bfloat16, nearest even (no NaNs), as store8
+      __m512i r = _mm512_castps_si512(silu_mul_bf16_16(g, u));
+      r = _mm512_add_epi32(_mm512_add_epi32(r, bias), _mm512_and_si512(_mm512_srli_epi32(r, 16), one));
       _mm256_mask_storeu_epi16(yp + t * I + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
     }
 }

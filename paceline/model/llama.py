@@ -778,7 +778,7 @@ class LlamaLayer(nn.Module):
                       and fused_kernel.supports(w["input_norm"].shape[0], self.head_dim, inter) else None)
 
     def forward(self, h: torch.Tensor, rope: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, keep: tuple[torch.Tensor, AttnMetadata] | None = None) -> torch.Tensor:
+                v_cache: torch.Tensor, keep: tuple[torch.Tensor, AttnMetadata | None] | None = None) -> torch.Tensor:
         """keep (row indices, their metadata as one-token slices, None for no rows): a step's last layer where only
         those rows feed logits (LlamaModel.forward_layers): every row's K/V still goes into the cache, then only the
         kept rows go on through attention, o and the MLP, and the result holds those rows, in keep's order."""
@@ -819,9 +819,8 @@ class LlamaLayer(nn.Module):
         gate, up = self.gate_up(x, **kw).chunk(2, dim=-1)
         return h + self.down(F.silu(gate).mul_(up), **kw)
 
-
     def _keep(self, qk: torch.Tensor, v: torch.Tensor, h: torch.Tensor, meta: AttnMetadata, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, keep: tuple[torch.Tensor, AttnMetadata]) -> tuple:
+              v_cache: torch.Tensor, keep: tuple[torch.Tensor, AttnMetadata | None]) -> tuple:
         """forward's keep: every row's K/V into the cache (later steps read them), then the kept rows' qk, v, h, their
         metadata and the linears' keywords."""
         write_kv(qk[:, self.num_heads:], v, k_cache, v_cache, meta)
@@ -1016,7 +1015,8 @@ class LlamaModel(nn.Module):
 
     def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                        kv_cache: torch.Tensor, span: int | None = None,
-                       keep: tuple[torch.Tensor, AttnMetadata] | None = None) -> Generator[None, None, torch.Tensor]:
+                       keep: tuple[torch.Tensor, AttnMetadata | None] | None = None
+                       ) -> Generator[None, None, torch.Tensor]:
         """forward, suspended after every layer (a bare `yield`); returns the hidden states. Why: several models in
         one loop (engine/multi.py) run another model's whole step between two layers of a long one, so that
         model's streams wait for one layer of it rather than the whole step. forward is this, run through.

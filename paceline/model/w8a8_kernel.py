@@ -236,8 +236,8 @@ inline __m512 round_to(__m512 v, const bf16*) { return round_bf16(v); }
 // one row of a gate/up linear (gate the first I = N / 2 columns, up the rest): y[i] = silu(g[i]) * u[i], y [I].
 // rounded: g and u rounded to T first and silu_mul's arithmetic (for bfloat16 its AVX-512 one, SILU_BF16_AVX512;
 // for float32 e^x by exp16 and a true division): the bits of scale_row's output followed by fused_kernel's
-// silu_mul, only without writing and reading back the [rows, N] product. Else from the float32 g and u, the reciprocal as vrcp14ps and one Newton
-// step (~2^-28 relative) in place of vdivps.
+// silu_mul, only without writing and reading back the [rows, N] product. Else from the float32 g and u, the
+// reciprocal as vrcp14ps and one Newton step (~2^-28 relative) in place of vdivps.
 template <typename T, bool rounded>
 inline void gated_row(const int32_t* acc, float a, const float* cs, const float* b, int64_t N, T* y,
                       int outliers, const int32_t* idx, const float* val, const int8_t* wq) {
