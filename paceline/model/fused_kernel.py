@@ -144,16 +144,24 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-template <typename T>
-void add_rows(const at::Tensor& h, const at::Tensor& r, at::Tensor& s) {
-  const int64_t T_ = h.size(0), D = h.size(1);
+// s = h + r (rounded to T, as `h + r` is), then y = rms_norm(s, w), row by row: a row of s is normed while it is
+// still in L1 (adding every row first and then norming them read s back from L2 or memory: one pass more over
+// the hidden states a layer); the same functions, so the same bits
+template <typename T, typename W>
+void add_norm_rows(const at::Tensor& h, const at::Tensor& r, const at::Tensor& w, at::Tensor& s, at::Tensor& y,
+                   double eps) {
+  const int64_t T_ = h.size(0), D = h.size(1), lh = h.stride(0), lr = r.stride(0);
   const T* hp = reinterpret_cast<const T*>(h.data_ptr());
   const T* rp = reinterpret_cast<const T*>(r.data_ptr());
+  const W* wp = reinterpret_cast<const W*>(w.data_ptr());
   T* sp = reinterpret_cast<T*>(s.data_ptr());
-  const int64_t lh = h.stride(0), lr = r.stride(0);
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
 #pragma omp parallel for schedule(static) num_threads(threads_for(T_ * D))
-  for (int64_t t = 0; t < T_; ++t)
-    for (int64_t i = 0; i < D; i += 8) store8(sp + t * D + i, _mm256_add_ps(load8(hp + t * lh + i), load8(rp + t * lr + i)));
+  for (int64_t t = 0; t < T_; ++t) {
+    T* srow = sp + t * D;
+    for (int64_t i = 0; i < D; i += 8) store8(srow + i, _mm256_add_ps(load8(hp + t * lh + i), load8(rp + t * lr + i)));
+    norm_row<T, W>(srow, wp, yp + t * D, D, float(eps));
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& r, const at::Tensor& w,
@@ -162,9 +170,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
   check_rows(r, "r");
   TORCH_CHECK(r.sizes() == h.sizes() && r.scalar_type() == h.scalar_type(), "h and r must have one shape and dtype");
   auto s = at::empty({h.size(0), h.size(1)}, h.options());
-  if (h.scalar_type() == at::kFloat) add_rows<float>(h, r, s);
-  else add_rows<bf16>(h, r, s);  // rounded to bfloat16 here, as h + r is
-  return {s, rms_norm(s, w, eps)};
+  auto y = at::empty({h.size(0), h.size(1)}, h.options());
+  const bool hf = h.scalar_type() == at::kFloat, wf = w.scalar_type() == at::kFloat;
+  if (hf && wf) add_norm_rows<float, float>(h, r, w, s, y, eps);
+  else if (hf) add_norm_rows<float, bf16>(h, r, w, s, y, eps);
+  else if (wf) add_norm_rows<bf16, float>(h, r, w, s, y, eps);
+  else add_norm_rows<bf16, bf16>(h, r, w, s, y, eps);
+  return {s, y};
 }
 
 template <typename T>
