@@ -14,8 +14,8 @@ the input's dtype; within float32 rounding of torch's ops (the sums of squares a
 - rope(qkv, rot, heads, d): the first `heads` heads of d of each row of qkv, pairs (2i, 2i + 1) rotated by
   rot [T, d / 2, 2] = (cos, sin): (a c - b s, a s + b c), as the complex product the eager path takes.
 - silu_mul(gu) = silu(gu[:, :I]) * gu[:, I:] for gu [T, 2I]. bfloat16 rows on an AVX-512 CPU take a shorter
-  arithmetic (SILU_BF16_AVX512: relative error < 1.2e-4 before the rounding to bfloat16's 8 bits, against the float32
-  path's ~1e-7), 2.4x faster over a 1,500-token prompt's rows.
+  arithmetic (SILU_BF16_AVX512: relative error < 1.3e-4 before the rounding to bfloat16's 8 bits, against the float32
+  path's ~1e-7), 1.47x faster over a 1,500-token prompt's rows (benchmarks/fused_ops.py, docs/performance.md).
 And one for the greedy sampler (model/sampler.py), built here rather than as a fifth library:
 - argmax_rows(x) = torch.argmax(x, -1) for float32 logits [M, V] (first index of the largest, NaN the largest).
 - sample_rows(x, inv_temp, u): a draw per row from softmax(x * inv_temp) by its inverse CDF at u (the sampler's
