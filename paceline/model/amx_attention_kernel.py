@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from paceline.model import int4_kernel
+from paceline.model.attention_kernel import EXP2_DEG4
 
 # The includes and helpers every AMX op needs (pasted at the top of their sources): the tile state's
 # request, a tile configuration of 8 tiles of 16 rows x 64 bytes, 64-byte aligned scratch, and the compiler
@@ -98,19 +99,7 @@ namespace {
 
 using namespace amx;
 
-// 2^t for t <= 0 (finite; scalef flushes far-negative n to 0): round to n, f = t - n in [-0.5, 0.5], degree-4
-// Taylor polynomial of 2^f (relative error < 5e-5: P is rounded to bfloat16, 4e-3, right after), times 2^n
-inline __m512 exp2_nonpositive(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.6181291076284772e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
+""" + EXP2_DEG4 + r"""
 inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max(n, 0)) - 1); }
 
 // K [S, KVH, D] -> kp[g][b][c][r][n] (uint32 = a pair of dims): key b*16+n, dims c*32 + 2r, +1; zero past s_eff
@@ -251,8 +240,8 @@ void attend_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
           continue;
         }
         const float* s = sh + size_t(i) * ncols + j;
-        __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s), sv, ms[i]));
-        __m512 e1 = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16), sv, ms[i]));
+        __m512 e = exp2_deg4(_mm512_fmsub_ps(_mm512_loadu_ps(s), sv, ms[i]));
+        __m512 e1 = exp2_deg4(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16), sv, ms[i]));
         if (j + 32 <= n[i]) {
           sum[i] = _mm512_add_ps(sum[i], e);
           sum1[i] = _mm512_add_ps(sum1[i], e1);

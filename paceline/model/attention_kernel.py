@@ -101,6 +101,24 @@ inline __m512 exp16(__m512 x) {
 }
 """
 
+# 2^t with a degree-4 polynomial, for values rounded to bfloat16 right after (the AMX attention's P, the bf16 SiLU):
+# 8 significant bits need no more. Pasted into those sources; the target attribute lets a source built for AVX2
+# (fused_kernel's) hold it beside its AVX2 code, to be called only where the CPU has AVX-512.
+EXP2_DEG4 = r"""
+// 2^t for finite t (scalef takes a very negative n to 0, a large one to inf): round to n, f = t - n in [-0.5, 0.5],
+// degree-4 Taylor polynomial of 2^f (relative error < 5e-5), times 2^n
+__attribute__((target("avx512f"))) inline __m512 exp2_deg4(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.6181291076284772e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+"""
+
 SOURCE = r"""
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from paceline.model import int4_kernel
-from paceline.model.attention_kernel import AVX2_MATH
+from paceline.model.attention_kernel import AVX2_MATH, EXP2_DEG4
 
 # silu(g) * u for 16 float32 lanes whose result is rounded to bfloat16 (a bfloat16 model's SiLU * up): silu_mul's
 # AVX-512 path and the int8 op's fused epilogue (w8a8_kernel.py) paste this one definition, so their bits agree.
@@ -43,18 +43,11 @@ from paceline.model.attention_kernel import AVX2_MATH
 # degree-4 polynomial (relative error < 5e-5) and 1 / (1 + e^-g) by vrcp14ps (< 2^-14, and the same bits on every
 # AVX-512 CPU) cost a third of the instructions, where vdivps alone held the 1,500-row pass (~0.7 ms a layer) to
 # the divider's rate. The clamps keep t finite for infinite g (silu(-inf) = -inf, silu(inf) = inf).
-SILU_BF16_AVX512 = r"""
+SILU_BF16_AVX512 = EXP2_DEG4 + r"""
 __attribute__((target("avx512f"))) inline __m512 silu_mul_bf16_16(__m512 g, __m512 u) {
   __m512 t = _mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f));  // e^-g = 2^t
   t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(126.0f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.6181291076284772e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_scalef_ps(p, n));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp2_deg4(t));
   return _mm512_mul_ps(_mm512_mul_ps(g, _mm512_rcp14_ps(d)), u);
 }
 """
