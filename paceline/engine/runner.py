@@ -11,6 +11,7 @@ from typing import Generator
 import torch
 
 from paceline.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
+from paceline.engine.heap import keep_freed_memory
 from paceline.engine.prefault import populate_in_background
 from paceline.model.arch import ModelArch
 from paceline.model.attention import GatherWorkspace, SeqSlice, build_metadata
@@ -35,6 +36,8 @@ class ModelRunner:
         self.model, self.arch = model, arch
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device, self.dtype = torch.device(device), dtype
+        if self.device.type == "cpu":  # a step's activations stay in the heap between steps (engine/heap.py)
+            keep_freed_memory()
         shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # The caches must start as zeros: masked slots of a gathered block are multiplied by 0 in attention, and
         # uninitialised NaN bits would survive that. A large CPU cache is its own anonymous mapping: the kernel's
