@@ -77,8 +77,8 @@ class Step:
     preempted: set[str] = field(default_factory=set)  # preempted now: not admitted or swapped in again this step
     shape: BatchShape | None = None  # what the step-time model sees of the step so far (max_step_ms only)
     target_ms: float = 0.0  # the smallest step-time target a chunk of this step was sized to (0: none was)
-    # whether more than one prompt wanted compute when the step began (waiting, swapped, mid-prefill): the calm
-    # target's question (Scheduler.others_queued), answered on the step's first chunk only
+    # whether more than one prompt wanted compute when the step began (waiting, swapped, mid-prefill): whether the
+    # calm and short targets may apply (Scheduler.others_queued), answered on the step's first chunk only
     others_queued: bool | None = None
 
     @property
@@ -397,7 +397,7 @@ class Scheduler:
         if shape.num_decodes == 0 and not is_decode_slice(request, start, n):
             return n
         if step.others_queued is None:
-            step.others_queued = self.config.calm_step_ms <= 0 or self.others_queued()
+            step.others_queued = self.others_queued()
         target_ms = self.step_target_ms(shape, request, start, others_queued=step.others_queued)
         step.target_ms = min(step.target_ms or target_ms, target_ms)
         limit = target_ms / 1000.0 / self.step_time_scale
@@ -436,26 +436,32 @@ class Scheduler:
 
     def step_target_ms(self, shape: BatchShape, request: Request, start: int, others_queued: bool = True) -> float:
         """The step-time target a chunk of `request` from `start` may fill, beside the decodes already in `shape`:
-        max_step_ms when the rest of its prompt is worth that long a step and other prompts are queued behind it,
-        calm_step_ms when it is worth it but none is (`others_queued`), else short_step_ms.
+        max_step_ms when other prompts are queued behind it; alone, calm_step_ms when the rest of its prompt is worth
+        that long a step, else short_step_ms.
 
-        Why: a step's length is every running stream's token gap, while its prompt chunk only moves one prompt on.
-        Throughput decides which matters more: the running decodes cost D / N a token now (D the predicted time of
-        their N decodes alone), and the rest of this prompt costs P (its predicted prefill time) for at most O
+        Why short: a step's length is every running stream's token gap, while its prompt chunk only moves one prompt
+        on. Throughput decides which matters more: the running decodes cost D / N a token now (D the predicted time
+        of their N decodes alone), and the rest of this prompt costs P (its predicted prefill time) for at most O
         tokens to come (what max_tokens leaves). A step spent on a prompt that costs more per token it can bring
         than a decode costs now (P / O > D / N) buys less output than the same time spent on decodes, so such a
         step is held short: a lone long prompt beside a few streams (issue 13's stall probe: 1,500 tokens, one
-        token out, beside 6 streams) no longer makes every stream wait for a full-target step, while a queue of
-        short prompts that will each decode for a while (the 32-stream probe, chat's median request) still gets
-        the full target and enters the batch as fast as before.
+        token out, beside 6 streams) no longer makes every stream wait for a full-target step.
+
+        Why not when others are queued: that weighs the head of the queue alone, but a short step holds back every
+        prompt behind it too, each a stream not yet decoding. Chat at 4 req/s (160 requests, 2026-11-25, AMX Xeon)
+        ran its median step at 42 ms with 16 prompt tokens while 8-24 requests waited behind heads with few tokens
+        to come, and its queue grew without bound; vLLM kept up.
 
         The calm target: a full step moves the queue behind the prompt on (their TTFT, and the batch fills sooner),
         but a prompt alone in the queue gains only its own few tens of ms of TTFT from it, which every running
         stream pays in its token gap; an unsaturated server (chat at 0.5 req/s) is in that case almost always."""
         cfg = self.config
-        full, short = cfg.max_step_ms, cfg.short_step_ms
-        if not others_queued and 0 < cfg.calm_step_ms < full:
+        full = cfg.max_step_ms
+        if others_queued:
+            return full
+        if 0 < cfg.calm_step_ms < full:
             full = cfg.calm_step_ms
+        short = cfg.short_step_ms
         if short <= 0 or short >= full:
             return full
         decodes = BatchShape(num_decodes=shape.num_decodes, num_requests=shape.num_decodes,
