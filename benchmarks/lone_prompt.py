@@ -8,7 +8,8 @@ mood.
 
 A variant is environment settings (KEY=VAL, joined by '+'; '' for none) for the server; `--serve-args` are passed to
 every `paceline serve`. Token ids are fresh random ones per request, so no prefix is cached. The first request of
-each server is reported apart (cold: the first step of that size maps its memory and builds oneDNN's primitives).
+each server is reported apart (cold: the first step of that size maps its memory and builds oneDNN's primitives). RSS: the server's resident
+memory after its last request (the KV pool's prefault included).
 """
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ def minor_faults(pid: int) -> int:
     return total
 
 
+def rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def run_server(env_text: str, serve_args: list[str], tokens: int, requests: int, settle_s: float) -> list[dict]:
     env = dict(os.environ)
     env.update(kv.split("=", 1) for kv in env_text.split("+") if kv)
@@ -56,7 +64,7 @@ def run_server(env_text: str, serve_args: list[str], tokens: int, requests: int,
                     break
             except httpx.TransportError:
                 if server.poll() is not None:
-                    raise RuntimeError(f"server exited with {server.returncode}")
+                    raise RuntimeError(f"server exited with {server.returncode}") from None
             time.sleep(0.2)
         time.sleep(settle_s)  # the KV pool's background prefault runs while the engine is idle
         model = client.get(base + "/v1/models").json()["data"][0]["id"]
@@ -73,6 +81,7 @@ def run_server(env_text: str, serve_args: list[str], tokens: int, requests: int,
                         first = time.monotonic()
             rows.append({"sent": sent, "ttft": first - sent, "faults": minor_faults(server.pid) - faults})
             time.sleep(0.5)
+        rows[-1]["rss_mb"] = rss_mb(server.pid)
         steps = client.get(base + "/dashboard/steps").json()["models"][0]["steps"]
         big = [s for s in steps if s["prefill"] >= tokens]
         for row, step in zip(rows, big):  # one step per lone prompt (the lone-prefill budget takes it whole)
@@ -99,19 +108,21 @@ def main() -> None:
         for v in variants:
             rows = run_server(v, args.serve_args.split(), args.tokens, args.requests, args.settle)
             print(f"round {rnd + 1} [{v or 'default'}] cold: TTFT {rows[0]['ttft'] * 1e3:.1f} ms, "
-                  f"{rows[0]['faults']} faults; warm TTFT ms {[round(r['ttft'] * 1e3, 1) for r in rows[1:]]}",
+                  f"{rows[0]['faults']} faults; warm TTFT ms {[round(r['ttft'] * 1e3, 1) for r in rows[1:]]}; "
+                  f"RSS at the end {rows[-1]['rss_mb']:.0f} MB",
                   flush=True)
             results[v] += rows[1:]
     print(f"\n{args.tokens}-token lone prompts, warm requests ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
     print("| variant | TTFT median (min-max) ms | step ms | before step ms | after step ms | minor faults a request |")
     print("|---|---:|---:|---:|---:|---:|")
+    def med(rows: list[dict], key: str, scale: float = 1e3) -> str:
+        vals = [r[key] * scale for r in rows if key in r]
+        return f"{statistics.median(vals):.1f}" if vals else "-"
+
     for v, rows in results.items():
-        def med(key: str, scale: float = 1e3) -> str:
-            vals = [r[key] * scale for r in rows if key in r]
-            return f"{statistics.median(vals):.1f}" if vals else "-"
         ttft = [r["ttft"] * 1e3 for r in rows]
-        print(f"| {v or 'default'} | {statistics.median(ttft):.1f} ({min(ttft):.1f}-{max(ttft):.1f}) | {med('step')} | "
-              f"{med('before')} | {med('after')} | {med('faults', 1)} |")
+        print(f"| {v or 'default'} | {statistics.median(ttft):.1f} ({min(ttft):.1f}-{max(ttft):.1f}) | {med(rows, 'step')} | "
+              f"{med(rows, 'before')} | {med(rows, 'after')} | {med(rows, 'faults', 1)} |")
 
 
 if __name__ == "__main__":

@@ -449,8 +449,8 @@ class Scheduler:
 
         Why not when others are queued: that weighs the head of the queue alone, but a short step holds back every
         prompt behind it too, each a stream not yet decoding. Chat at 4 req/s (160 requests, 2026-11-25, AMX Xeon)
-        ran its median step at 42 ms with 16 prompt tokens while 8-24 requests waited behind heads with few tokens
-        to come, and its queue grew without bound; vLLM kept up.
+        ran most steps under the 42 ms short target with 16 prompt tokens while 8-24 requests waited behind heads
+        with few tokens to come, and its queue grew for the whole run (docs/scheduling.md); vLLM kept up.
 
         The calm target: a full step moves the queue behind the prompt on (their TTFT, and the batch fills sooner),
         but a prompt alone in the queue gains only its own few tens of ms of TTFT from it, which every running

@@ -3,14 +3,15 @@
 Why: glibc gives freed memory at the top of a heap back to the kernel (trim; for a thread's arena it also unmaps
 whole 64 MiB heaps) and serves large blocks from fresh mappings, so memory that a step frees is mapped and zeroed
 again, page by page, when the next step allocates it. A served 1,500-token prompt (its activations, ~250 MB, are
-allocated and freed on the engine thread) took 48-66 thousand minor page faults, and its step ran 340-440 ms
-against ~275 ms for the same step in a process whose main-thread heap happened to keep that memory; with the
-settings below, 2-117 faults after the first request and steps of 274-315 ms (a default server, 8 lone 1,500-token
-prompts, int4, AMX CPU, 2026-11-25 16:05 UTC; the probe is described in docs/performance.md). vLLM's CPU backend
+allocated and freed on the engine thread) took ~45,000 minor page faults and 362.7 ms to its first token against
+76 faults and 311.0 ms with the settings below (`benchmarks/lone_prompt.py --variant PACELINE_KEEP_HEAP=1 --variant
+PACELINE_KEEP_HEAP=0 --rounds 2`, int4, AMX Xeon, 2026-11-25 16:26 UTC; docs/performance.md). An offline step on
+the main thread, whose heap happened to keep the memory, never showed it. vLLM's CPU backend
 asks for tcmalloc preloaded for the same reason; glibc's own knobs do it without another dependency.
 
-Cost: after the largest step the process keeps that step's activations resident (a few hundred MB for a
-2,048-token step of the bundled model) instead of returning them between steps.
+Cost: the process keeps its largest step's activations resident between steps instead of returning them. A
+default server after six lone 1,500-token prompts: 2,885 MB resident against 2,862 MB without (the 2 GiB KV pool
+included; `benchmarks/lone_prompt.py`, one round, 17:10 UTC).
 """
 from __future__ import annotations
 
