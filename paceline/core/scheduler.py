@@ -130,6 +130,7 @@ class Scheduler:
         # it (the engine: a high quantile of measured / predicted; a profile taken on an idle machine reads low)
         self.step_time = step_time
         self.step_time_scale = 1.0
+        self.queued_step_time_scale = 1.0  # a lower quantile, for steps with prompts queued (engine.py)
         self.last_shape: BatchShape | None = None  # the last scheduled step's, under max_step_ms (see stats())
         self.last_target_ms = 0.0
         self.last_scale = 0.0  # step_time_scale as that step was sized (the engine moves it after the step ran)
@@ -400,7 +401,10 @@ class Scheduler:
             step.others_queued = self.others_queued()
         target_ms = self.step_target_ms(shape, request, start, others_queued=step.others_queued)
         step.target_ms = min(step.target_ms or target_ms, target_ms)
-        limit = target_ms / 1000.0 / self.step_time_scale
+        # with prompts queued the step is sized so that fewer steps (not 1 in 50) stay under the target: the goal's
+        # headroom goes to the queue's throughput (engine.QUEUED_STEP_TIME_QUANTILE)
+        scale = self.queued_step_time_scale if step.others_queued else self.step_time_scale
+        limit = target_ms / 1000.0 / scale
 
         out = step.out
         # the block copies planned so far, and this request's own if it is coming back from host memory
