@@ -83,7 +83,8 @@ def check_output(sched: Scheduler, out: SchedulerOutput, running_before: set[str
         assert total - max(prompts, default=0) <= cfg.max_num_batched_tokens
     # a step without decodes is bounded by the token budget only: no stream waits on it
     if cfg.policy == "stall-free" and cfg.max_step_ms and any(s.is_decode for s in out.scheduled):
-        limit = cfg.max_step_ms / 1000 / sched.step_time_scale
+        # a step with prompts queued is sized by the lower of the engine's two scales (Scheduler.chunk_within_step_time)
+        limit = cfg.max_step_ms / 1000 / min(sched.step_time_scale, sched.queued_step_time_scale)
         # a swap-out planned after a chunk was sized (a preemption for a later request) adds copies it could not see
         if out.predicted_step_s > limit * (1 + 1e-9) and not out.swapped_out_ids:
             # over the limit only by the decodes, or by the one-block floor of the step's first prompt chunk

@@ -131,3 +131,19 @@ def test_stats_describe_the_last_step_for_the_step_log() -> None:
     plain.add_request(make_request("a", 8))
     step(plain, 1.0)
     assert plain.stats().last_step_context == 0 and plain.stats().last_step_scale == 0
+
+
+def test_a_step_with_prompts_queued_is_sized_by_the_queued_scale() -> None:
+    # the engine keeps two quantiles of measured / predicted step time; with a queue the lower one sizes the step
+    def first_step(n_prompts: int, max_tokens: int) -> float:
+        sched = scheduler(75)
+        t = streams(sched, 6)
+        sched.step_time_scale, sched.queued_step_time_scale = 1.5, 1.0
+        for i in range(n_prompts):
+            sched.add_request(make_request(f"p{i}", 600, max_tokens=max_tokens, arrival=t))
+        return step(sched, t + 1).out.predicted_step_s  # the model's own prediction, before any scale
+
+    queued = first_step(3, 1000)
+    assert 0.140 < queued <= 0.150 + 1e-12  # 150 ms / 1.0
+    alone = first_step(1, 1000)
+    assert 0.090 < alone <= 0.100 + 1e-12  # alone: 150 ms / 1.5 (no calm target in this scheduler)
