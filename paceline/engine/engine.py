@@ -353,7 +353,7 @@ class Engine:
         # composition is read before update(): afterwards a decode's request already holds its new token
         num_decode = sched_out.num_decode_tokens
         num_prefill = sched_out.num_batched_tokens - num_decode
-        predicted = sched_out.predicted_step_s * self.scheduler.step_time_scale  # the scale moves after this step
+        predicted = sched_out.predicted_step_s * self.scheduler.last_scale  # the scale moves after this step
         # what the refit learns from; read before update(), which moves the requests on
         shape = batch_shape(sched_out) if self.live_step_time is not None else None
         try:
