@@ -27,8 +27,8 @@ bf16 cache and a bf16 model's queries). Why: their per-score horizontal sums and
 layer, best of 15, 08:44 UTC, `decode_attention.py --layer --variants rev=c757601,avx512,avx2`: 32 bf16 decodes at
 100-200 tokens 0.194 -> 0.124 ms, 6 at 1,900 0.477 -> 0.270 ms (float32 decodes unchanged on Zen 4).
 `PACELINE_ATTN_ISA=avx2` forces the AVX2 build (attention_kernel.py). On a CPU with AMX bf16 tiles a bf16 step's
-prompt chunks of SDPA_PREFILL_FROM_ROWS+ rows run torch's SDPA instead (its GEMMs on the tiles) and its decodes the
-op (`prefill_sdpa`, below).
+prompt chunks of SDPA_PREFILL_FROM_PAIRS+ causal query-key pairs run the AMX op (or torch's SDPA) instead and its
+decodes the op (`prefill_sdpa`, below).
 
 The eager path:
 
@@ -127,23 +127,34 @@ GROUP_MAX_BYTES = 8 << 20
 # best of 15 (`benchmarks/decode_attention.py --layer --variants eager,auto --dtypes bfloat16`, Intel Xeon with AMX,
 # 2026-11-25 07:20 UTC, ms, SDPA / op): a fresh 512-token prompt 0.957 / 1.745, a 512-token chunk at 1,000 3.077 /
 # 7.424, 1,500 whole 5.346 / 13.588, a 64-token chunk at 1,000 + 6 decodes 0.966 / 0.934, 32 decodes 0.508 / 0.171.
-# So a bf16 step whose prompt chunks hold at least SDPA_PREFILL_FROM_ROWS rows runs them through SDPA and its
-# decodes through the op. (Since, _prefill_attention runs such chunks on paceline's own AMX op where it builds,
-# amx_attention_kernel.py, faster again than SDPA: the threshold was set against SDPA and kept.) Below it
-# (chat-length prompts, n copies of one) the op serves every row as before, so a short prompt's logits do not
-# depend on whether its prefix came from the cache.
-SDPA_PREFILL_FROM_ROWS = 256
+# So a bf16 step whose prompt chunks hold enough causal query-key pairs runs them through SDPA and its decodes
+# through the op. (Since, _prefill_attention runs such chunks on paceline's own AMX op where it builds,
+# amx_attention_kernel.py, faster again than SDPA.) The bar is a fresh 256-token prompt's pairs: until 2026-11-25 it
+# was 256 prompt rows, which left a chunk deep in its context on the op: a 157-token chunk after 400 cached tokens
+# beside 32 decodes took 1.76 ms a layer there against 0.26 on the tiles (the step 94.1 -> 85.1 ms; a 64-token
+# chunk at 512 beside 6 decodes 44.8 -> 41.3), the steps of an overloaded chat server. Why pairs and not rows: a
+# prompt's last r tokens after a cached prefix hold at most the pairs of the whole prompt (r (n - r/2) <= n^2 / 2),
+# so a prompt below the bar, whole or after any cached prefix, runs on the op either way and its logits do not
+# depend on the cache (a seeded n=2 chat sample repeats), as under the row rule; fresh short chunks (the 32-stream
+# probe's) stay on the op, where the C++ layer loop serves the step.
+SDPA_PREFILL_FROM_PAIRS = 256 * 257 // 2
 
 
-def prefill_sdpa(prompt_rows: int) -> bool:
-    """Whether a step with `prompt_rows` rows of prompt chunks runs them through SDPA beside the op (AMX only;
-    PACELINE_ATTN_SDPA_PREFILL=0 keeps the op on every row, =1 forces it where the op runs, for tests)."""
+def causal_pairs(slices) -> int:
+    """Query-key pairs of prompt chunks [(start, num_tokens), ...] under the causal mask."""
+    return sum(n * s + n * (n + 1) // 2 for s, n in slices)
+
+
+def prefill_sdpa(prompt_pairs: int) -> bool:
+    """Whether a step whose prompt chunks hold `prompt_pairs` causal query-key pairs runs them through SDPA or the
+    AMX op beside the paged-attention op's decodes (AMX only; PACELINE_ATTN_SDPA_PREFILL=0 keeps the op on every
+    row, =1 forces it wherever there are prompt rows, for tests)."""
     env = os.environ.get("PACELINE_ATTN_SDPA_PREFILL", "")
-    if env == "0" or prompt_rows == 0:
+    if env == "0" or prompt_pairs == 0:
         return False
     if env == "1":
         return True
-    return prompt_rows >= SDPA_PREFILL_FROM_ROWS and "amx_bf16" in int4_kernel.cpu_flags()
+    return prompt_pairs >= SDPA_PREFILL_FROM_PAIRS and "amx_bf16" in int4_kernel.cpu_flags()
 
 
 def group_decodes(lengths: list[int], group_cost: int = GROUP_COST_POSITIONS, max_positions: int = 1 << 62) -> list[int]:
@@ -254,7 +265,7 @@ def build_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device |
             row += s.num_tokens
         meta.kernel_seqs = torch.tensor(rows, dtype=torch.int32)
         meta.num_prefills, meta.num_decodes = len(prefills), len(decodes)
-        if prefill_sdpa(tp):
+        if prefill_sdpa(causal_pairs((s.start, s.num_tokens) for s in prefills)):
             meta.sdpa_prefill = True
             _prefill_fields(meta, prefills, block_size, device)
             if meta.prefill_kv_index is not None and workspace is not None:

@@ -192,15 +192,21 @@ def test_sdpa_prefill_beside_the_op_decodes(monkeypatch, shape, amx):
         row += s.num_tokens
 
 
-def test_prefill_sdpa_only_on_amx_and_long_chunks(monkeypatch):
+def test_prefill_sdpa_only_on_amx_and_chunks_with_enough_pairs(monkeypatch):
     from paceline.model import attention, int4_kernel
 
     monkeypatch.delenv("PACELINE_ATTN_SDPA_PREFILL", raising=False)
     monkeypatch.setattr(int4_kernel, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
-    assert attention.prefill_sdpa(attention.SDPA_PREFILL_FROM_ROWS)
-    assert not attention.prefill_sdpa(attention.SDPA_PREFILL_FROM_ROWS - 1) and not attention.prefill_sdpa(0)
+    pairs = attention.causal_pairs
+    assert pairs([(0, 3)]) == 6 and pairs([(10, 2)]) == 23 and pairs([(0, 3), (10, 2)]) == 29
+    assert attention.prefill_sdpa(pairs([(0, 256)])) and not attention.prefill_sdpa(pairs([(0, 255)]))
+    assert attention.prefill_sdpa(pairs([(400, 157)]))  # a chunk deep in its context: on the tiles
+    assert not attention.prefill_sdpa(pairs([(0, 100)] * 4)) and not attention.prefill_sdpa(0)  # fresh short ones
+    # a prompt below the bar stays below it after any cached prefix: whole or not, the same op
+    for n in range(2, 256):
+        assert all(pairs([(n - r, r)]) <= pairs([(0, n)]) for r in range(1, n + 1))
     monkeypatch.setattr(int4_kernel, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    assert not attention.prefill_sdpa(4096)
+    assert not attention.prefill_sdpa(10**7)
     monkeypatch.setenv("PACELINE_ATTN_SDPA_PREFILL", "1")
     assert attention.prefill_sdpa(2) and not attention.prefill_sdpa(0)
 
