@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -140,7 +140,7 @@ GROUP_MAX_BYTES = 8 << 20
 SDPA_PREFILL_FROM_PAIRS = 256 * 257 // 2
 
 
-def causal_pairs(slices) -> int:
+def causal_pairs(slices: Iterable[tuple[int, int]]) -> int:
     """Query-key pairs of prompt chunks [(start, num_tokens), ...] under the causal mask."""
     return sum(n * s + n * (n + 1) // 2 for s, n in slices)
 
