@@ -258,8 +258,8 @@ class Scheduler:
             if step.shape is not None:
                 step.shape.num_swapped_blocks = len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
                 out.predicted_step_s = self.step_time(step.shape)
-                scale = self.queued_step_time_scale if step.others_queued else self.step_time_scale
-                self.last_shape, self.last_target_ms, self.last_scale = step.shape, step.target_ms, scale
+                self.last_shape, self.last_target_ms = step.shape, step.target_ms
+                self.last_scale = self.sizing_scale(step)
         return out
 
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
@@ -402,10 +402,7 @@ class Scheduler:
             step.others_queued = self.others_queued()
         target_ms = self.step_target_ms(shape, request, start, others_queued=step.others_queued)
         step.target_ms = min(step.target_ms or target_ms, target_ms)
-        # with prompts queued the step is sized so that 1 in 10 such steps (not 1 in 50) may run over the target:
-        # the TBT goal's headroom goes to the queue's throughput (engine.QUEUED_STEP_TIME_QUANTILE)
-        scale = self.queued_step_time_scale if step.others_queued else self.step_time_scale
-        limit = target_ms / 1000.0 / scale
+        limit = target_ms / 1000.0 / self.sizing_scale(step)
 
         out = step.out
         # the block copies planned so far, and this request's own if it is coming back from host memory
@@ -429,6 +426,12 @@ class Scheduler:
         if shape.num_prefill_tokens == 0:
             lo = max(lo, min(n, self.block_size))
         return lo
+
+    def sizing_scale(self, step: Step) -> float:
+        """The measured / predicted scale a step's chunks are sized by: with prompts queued the lower quantile, so
+        that 1 in 10 such steps (not 1 in 50) may run over the target and the TBT goal's headroom goes to the queue's
+        throughput (engine.QUEUED_STEP_TIME_QUANTILE)."""
+        return self.queued_step_time_scale if step.others_queued else self.step_time_scale
 
     def others_queued(self) -> bool:
         """Whether more than one prompt wants compute now: waiting, swapped out, or running but not yet decoding."""

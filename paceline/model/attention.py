@@ -335,13 +335,13 @@ def _gather(blocks: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttnMetadata) -> None:
-    """This step's K/V [T, KVH, D] into their cache slots (meta.slot_mapping), in the cache's dtype (a float32 step
-    of a bfloat16 model, LlamaModel.wide_above, stores bfloat16). 2-D views: index_copy_ over whole rows takes
-    the memcpy fast path (3-D ones do not)."""
+             slots: torch.Tensor) -> None:
+    """K/V rows [T, KVH, D] into their cache slots [T] (a step's meta.slot_mapping, or its first rows'), in the
+    cache's dtype (a float32 step of a bfloat16 model, LlamaModel.wide_above, stores bfloat16). 2-D views:
+    index_copy_ over whole rows takes the memcpy fast path (3-D ones do not)."""
     t, kvh, d = k.shape
-    k_cache.view(-1, kvh * d).index_copy_(0, meta.slot_mapping, k.reshape(t, kvh * d).to(k_cache.dtype))
-    v_cache.view(-1, kvh * d).index_copy_(0, meta.slot_mapping, v.reshape(t, kvh * d).to(v_cache.dtype))
+    k_cache.view(-1, kvh * d).index_copy_(0, slots, k.reshape(t, kvh * d).to(k_cache.dtype))
+    v_cache.view(-1, kvh * d).index_copy_(0, slots, v.reshape(t, kvh * d).to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -361,7 +361,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         o = meta.kernel(q if q.dtype in (torch.float32, torch.bfloat16) else q.float(), k, v, k_cache, v_cache,
                         meta.slot_mapping, meta.kernel_tables, meta.kernel_seqs, scale)
         return o.view(t, h * d).to(q.dtype)
-    write_kv(k, v, k_cache, v_cache, meta)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     k_blocks = k_cache.view(k_cache.shape[0], -1)
     v_blocks = v_cache.view(v_cache.shape[0], -1)
 
@@ -430,10 +430,8 @@ def _sdpa_prefill_op_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """AMX, a bf16 step with long prompt chunks (prefill_sdpa): the chunks through _prefill_attention (the AMX
     op, or SDPA), the decodes through the op (which writes their K/V itself)."""
     t, h, d = q.shape
-    kvh = k.shape[1]
     tp = meta.num_prefill_tokens
-    k_cache.view(-1, kvh * d).index_copy_(0, meta.slot_mapping[:tp], k[:tp].reshape(tp, kvh * d).to(k_cache.dtype))
-    v_cache.view(-1, kvh * d).index_copy_(0, meta.slot_mapping[:tp], v[:tp].reshape(tp, kvh * d).to(v_cache.dtype))
+    write_kv(k[:tp], v[:tp], k_cache, v_cache, meta.slot_mapping[:tp])  # the prompt rows' (the op writes the decodes')
     o = _prefill_attention(q, k, v, k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1),
                            meta, scale)
     if t == tp:

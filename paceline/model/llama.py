@@ -823,7 +823,7 @@ class LlamaLayer(nn.Module):
               v_cache: torch.Tensor, keep: tuple[torch.Tensor, AttnMetadata | None]) -> tuple:
         """forward's keep: every row's K/V into the cache (later steps read them), then the kept rows' qk, v, h, their
         metadata and the linears' keywords."""
-        write_kv(qk[:, self.num_heads:], v, k_cache, v_cache, meta)
+        write_kv(qk[:, self.num_heads:], v, k_cache, v_cache, meta.slot_mapping)
         rows, meta = keep
         kw = {"decodes": meta.num_decodes} if self.int4 and meta is not None else {}
         return qk[rows], v[rows], h[rows], meta, kw
