@@ -55,7 +55,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF every system serves (default: the bundled SmolLM2-135M)")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list of {', '.join(ALL_SYSTEMS)}")
     p.add_argument("--stall-free-budgets", default="256,1024",
-                   help="token budgets of the paceline-stall-free runs; BUDGET:MS also sets --max-step-ms MS")
+                   help="token budgets of the paceline-stall-free runs; BUDGET:MS also sets --max-step-ms MS, "
+                        "BUDGET:gMS --tbt-goal-ms MS (the step targets derived from it, as a user with that SLO sets)")
     p.add_argument("--sarathi-budgets", dest="stall_free_budgets", help=argparse.SUPPRESS)  # the old name
     p.add_argument("--budget", type=int, default=1024,
                    help="token budget of the other paceline schedulers, llama-server -b/-ub, transformers cb")
@@ -275,9 +276,13 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
         if name == "paceline-stall-free":
             for item in _csv(args.stall_free_budgets):
                 budget, _, ms = item.partition(":")
-                system = paceline_system(scheduler, int(budget), model, args.threads, max_step_ms=float(ms or 0))
-                # one name per budget (and step-time limit), as peers.py names its stall-free runs
-                system.name = f"{name}-{budget}" + (f"-{float(ms):g}ms" if ms and float(ms) else "")
+                goal = ms.startswith("g")
+                extra = ["--tbt-goal-ms", f"{float(ms[1:]):g}"] if goal else None
+                system = paceline_system(scheduler, int(budget), model, args.threads, extra=extra,
+                                         max_step_ms=0.0 if goal else float(ms or 0))
+                # one name per budget (and step-time limit or TBT goal), as peers.py names its stall-free runs
+                suffix = f"-goal{float(ms[1:]):g}ms" if goal else (f"-{float(ms):g}ms" if ms and float(ms) else "")
+                system.name = f"{name}-{budget}{suffix}"
                 out.append(system)
         elif name.startswith("paceline-"):
             out.append(paceline_system(scheduler, args.budget, model, args.threads))

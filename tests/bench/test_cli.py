@@ -194,3 +194,19 @@ def test_vllm_budgets_make_one_system_each(monkeypatch, tmp_path):
     assert [s.argv[s.argv.index("--max-num-batched-tokens") + 1] for s in systems] == ["256", "512", "2048"]
     one = systems_for(parse(["compare", "--systems", "vllm-cpu", "--budget", "64"]), load_workload("chat"), str(folder))
     assert [s.name for s in one] == ["vllm-cpu-64"]  # without --vllm-budgets: --budget, as before
+
+
+def test_stall_free_budget_items_set_a_step_limit_or_a_tbt_goal(tmp_path):
+    from paceline.bench.compare import systems_for
+    from paceline.bench.workload import load_workload
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    args = parse(["compare", "--systems", "paceline-stall-free", "--stall-free-budgets", "256,512:150,512:g190"])
+    systems = systems_for(args, load_workload("chat"), str(folder))
+    assert [s.name for s in systems] == ["paceline-stall-free-256", "paceline-stall-free-512-150ms",
+                                         "paceline-stall-free-512-goal190ms"]
+    plain, limit, goal = (s.argv for s in systems)
+    assert "--max-step-ms" not in plain and "--tbt-goal-ms" not in plain
+    assert limit[limit.index("--max-step-ms") + 1] == "150" and "--tbt-goal-ms" not in limit
+    # a goal lets the server derive its own step targets from it, as a user with that SLO would set it
+    assert goal[goal.index("--tbt-goal-ms") + 1] == "190" and "--max-step-ms" not in goal
