@@ -276,13 +276,14 @@ def systems_for(args: argparse.Namespace, spec: WorkloadSpec, model: str):
         if name == "paceline-stall-free":
             for item in _csv(args.stall_free_budgets):
                 budget, _, ms = item.partition(":")
-                goal = ms.startswith("g")
-                extra = ["--tbt-goal-ms", f"{float(ms[1:]):g}"] if goal else None
+                goal_ms = float(ms[1:]) if ms.startswith("g") else 0.0
+                limit_ms = 0.0 if goal_ms else float(ms or 0)
+                extra = ["--tbt-goal-ms", f"{goal_ms:g}"] if goal_ms else None
                 system = paceline_system(scheduler, int(budget), model, args.threads, extra=extra,
-                                         max_step_ms=0.0 if goal else float(ms or 0))
+                                         max_step_ms=limit_ms)
                 # one name per budget (and step-time limit or TBT goal), as peers.py names its stall-free runs
-                suffix = f"-goal{float(ms[1:]):g}ms" if goal else (f"-{float(ms):g}ms" if ms and float(ms) else "")
-                system.name = f"{name}-{budget}{suffix}"
+                system.name = f"{name}-{budget}" + (f"-goal{goal_ms:g}ms" if goal_ms else
+                                                    f"-{limit_ms:g}ms" if limit_ms else "")
                 out.append(system)
         elif name.startswith("paceline-"):
             out.append(paceline_system(scheduler, args.budget, model, args.threads))
