@@ -387,8 +387,7 @@ class Scheduler:
     def chunk_within_step_time(self, step: Step, request: Request, start: int, n: int) -> int:
         """The most of an n-token chunk of `request` starting at `start` that keeps the step's predicted time
         under max_step_ms (all n when no limit is set, or when no decode runs in the step). The first chunk of a step gets at least one block's worth, so
-        prompts progress even when the decodes alone fill the time; not a prompt younger than defer_prompt_s (0
-        unless several models' loop sets it), which then waits for a step with room."""
+        prompts progress even when the decodes alone fill the time."""
         shape = step.shape
         # no decode in the step: no stream waits on it, so only the token budget bounds it. A lone prompt then runs in
         # big chunks, several times faster per token on a CPU than step-target-sized ones (a prompt finishing in this
@@ -424,7 +423,7 @@ class Scheduler:
                 lo = mid
             else:
                 hi = mid
-        if shape.num_prefill_tokens == 0 and step.now - request.arrival_time >= self.config.defer_prompt_s:
+        if shape.num_prefill_tokens == 0:
             lo = max(lo, min(n, self.block_size))
         return lo
 
