@@ -22,6 +22,7 @@ place of real contexts (values do not change the cost).
     python benchmarks/profile_step.py --modes int4 --compare "int4_kernel=98a8064+fused=0,fused=0,fused=1" --only "b=32,probe32"
     python benchmarks/profile_step.py --modes int4 --compare "kernels=6a4ec79,w4a8=all" --only "b=32,probe32"
     python benchmarks/profile_step.py --modes int4 --compare "kernels=6a4ec79,w4a8=all" --check-same   # logits equal?
+    python benchmarks/profile_step.py --modes int4 --compare "w4a8_kernel=3b853d8,layer_loop=1" --only "b=32"  # the op alone
 """
 from __future__ import annotations
 
@@ -172,6 +173,9 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     rev = model_kw.pop("kernels", None)
     if rev is not None:  # kernels=REV: the w4a8 and attention ops as they were at git revision REV, for this runner
         return _with_kernels_at(str(rev), lambda: make_runner(ckpt, mode, blocks, bs, **model_kw))
+    rev = model_kw.pop("w4a8_kernel", None)
+    if rev is not None:  # w4a8_kernel=REV: the w4a8 op alone (an older attention op may no longer fit the layers)
+        return _with_kernels_at(str(rev), lambda: make_runner(ckpt, mode, blocks, bs, **model_kw), attention=False)
     rev = model_kw.pop("w8a8_kernel", None)
     if rev is not None:  # w8a8_kernel=REV: the int8 x int8 op of revision REV (held by the model's W8A8Linears)
         from benchmarks.int4_linear import kernel_module_at
@@ -201,17 +205,20 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     return runner
 
 
-def _with_kernels_at(rev: str, build):
-    """Build a runner whose w4a8 and attention ops are those of revision `rev`: the model looks them up at call
-    time (w4a8_kernel.op, attention_kernel.load), so they are swapped in for its build and for each of its steps."""
+def _with_kernels_at(rev: str, build, attention: bool = True):
+    """Build a runner whose w4a8 op (and attention op, with attention) are those of revision `rev`: the model looks
+    them up at call time (w4a8_kernel.op, attention_kernel.load), so they are swapped in for its build and for each
+    of its steps."""
     from paceline.model import attention_kernel, w4a8_kernel
 
     from benchmarks.int4_linear import kernel_module_at
-    old_w4a8, old_attn = kernel_module_at(rev, "w4a8_kernel"), kernel_module_at(rev, "attention_kernel")
+    old_w4a8 = kernel_module_at(rev, "w4a8_kernel")
     swaps = [(w4a8_kernel, "op", old_w4a8.op), (w4a8_kernel, "load", old_w4a8.load),
-             (w4a8_kernel, "pack", old_w4a8.pack), (attention_kernel, "load", old_attn.load),
+             (w4a8_kernel, "pack", old_w4a8.pack),
              # llama.py passes MAX_R to the op: an older op takes 1-6 only (before "0: the build's best")
              (w4a8_kernel, "MAX_R", getattr(old_w4a8, "MAX_R", 4))]
+    if attention:
+        swaps.append((attention_kernel, "load", kernel_module_at(rev, "attention_kernel").load))
 
     def swapped(fn):
         def call(*a, **kw):
