@@ -100,6 +100,7 @@ def scenarios(vocab: int, bs: int):
     ctx32 = [rng.randint(100, 200) for _ in range(32)]
     return {
         "decode b=1 (ctx 150)": [[(150, 1, 150, 1)]],
+        "decode b=2 (ctx 150, 350)": [[(150, 1, 150, 1), (350, 1, 350, 1)]],  # multi_model's float32 streams
         "decode b=32 (ctx 100-200)": [[(c, 1, c, 1) for c in ctx32]],
         "chunk 64 + 6 decodes": [[(1500, 0, 512, 64)] + [(150, 1, 150, 1)] * 6],
         "prefill 512 (fresh)": [[(512, 0, 0, 512)]],
@@ -160,10 +161,11 @@ def make_runner(ckpt, mode: str, blocks: int, bs: int, **model_kw):
     # w8a8_silu=0: gate_up's SiLU * up as silu_mul after the int8 op, not in its epilogue
     # q8_head=0|1: the LM head on the GGUF's Q8_0 codes (q8_kernel.py) or the bf16 weight; q8_out=0: with each
     # block's largest activation left in; layer_loop=0|1: the layers of a step in Python or in one C++ call
-    # (layer_loop.py); int4_amx=0|1: an int4 model's 7-127-row bf16 steps off / on the AMX op (int4_amx_kernel.py).
+    # (layer_loop.py); int4_amx=0|1: an int4 model's 7-127-row bf16 steps off / on the AMX op (int4_amx_kernel.py);
+    # f32_rows=0|1: a float32 model's steps of few rows on oneDNN's packed weights / f32_rows_kernel's op.
     # (The AMX attention op is chosen per call: run the whole command with PACELINE_ATTN_AMX=0 and without.)
     for key, var in (("w4a8", "PACELINE_W4A8_LINEARS"), ("fused", "PACELINE_FUSED_KERNEL"),
-                     ("int4_amx", "PACELINE_INT4_AMX"),
+                     ("int4_amx", "PACELINE_INT4_AMX"), ("f32_rows", "PACELINE_F32_ROWS"),
                      ("w8a8_silu", "PACELINE_W8A8_FUSED_SILU"), ("q8_head", "PACELINE_Q8_HEAD"),
                      ("q8_out", "PACELINE_Q8_HEAD_OUTLIERS"), ("layer_loop", "PACELINE_LAYER_LOOP")):
         if key in model_kw:

@@ -22,8 +22,8 @@ from paceline.core.scheduler import Scheduler
 from paceline.engine.faults import run_isolated
 from paceline.engine.prefault import paced_by
 from paceline.engine.runner import ModelRunner
-from paceline.model import (amx_attention_kernel, attention_kernel, int4_amx_kernel, layer_loop, llama, q8_kernel,
-                            w4a8_kernel)
+from paceline.model import (amx_attention_kernel, attention_kernel, f32_rows_kernel, int4_amx_kernel, layer_loop, llama,
+                            q8_kernel, w4a8_kernel)
 from paceline.model.llama import drain
 from paceline.model.loader import DTYPES, build_model, cache_root, default_model_path, load_checkpoint
 from paceline.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -266,7 +266,7 @@ class Engine:
                      ":".join(llama.w4a8_linears()), llama.int4_wide_choice(), w4a8_kernel.build_key(),
                      llama.int4_bf16_from_rows(),
                      attention_kernel.isa(), llama.w8a8_build(), q8_kernel.build_key(), layer_loop.enabled(),
-                     int4_amx_kernel.supported(), amx_attention_kernel.supported()):
+                     int4_amx_kernel.supported(), amx_attention_kernel.supported(), f32_rows_kernel.build_key()):
             h.update(f"{part}\0".encode())
         for src in sources:
             if src.exists():

@@ -17,7 +17,7 @@ same arguments in the same order, so every tensor it produces has the bits the P
 What it covers: the fused path (fused_kernel's ops) with the attention op (attention_kernel), on float32 and
 bfloat16 steps of a model whose layers all run one kind of product per linear: Int4Linear's int4 op, w4a8 op, AMX
 op, dense bf16 copy (oneDNN) or W8A8Linear copy (with its fused SiLU * up for gate_up), and plain Linear (oneDNN
-prepacked, or F.linear before packing). Anything else (CUDA, float32 wide steps of a bf16 model, the eager
+prepacked, or F.linear before packing, or f32_rows_kernel's op for a float32 step of few rows). Anything else (CUDA, float32 wide steps of a bf16 model, the eager
 attention, a product the stack does not know) returns None from `LayerLoop.paths` and the Python loop runs.
 `PACELINE_LAYER_LOOP=0` switches it off for models built afterwards (A/B runs).
 
@@ -56,7 +56,7 @@ using at::Tensor;
 using OptTensor = std::optional<at::Tensor>;
 
 // products a linear can run (LayerLoop.PATHS names them in this order)
-enum Path : int64_t { INT4 = 0, W4A8 = 1, DENSE = 2, W8A8 = 3, W8A8_SILU = 4, INT4_AMX = 5, NUM_PATHS = 6 };
+enum Path : int64_t { INT4 = 0, W4A8 = 1, DENSE = 2, W8A8 = 3, W8A8_SILU = 4, INT4_AMX = 5, F32_ROWS = 6, NUM_PATHS = 7 };
 enum Kind : int64_t { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3, NUM_KINDS = 4 };
 
 // one layer's weights for one product of one linear
@@ -92,6 +92,7 @@ using W4a8Mm = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, b
 using Int4AmxMm = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&);
 using W8a8Mm = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, int64_t);
 using W8a8Silu = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, int64_t, bool);
+using F32RowsMm = Tensor(const Tensor&, const Tensor&, const OptTensor&);
 using Attn = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                     const Tensor&, const Tensor&, double);
 using MkldnnLinear = Tensor(const Tensor&, const Tensor&, const OptTensor&, std::string_view,
@@ -110,6 +111,7 @@ struct LayerStack : torch::CustomClassHolder {
   std::optional<c10::TypedOperatorHandle<Int4AmxMm>> int4_amx_;
   std::optional<c10::TypedOperatorHandle<W8a8Mm>> w8a8_;
   std::optional<c10::TypedOperatorHandle<W8a8Silu>> w8a8_silu_;
+  std::optional<c10::TypedOperatorHandle<F32RowsMm>> f32_rows_;
   std::optional<c10::TypedOperatorHandle<Attn>> attn_;
   c10::TypedOperatorHandle<MkldnnLinear> mkldnn_;
   c10::List<std::optional<at::Scalar>> no_scalars_;
@@ -131,6 +133,7 @@ struct LayerStack : torch::CustomClassHolder {
     else if (role == "int4_amx") int4_amx_ = find<Int4AmxMm>(name);
     else if (role == "w8a8") w8a8_ = find<W8a8Mm>(name);
     else if (role == "w8a8_silu") w8a8_silu_ = find<W8a8Silu>(name);
+    else if (role == "f32_rows") f32_rows_ = find<F32RowsMm>(name);
     else if (role == "attention") attn_ = find<Attn>(name);
     else TORCH_CHECK(false, "layer_loop: unknown op role ", role);
   }
@@ -184,6 +187,9 @@ struct LayerStack : torch::CustomClassHolder {
       case INT4_AMX:
         TORCH_CHECK(int4_amx_, "layer_loop: no AMX int4 op set");
         return int4_amx_->call(x, l.w, l.a, l.bias);
+      case F32_ROWS:
+        TORCH_CHECK(f32_rows_, "layer_loop: no float32 few-row op set");
+        return f32_rows_->call(x, l.w, l.bias);
     }
     TORCH_CHECK(false, "layer_loop: bad path ", path);
   }
@@ -240,9 +246,9 @@ TORCH_LIBRARY(NAMESPACE, m) {
 TORCH_LIBRARY_IMPL(NAMESPACE, CatchAll, m) { m.impl("abi", &abi); }
 """
 
-PATHS = ("int4", "w4a8", "dense", "w8a8", "w8a8_silu", "amx")
+PATHS = ("int4", "w4a8", "dense", "w8a8", "w8a8_silu", "amx", "f32_rows")
 KINDS = ("qkv", "o", "gate_up", "down")
-INT4, W4A8, DENSE, W8A8, W8A8_SILU, INT4_AMX = range(6)
+INT4, W4A8, DENSE, W8A8, W8A8_SILU, INT4_AMX, F32_ROWS = range(7)
 
 
 def enabled() -> bool:
@@ -357,6 +363,8 @@ class LayerLoop:
         if dense is not None:
             packed = dense.packed is not None
             add(i, k, DENSE, dense.packed if packed else dense.weight, None, dense.bias, None, 0, packed)
+        if isinstance(lin, self._Linear) and lin.keep_plain and lin.weight is not None:  # kept for good
+            add(i, k, F32_ROWS, lin.weight, None, lin.bias, None, 0, False)
 
     def _set_op(self, role: str, op: Any) -> bool:
         """Point the stack's `role` at `op`; False where op is None (that path cannot run)."""
@@ -370,10 +378,14 @@ class LayerLoop:
     def _path(self, lins: list, rows: int, dtype: torch.dtype, gated: bool, decodes: int = 0) -> int | None:
         """Which product serves every layer's linear of one kind for a step of `rows` rows of `dtype`, the op it
         needs set; None where the stack cannot run it exactly as the Python loop would."""
-        from paceline.model import w4a8_kernel, w8a8_kernel
+        from paceline.model import f32_rows_kernel, w4a8_kernel, w8a8_kernel
         lin = lins[0]
         if isinstance(lin, self._Linear):
-            return DENSE if lin.wide is None or dtype != torch.float32 else None
+            if lin.wide is not None and dtype == torch.float32:
+                return None
+            if lin.few_rows(rows, dtype) and self._set_op("f32_rows", f32_rows_kernel.op()):
+                return F32_ROWS  # as Linear.__call__ picks it
+            return DENSE
         if not isinstance(lin, self._Int4Linear):
             return None
         path = lin.path(rows, dtype, decodes)

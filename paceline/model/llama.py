@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paceline.model import (fused_kernel, int4_amx_kernel, int4_kernel, layer_loop, logits_kernel, q8_kernel,
-                            w4a8_kernel, w8a8_kernel)
+from paceline.model import (f32_rows_kernel, fused_kernel, int4_amx_kernel, int4_kernel, layer_loop, logits_kernel,
+                            q8_kernel, w4a8_kernel, w8a8_kernel)
 from paceline.model.arch import ModelArch
 from paceline.model.attention import AttnMetadata, SeqSlice, build_metadata, paged_attention, write_kv
 
@@ -71,14 +71,25 @@ class Linear:
     3..2048 rows and ~2x for bf16 matrix-vector products. Elsewhere it is plain F.linear.
 
     `wide`, when set, is the copy of the weight that serves float32 inputs (float32 or Int8Linear): on a CPU
-    without native bf16 math the model runs steps with many rows in float32 (see LlamaModel's wide_above)."""
+    without native bf16 math the model runs steps with many rows in float32 (see LlamaModel's wide_above).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+    `few_rows`: a float32 weight that serves decode steps keeps its plain copy beside the packed one where
+    f32_rows_kernel's op runs (AVX-512): steps of up to f32_rows_kernel.MAX_ROWS rows read it there, faster than
+    oneDNN's packed product at one or two rows. The copies that serve only wide steps pass False."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
+                 few_rows: bool = True):
         self.weight, self.bias, self.dtype = weight, bias, weight.dtype
         self.packed = self._pack(weight, bias) if pack else None
-        if self.packed is not None:
+        self.keep_plain = few_rows and weight.is_contiguous() and f32_rows_kernel.keeps_plain(weight)
+        if self.packed is not None and not self.keep_plain:
             self.weight = None  # the packed copy replaces the plain one
         self.wide: Linear | Int8Linear | None = None  # serves float32 inputs (make_linear's wide)
+
+    def few_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether f32_rows_kernel's op serves a step of `rows` rows of `dtype` (the layer loop asks the same)."""
+        return (self.keep_plain and self.weight is not None and dtype == torch.float32
+                and rows <= f32_rows_kernel.MAX_ROWS)
 
     @staticmethod
     def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -95,6 +106,10 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.wide is not None and x.dtype == torch.float32:
             return self.wide(x)
+        if x.dim() == 2 and self.few_rows(x.shape[0], x.dtype):
+            op = f32_rows_kernel.op()
+            if op is not None:
+                return op(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -285,7 +300,7 @@ class Calibrating(Linear):
     the stand-in for an Int8Linear until LlamaModel has run its calibration tokens (see Int8Linear)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
-        super().__init__(weight.float().contiguous(), None if bias is None else bias.float(), pack)
+        super().__init__(weight.float().contiguous(), None if bias is None else bias.float(), pack, few_rows=False)
         self.source = (weight, bias)
         self.input_absmax: torch.Tensor | None = None
 
@@ -299,7 +314,7 @@ class Calibrating(Linear):
             return Int8Linear(*self.source, input_absmax=self.input_absmax, outliers=OUTLIER_CHANNELS)
         except (RuntimeError, AttributeError):  # a torch build whose quantized ops are gone: float32 serves
             return Linear(self.source[0].float().contiguous(), None if self.source[1] is None else
-                          self.source[1].float(), True)
+                          self.source[1].float(), True, few_rows=False)
 
 
 def wide_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, kind: str) -> "Linear | Calibrating":
@@ -307,7 +322,7 @@ def wide_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, kin
     that LlamaModel turns into an Int8Linear."""
     if kind == "int8" and Int8Linear.supports(weight):
         return Calibrating(weight, bias, pack)
-    return Linear(weight.float().contiguous(), None if bias is None else bias.float(), pack)
+    return Linear(weight.float().contiguous(), None if bias is None else bias.float(), pack, few_rows=False)
 
 
 # A bfloat16 model on a CPU without native bf16 math runs steps of more tokens than this in float32. There a bf16
@@ -632,7 +647,8 @@ class Int4Linear:
         elif dense == "int8" and self.bf16_from is not None:
             self.dense = W8A8Linear(dequantized, bias, dtype, outliers=int4_int8_outliers())
         else:
-            self.dense = Linear(dequantized.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack=True)
+            self.dense = Linear(dequantized.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack=True,
+                                few_rows=False)  # the int4 op serves the few rows
 
     @staticmethod
     def supports(weight: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -557,8 +557,8 @@ def snapshot_path(model: str | None, dtype: str, quantization: str, wide_linears
     int8 wide steps, whose fbgemm weights do not map). The key holds everything the built model depends on: the
     GGUF's cache key, the mode, torch, the CPU's kernel level, whether paceline's kernels are on, and the source of
     every module that builds the model."""
-    from paceline.model import (fused_kernel, int4_amx_kernel, int4_kernel, layer_loop, llama, logits_kernel, q8_kernel,
-                                w4a8_kernel)
+    from paceline.model import (f32_rows_kernel, fused_kernel, int4_amx_kernel, int4_kernel, layer_loop, llama,
+                                logits_kernel, q8_kernel, w4a8_kernel)
 
     path = Path(model if model is not None else default_model_path()).expanduser()
     if not path.is_file() or wide_linears == "int8":
@@ -568,7 +568,7 @@ def snapshot_path(model: str | None, dtype: str, quantization: str, wide_linears
                  torch.backends.cpu.get_cpu_capability(), int4_kernel.enabled(), logits_kernel.enabled(),
                  fused_kernel.enabled(), ":".join(llama.w4a8_linears()), w4a8_kernel.enabled(),
                  llama.int4_wide_choice(), llama.int4_bf16_from_rows(), llama.w8a8_build(), q8_kernel.build_key(),
-                 layer_loop.enabled(), int4_amx_kernel.supported()):
+                 f32_rows_kernel.build_key(), layer_loop.enabled(), int4_amx_kernel.supported()):
         h.update(f"{part}\0".encode())
     for src in sorted(Path(__file__).parent.glob("*.py")):
         h.update(src.read_bytes())
@@ -651,7 +651,7 @@ def pack_linears(linears: list[Any], drop_plain: bool = True) -> None:
     """Pack each Linear for oneDNN (as the normal build does) and, unless told otherwise, free its plain weight."""
     for lin in linears:
         lin.packed = type(lin)._pack(lin.weight, lin.bias)
-        if drop_plain and lin.packed is not None:
+        if drop_plain and lin.packed is not None and not lin.keep_plain:  # keep_plain: few-row steps read it
             lin.weight = None
 
 
