@@ -38,7 +38,7 @@ def _steps() -> list[list[tuple[int, int]]]:
     """Steps as (start, tokens) per sequence, chunks first: decodes, mixed and fresh prefills whose row counts
     cross the int4 op / w4a8 op (7 rows) and dense copy (72 rows) switches."""
     steps = []
-    for n in (1, 6, 7, 12, 40, 71, 72, 90):  # decodes at contexts 9..32
+    for n in (1, 2, 3, 6, 7, 12, 40, 71, 72, 90):  # decodes at contexts 9..32 (1-3: float32's few-row op)
         steps.append([(8 + i % 24, 1) for i in range(n)])
     for chunk, decodes in ((5, 1), (20, 3), (64, 8), (100, 10)):  # a chunk at 30 + decodes
         steps.append([(30, chunk)] + [(10 + i, 1) for i in range(decodes)])
