@@ -129,6 +129,10 @@ class SchedulerConfig:
     # mid-prefill); 0: off. None: not given; derived like short_step_ms (CALM_STEP_FRACTION x max_step_ms)
     calm_step_ms: float | None = None
     calm_step_ms_given: bool = field(init=False, default=False, repr=False)
+    # 0: off; else a step whose decodes alone fill its step-time target gives a prompt that arrived less than this
+    # long ago no chunk (no one-block floor): it waits for a step with room. Set per step by several models' loop
+    # (engine/multi.py, SLICE_DEFER) while another model streams; a scheduler alone keeps every prompt progressing
+    defer_prompt_s: float = 0.0
     # time slices: a request demoted to level L queues as if it had arrived L * level_aging_s after its demotion,
     # so fresh work passes it only for a while (0: strict levels, which can starve it under sustained load)
     level_aging_s: float = 5.0

@@ -387,7 +387,8 @@ class Scheduler:
     def chunk_within_step_time(self, step: Step, request: Request, start: int, n: int) -> int:
         """The most of an n-token chunk of `request` starting at `start` that keeps the step's predicted time
         under max_step_ms (all n when no limit is set, or when no decode runs in the step). The first chunk of a step gets at least one block's worth, so
-        prompts progress even when the decodes alone fill the time."""
+        prompts progress even when the decodes alone fill the time; not a prompt younger than defer_prompt_s (0
+        unless several models' loop sets it), which then waits for a step with room for at least a block."""
         shape = step.shape
         # no decode in the step: no stream waits on it, so only the token budget bounds it. A lone prompt then runs in
         # big chunks, several times faster per token on a CPU than step-target-sized ones (a prompt finishing in this
@@ -424,7 +425,13 @@ class Scheduler:
             else:
                 hi = mid
         if shape.num_prefill_tokens == 0:
-            lo = max(lo, min(n, self.block_size))
+            if step.now - request.arrival_time >= self.config.defer_prompt_s:
+                lo = max(lo, min(n, self.block_size))
+            elif lo < min(n, self.block_size):
+                # deferred: a few tokens beside decodes that nearly fill the target lengthen the step by more than
+                # their share (a float32 model's two decodes run its few-row product, 21 ms; with 5 prompt tokens
+                # beside them oneDNN's, 45 ms: run EE of benchmarks/summaries/multi_model.md) and barely move the prompt
+                lo = 0
         return lo
 
     def sizing_scale(self, step: Step) -> float:

@@ -14,17 +14,27 @@ import numpy as np
 
 from paceline.core.batch_shape import BatchShape
 
-FEATURES = ("constant", "requests", "prefill_tokens", "decodes", "prefill_attn_pairs", "decode_context", "sampled")
+# wide_rows: 1 for a step of more rows than the model's few-row product serves (`few_rows`; 0: it has none, and the
+# feature is 0 everywhere). A float32 model reads its plain weights for steps of up to 2 rows and oneDNN's packed
+# ones above (model/f32_rows_kernel.py): one decode took 21 ms and three 29 ms where the rows' own costs are ~1 ms,
+# a step up no line through the rows can follow (a scale fitted over both then put one-decode steps at ~2x)
+FEATURES = ("constant", "requests", "prefill_tokens", "decodes", "prefill_attn_pairs", "decode_context", "sampled",
+            "wide_rows")
+OPTIONAL = {"wide_rows": 0.0}  # coefficients a profile written before them may lack
 
 
-def features(s: BatchShape) -> list[float]:
-    return [1.0, s.num_requests, s.num_prefill_tokens, s.num_decodes, s.prefill_attn_pairs, s.decode_context, s.num_sampled]
+def features(s: BatchShape, few_rows: int = 0) -> list[float]:
+    wide = 1.0 if few_rows and s.num_prefill_tokens + s.num_decodes > few_rows else 0.0
+    return [1.0, s.num_requests, s.num_prefill_tokens, s.num_decodes, s.prefill_attn_pairs, s.decode_context,
+            s.num_sampled, wide]
 
 
-def linear_step_time(c: list[float], s: BatchShape, swap_s_per_block: float, mask_s_per_row: float) -> float:
+def linear_step_time(c: list[float], s: BatchShape, swap_s_per_block: float, mask_s_per_row: float,
+                     few_rows: int = 0) -> float:
     """Seconds for a step of shape s under coefficients c (in FEATURES order), plus the terms timed apart."""
+    wide = c[7] if few_rows and s.num_prefill_tokens + s.num_decodes > few_rows else 0.0
     return (c[0] + c[1] * s.num_requests + c[2] * s.num_prefill_tokens + c[3] * s.num_decodes
-            + c[4] * s.prefill_attn_pairs + c[5] * s.decode_context + c[6] * s.num_sampled
+            + c[4] * s.prefill_attn_pairs + c[5] * s.decode_context + c[6] * s.num_sampled + wide
             + swap_s_per_block * s.num_swapped_blocks + mask_s_per_row * s.num_masked)
 
 
@@ -50,23 +60,25 @@ class ProfiledCostModel:
     # a grammar mask per constrained row (fill + apply), timed apart: the grid's batches are unconstrained
     mask_s_per_row: float = 0.0
     meta: dict = field(default_factory=dict)  # machine, model, dtype, fit error: what the numbers mean
+    few_rows: int = 0  # steps of up to this many rows run the model's few-row product (FEATURES' wide_rows)
 
     kind = "profiled"
 
     def __post_init__(self) -> None:
-        missing = [f for f in FEATURES if f not in self.coefficients]
+        missing = [f for f in FEATURES if f not in self.coefficients and f not in OPTIONAL]
         if missing:
             raise ValueError(f"profile lacks coefficients for {', '.join(missing)}")
-        self._coef = [float(self.coefficients[f]) for f in FEATURES]
+        self._coef = [float(self.coefficients.get(f, OPTIONAL.get(f, 0.0))) for f in FEATURES]
 
     def step_time(self, s: BatchShape) -> float:
-        return linear_step_time(self._coef, s, self.swap_s_per_block, self.mask_s_per_row)
+        return linear_step_time(self._coef, s, self.swap_s_per_block, self.mask_s_per_row, self.few_rows)
 
     @classmethod
-    def fit(cls, shapes: list[BatchShape], times: list[float], meta: dict | None = None) -> "ProfiledCostModel":
+    def fit(cls, shapes: list[BatchShape], times: list[float], meta: dict | None = None,
+            few_rows: int = 0) -> "ProfiledCostModel":
         if len(shapes) != len(times) or len(shapes) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} (shape, time) pairs of equal count, got {len(shapes)} and {len(times)}")
-        x = np.array([features(s) for s in shapes], dtype=np.float64)
+        x = np.array([features(s, few_rows) for s in shapes], dtype=np.float64)
         y = np.array(times, dtype=np.float64)
         # relative error matters (a 1 ms decode step and a 1 s prefill alike), so weight rows by 1/time
         w = 1.0 / np.maximum(y, 1e-6)
@@ -75,12 +87,13 @@ class ProfiledCostModel:
         rel = np.abs(pred - y) / y
         meta = dict(meta or {})
         meta.update(num_samples=len(y), median_rel_error=float(np.median(rel)), max_rel_error=float(rel.max()))
-        return cls(dict(zip(FEATURES, coef.tolist())), meta=meta)
+        return cls(dict(zip(FEATURES, coef.tolist())), meta=meta, few_rows=few_rows)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"kind": self.kind, "coefficients": self.coefficients,
                                           "swap_s_per_block": self.swap_s_per_block,
-                                          "mask_s_per_row": self.mask_s_per_row, "meta": self.meta}, indent=2) + "\n")
+                                          "mask_s_per_row": self.mask_s_per_row, "few_rows": self.few_rows,
+                                          "meta": self.meta}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "ProfiledCostModel":
@@ -90,7 +103,8 @@ class ProfiledCostModel:
             raise ValueError(f"cannot read profile {path}: {e}") from None
         if d.get("kind") != "profiled":
             raise ValueError(f"{path} is not a paceline profile (kind={d.get('kind')!r})")
-        return cls(d["coefficients"], d.get("swap_s_per_block", 0.0), d.get("mask_s_per_row", 0.0), d.get("meta", {}))
+        return cls(d["coefficients"], d.get("swap_s_per_block", 0.0), d.get("mask_s_per_row", 0.0), d.get("meta", {}),
+                   int(d.get("few_rows", 0)))
 
 
 # Shapes that anchor a live refit where the live steps say nothing (a server that has only run short decodes has
@@ -130,7 +144,7 @@ class LiveStepTime:
         self._since_refit = 0
         self.num_refits = 0
         anchors = anchor_shapes()
-        ax = np.array([features(s) for s in anchors], dtype=np.float64)
+        ax = np.array([features(s, base.few_rows) for s in anchors], dtype=np.float64)
         ay = np.array([base.step_time(s) for s in anchors], dtype=np.float64)
         self._anchor_rows = ax / ay[:, None] * math.sqrt(anchor_weight)  # relative error, as the profile's fit
         self._anchor_rhs = np.full(len(anchors), math.sqrt(anchor_weight))
@@ -141,7 +155,7 @@ class LiveStepTime:
         return len(self._y)
 
     def step_time(self, s: BatchShape) -> float:
-        return linear_step_time(self.coef, s, self.base.swap_s_per_block, self.base.mask_s_per_row)
+        return linear_step_time(self.coef, s, self.base.swap_s_per_block, self.base.mask_s_per_row, self.base.few_rows)
 
     def observe(self, s: BatchShape, seconds: float) -> None:
         """One executed step's shape and measured time; refits every refit_every observations."""
@@ -150,7 +164,7 @@ class LiveStepTime:
         predicted = self.step_time(s)
         if predicted > 0:
             seconds = min(max(seconds, predicted / self.CLIP), predicted * self.CLIP)
-        self._x.append(features(s))
+        self._x.append(features(s, self.base.few_rows))
         self._y.append(seconds)
         if len(self._y) > self.window:
             del self._x[0], self._y[0]

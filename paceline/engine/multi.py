@@ -132,6 +132,15 @@ SLICE_DUE_MAX = float(os.environ.get("PACELINE_SLICE_DUE_MAX", "0.9"))
 # Every model's KV prefault paced by the whole loop (_pace_prefaults); PACELINE_LOOP_PREFAULT=0: each Engine paces its
 # own by its own requests only, as before 2026-11-24 16:00 UTC (the A/B)
 LOOP_PREFAULT = os.environ.get("PACELINE_LOOP_PREFAULT", "1") != "0"
+# While another model streams, a step of this model whose own decodes already fill its (shared) step-time target
+# gives a prompt younger than SLICE_DEFER_S no chunk, instead of the one block every prompt otherwise gets
+# (SchedulerConfig.defer_prompt_s). Why: float32 with two streams and a prompt beside int4 streams ran steps of two
+# decodes and a 16-token chunk predicted at 58.6 ms against a 37-40 ms share, each spanning 141-158 ms of wall time
+# with the int4 steps inside it (run CC, 2026-11-29, docs/multi-model.md). The bound keeps a prompt from waiting
+# longer than that for a stream that never ends; 3 s, since at 1 s the prompt of run CC's stretch (it arrived ~0.8 s
+# before int4's stream) got its block back after a few steps (run DD). PACELINE_SLICE_DEFER_S=0: every prompt its
+# block, as before (A/B)
+SLICE_DEFER_S = float(os.environ.get("PACELINE_SLICE_DEFER_S", "3.0"))
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -379,6 +388,7 @@ class MultiEngine:
         # a step of prompts alone may use the lone-prefill budget only while no other model is busy: beside them
         # the budgets below bound it
         config.lone_prefill_tokens = self._lone[name] if len(busy) == 1 else 0
+        config.defer_prompt_s = SLICE_DEFER_S if any(has_streams(self.engines[o]) for o in busy if o != name) else 0.0
         if sliced:
             # Another model's streams wait for a slice of this step, not all of it (`_advance`): a step of prompts
             # alone is cut to the whole target only and a debut's prompt runs whole. The target stays shared: this

@@ -33,10 +33,14 @@ class GridPoint:
 def grid(quick: bool = False, max_kv_tokens: int = 12288, max_len: int | None = None) -> list[GridPoint]:
     """Decode-only, prompt-only and mixed batches spanning what a CPU server runs; chunks that end their
     prompt (sampled) and chunks that do not, so the fit can tell the LM-head cost from the per-request one."""
+    # batches of 1 and 2 rows and more: a float32 model's few-row product serves steps of up to 2 rows (the
+    # step-time model's wide_rows feature), and the fit needs steps on both sides of it
     if quick:
-        batches, contexts, chunk_sizes, starts = (1, 4, 16, 32), (128, 1024), (32, 128, 512), (0, 1024)
+        batches, contexts, chunk_sizes, starts = (1, 2, 4, 16, 32), (128, 1024), (32, 128, 512), (0, 1024)
+        mixed = (4, 16, 32)
     else:
         batches, contexts, chunk_sizes, starts = (1, 2, 4, 8, 16, 32, 64), (64, 256, 1024, 2048), (16, 64, 128, 256, 512, 1024), (0, 512, 1536)
+        mixed = (2, 4, 8)
     pts: list[GridPoint] = []
     for b in batches:
         for ctx in contexts:
@@ -44,7 +48,7 @@ def grid(quick: bool = False, max_kv_tokens: int = 12288, max_len: int | None = 
     for i, c in enumerate(chunk_sizes):
         for j, s in enumerate(starts):
             pts.append(GridPoint([(s, c, (i + j) % 2 == 0)], []))
-    for b in batches[1:4]:
+    for b in mixed:
         for c in chunk_sizes[-3:]:
             pts.append(GridPoint([(256, c, True)], [512] * b))
     pts.append(GridPoint([(0, 128, True), (512, 256, False), (0, 64, True)], [300] * 8))
@@ -93,6 +97,12 @@ def time_grid(runner, vocab_size: int, points: list[GridPoint], repeats: int = 3
     return shapes, times
 
 
+def few_rows_of(runner) -> int:
+    """Steps of up to this many rows run the runner's model's few-row product (LlamaModel.few_rows); 0: none."""
+    few_rows = getattr(getattr(runner, "model", None), "few_rows", None)
+    return int(few_rows()) if callable(few_rows) else 0
+
+
 def quick_step_time_model(runner, vocab_size: int, block_size: int, num_blocks: int,
                           max_len: int | None = None, tokenizer=None) -> ProfiledCostModel:
     """A quick profile of a live runner (an engine's own, before it serves): what max_step_ms predicts with
@@ -103,7 +113,7 @@ def quick_step_time_model(runner, vocab_size: int, block_size: int, num_blocks: 
         raise ValueError(f"a KV cache of {num_blocks} blocks (context {max_len}) is too small for the start-up profile; "
                          "give a profile file (paceline profile) instead")
     shapes, times = time_grid(runner, vocab_size, points, repeats=2, block_size=block_size)
-    model = ProfiledCostModel.fit(shapes, times, {"quick": True, "source": "engine start-up"})
+    model = ProfiledCostModel.fit(shapes, times, {"quick": True, "source": "engine start-up"}, few_rows_of(runner))
     if tokenizer is not None:
         model.mask_s_per_row = mask_cost(tokenizer, vocab_size)
     return model

@@ -916,6 +916,14 @@ class LlamaModel(nn.Module):
         if wide == "int8":
             self._calibrate_int8()
 
+    def few_rows(self) -> int:
+        """Steps of up to this many rows run the float32 few-row product (f32_rows_kernel) in every layer; 0: none.
+        The step-time model prices the step up to oneDNN's packed weights above it (core/step_time.py)."""
+        lin = self.layers[0].qkv if len(self.layers) else None
+        if isinstance(lin, Linear) and lin.keep_plain and f32_rows_kernel.op() is not None:
+            return f32_rows_kernel.MAX_ROWS
+        return 0
+
     CALIBRATION_TOKENS = 128
 
     def _wide_slots(self) -> list[tuple[object, str]]:

@@ -7,7 +7,7 @@ import platform
 import time
 
 from paceline.core.step_time import ProfiledCostModel
-from paceline.engine.profile import (BLOCK_SIZE, GridPoint, build_output, grid,  # noqa: F401  (re-exported)
+from paceline.engine.profile import (BLOCK_SIZE, GridPoint, build_output, few_rows_of, grid,  # noqa: F401  (re-exported)
                                      mask_cost,
                                      quick_step_time_model, time_grid)
 
@@ -39,7 +39,7 @@ def run_profile(out_path: str, model: str | None = None, dtype: str = "float32",
     meta = {"machine": platform.processor() or platform.machine(), "device": str(device), "threads": threads,
             "model": model or "bundled SmolLM2-135M-Instruct", "dtype": dtype, "kv_bytes_per_token": bytes_per_token,
             "quick": quick, "grid": [[p.chunks, p.decode_contexts] for p in points], "times_s": times}
-    fitted = ProfiledCostModel.fit(shapes, times, meta)
+    fitted = ProfiledCostModel.fit(shapes, times, meta, few_rows_of(runner))
     fitted.swap_s_per_block = _swap_time_per_block(bytes_per_token * BLOCK_SIZE)
     fitted.mask_s_per_row = mask_cost(ckpt.tokenizer, arch.vocab_size)
     fitted.save(out_path)

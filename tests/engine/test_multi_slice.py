@@ -421,3 +421,13 @@ def test_an_idle_models_kv_prefault_waits_while_another_model_runs(tiny_dirs):
     while multi.has_unfinished():
         multi.step()
     assert all(e.prefault_go.is_set() for e in engines.values())
+
+
+def test_a_models_prompts_may_wait_for_room_only_while_another_model_streams(tiny_dirs):
+    engines, multi = llama_streaming(tiny_dirs)
+    engines["qwen2"].add_request("q", "x y", GREEDY)
+    busy = ["llama", "qwen2"]
+    multi._start("qwen2", busy, sliced=True)
+    assert engines["qwen2"].scheduler.config.defer_prompt_s == multi_module.SLICE_DEFER_S > 0  # llama streams
+    multi._start("llama", busy, sliced=True)
+    assert engines["llama"].scheduler.config.defer_prompt_s == 0.0  # qwen2 has no stream yet

@@ -24,9 +24,9 @@ def synthetic_shapes(rng):
 
 
 def test_fit_recovers_known_coefficients():
-    truth = ProfiledCostModel(dict(zip(FEATURES, [4e-3, 2e-4, 3e-5, 6e-5, 2e-9, 4e-7, 1e-4])))
+    truth = ProfiledCostModel(dict(zip(FEATURES, [4e-3, 2e-4, 3e-5, 6e-5, 2e-9, 4e-7, 1e-4, 5e-3])), few_rows=2)
     shapes = synthetic_shapes(np.random.default_rng(0))
-    fitted = ProfiledCostModel.fit(shapes, [truth.step_time(s) for s in shapes])
+    fitted = ProfiledCostModel.fit(shapes, [truth.step_time(s) for s in shapes], few_rows=2)
     for k in FEATURES:
         assert fitted.coefficients[k] == pytest.approx(truth.coefficients[k], rel=1e-6, abs=1e-12)
     assert fitted.meta["median_rel_error"] < 1e-9
