@@ -59,8 +59,10 @@ MODES = {"fp32": ["--dtype", "float32", "--quantization", "none"],
          "int4": ["--quantization", "int4"],
          "default": [],
          "w4a8": [],  # the int4 x int8 op on every layer linear (the default since 2026-11-24)
-         "int4-op": []}  # the default without it: the int4 op and the float32 copy (the default before)
-MODE_ENV = {"w4a8": {"PACELINE_W4A8_LINEARS": "all"}, "int4-op": {"PACELINE_W4A8_LINEARS": ""}}
+         "int4-op": [],  # the default without it: the int4 op and the float32 copy (the default before)
+         "fp32-onednn": ["--dtype", "float32", "--quantization", "none"]}  # fp32 without the few-row op
+MODE_ENV = {"w4a8": {"PACELINE_W4A8_LINEARS": "all"}, "int4-op": {"PACELINE_W4A8_LINEARS": ""},
+            "fp32-onednn": {"PACELINE_F32_ROWS": "0"}}
 QUEUE_TIMES = ("paceline:request_queue_time_seconds", "vllm:request_queue_time_seconds")
 CHAT_ARGS = ["--workload", "chat", "--rate", "0.5", "--duration", "90", "--seed", "7", "--tbt-slo", "190"]
 SMALL_BUDGET = 64

@@ -1,13 +1,13 @@
 """float32 x float32 products of a few rows (decode steps) on the plain weight: y = x W^T (+ b), AVX-512.
 
 Why: a float32 decode step streams every weight once (the bundled model: 540 MB), so its time is memory bandwidth,
-and oneDNN's prepacked float32 linear reads it far below what the cores can pull at one or two rows. Measured on
-the Zen 4 VM (2 threads, 2026-11-29, /tmp script): the 113 MB LM head at 1 / 2 rows took 6.5 / 7.2 ms on oneDNN's
-packed copy, 3.8 / 4.2 ms here (a plain sum over the same tensor: 3.5 ms); the 30 layers' linears and the head
-together 35.6 / 34.5 ms against 24.3 / 29.7 for a first version of this op that read four weight rows side by side
-(the hardware prefetcher keeps up with one stream a thread, not four). At four rows and more oneDNN's blocked
-kernel wins (it reuses each loaded weight vector across rows without reloading the rows' inputs), so the model
-sends steps of up to MAX_ROWS rows here and the rest to oneDNN (Linear.__call__, layer_loop's ROWS path).
+and oneDNN's prepacked float32 linear reads it well below what the cores can pull at one or two rows: whole decode
+steps of the bundled model took 31.7 / 34.4 ms (1 / 2 rows) on oneDNN's packed weights and 21.1 / 25.1 ms here
+(benchmarks/summaries/f32_rows.md has the command). A first version that read four weight rows side by side was
+slower than one row at a time: the hardware prefetcher keeps up with one stream a thread, not four. From three rows
+on, oneDNN's blocked kernel is as fast or faster (it reuses each loaded weight vector across rows without reloading
+the rows' inputs), so the model sends steps of up to MAX_ROWS rows here and the rest to oneDNN (Linear.__call__,
+layer_loop's F32_ROWS path).
 
 How: each thread takes one contiguous range of output features (so it reads one sequential stretch of the
 weight) and, for each output, the dot products of its weight row with every input row, four rows per pass (a
@@ -33,7 +33,7 @@ import torch
 
 from paceline.model import int4_kernel
 
-MAX_ROWS = 3  # steps of up to this many rows run here (see the docstring; benchmarks/summaries/f32_rows.md)
+MAX_ROWS = 2  # steps of up to this many rows run here (see the docstring; benchmarks/summaries/f32_rows.md)
 
 SOURCE = r"""
 #include <torch/library.h>
