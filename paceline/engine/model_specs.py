@@ -148,6 +148,11 @@ def estimate_bytes(config: EngineConfig) -> int:
     elem = 4 if dtype == "float32" else 2
     # int4: 4-bit codes plus a bfloat16 scale and offset per group of 32 (embeddings stay in bfloat16, so over-counted)
     weights = params * (0.5 + 4 / 32) if config.quantization == "int4" else params * elem
+    if dtype == "float32" and config.quantization in ("none", "auto") and config.device in ("auto", "cpu"):
+        from paceline.model import f32_rows_kernel
+        if f32_rows_kernel.build_key() == "on":  # the layers' plain weights stay beside the packed ones (llama.Linear)
+            vocab = max((max(s) for s in shapes if len(s) == 2), default=0)
+            weights += 4 * sum(math.prod(s) for s in shapes if len(s) == 2 and vocab not in s)
     cache = config.cache
     block = layers * 2 * cache.block_size * kv_width * elem
     kv = cache.num_blocks * block if cache.num_blocks else cache.kv_cache_memory_gb * 2**30

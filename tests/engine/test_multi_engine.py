@@ -145,7 +145,8 @@ def test_a_model_loaded_beside_others_serves_unpacked_then_packs_with_the_same_t
         got += [t for out in engine.step() for t in out.new_token_ids]
     _pack_slowly(linears)  # between steps here; in a server, on the loader thread while the engine steps
     drop_plain_weights(linears)
-    assert unpacked_linears(engine) == [] and all(lin.weight is None for lin in linears)
+    # the packed copy replaces the plain one, except where float32 steps of few rows read it (f32_rows_kernel)
+    assert unpacked_linears(engine) == [] and all((lin.weight is None) != lin.keep_plain for lin in linears)
     while engine.has_unfinished():
         got += [t for out in engine.step() for t in out.new_token_ids]
     assert got == want["r"]
