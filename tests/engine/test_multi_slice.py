@@ -13,6 +13,7 @@ from paceline.engine import multi as multi_module
 from paceline.engine.engine import Engine, StepStats
 from paceline.engine.faults import FaultInjector
 from paceline.engine.multi import MultiEngine, has_streams, sliceable
+from paceline.engine.runner import ModelRunner
 from paceline.sampling import SamplingParams
 
 PROMPTS = ["the cat sat on the mat and", "hello there, in the", "a b c d e f g h i j", "then the end"]
@@ -81,16 +82,22 @@ def test_the_other_models_step_runs_inside_the_suspended_one(tiny_dirs):
     assert steps.index(inner) < steps.index(outer)  # its outputs came back first
 
 
-def test_a_suspended_steps_duration_counts_only_its_own_layers(tiny_dirs):
+def test_a_suspended_steps_duration_counts_only_its_own_layers(tiny_dirs, monkeypatch):
     engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
     slow = engines["qwen2"].runner
-    real = slow.execute_iter
+    real, real_whole = slow.execute_iter, ModelRunner.execute
 
-    def slow_step(out):  # the other model's every step takes 50 ms more
+    def slow_step(out):  # the other model's every step takes 50 ms more, sliced or in one piece
         time.sleep(0.05)
         return (yield from real(out))
 
+    def slow_whole(self, out):  # on the class: a runner whose own `execute` is replaced is not sliceable
+        if self is slow:
+            time.sleep(0.05)
+        return real_whole(self, out)
+
     slow.execute_iter = slow_step
+    monkeypatch.setattr(ModelRunner, "execute", slow_whole)
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
     always_preempt(multi)
     multi.add_request("q", "x y", GREEDY, model="qwen2")
@@ -431,3 +438,35 @@ def test_a_models_prompts_may_wait_for_room_only_while_another_model_streams(tin
     assert engines["qwen2"].scheduler.config.defer_prompt_s == multi_module.SLICE_DEFER_S > 0  # llama streams
     multi._start("llama", busy, sliced=True)
     assert engines["llama"].scheduler.config.defer_prompt_s == 0.0  # qwen2 has no stream yet
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_step_nothing_could_preempt_runs_in_one_piece(tiny_dirs, monkeypatch, whole):
+    """The preemptor's step (the other model's step is suspended, so it is due to no one) runs the runner's plain
+    execute, one C++ call for every layer; PACELINE_SLICE_WHOLE=0 slices it like the rest (the A/B)."""
+    monkeypatch.setattr(multi_module, "SLICE_WHOLE", whole)
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    seen = always_preempt(multi)
+    inside = {"whole": 0, "sliced": 0}  # steps run while the other model's step is suspended
+    real, real_iter = ModelRunner.execute, ModelRunner.execute_iter
+    in_whole = []  # execute drains execute_iter itself: those are not sliced steps
+
+    def counted(self, out):  # on the class: a runner whose own `execute` is replaced is not sliceable
+        inside["whole"] += bool(multi._inflight)
+        in_whole.append(1)
+        try:
+            return real(self, out)
+        finally:
+            in_whole.pop()
+
+    def counted_iter(self, out):
+        inside["sliced"] += bool(multi._inflight) and not in_whole
+        return (yield from real_iter(self, out))
+
+    monkeypatch.setattr(ModelRunner, "execute", counted)
+    monkeypatch.setattr(ModelRunner, "execute_iter", counted_iter)
+    alone = {kind: serve(engine(path, kind), [(f"{kind}-0", PROMPTS[0], None)]) for kind, path in tiny_dirs.items()}
+    got = serve(multi, [(f"{kind}-0", PROMPTS[0], kind) for kind in tiny_dirs])
+    assert got == {**alone["llama"], **alone["qwen2"]} and seen  # same tokens; steps were suspended
+    assert (inside["whole"] > 0 and inside["sliced"] == 0) if whole else (inside["whole"] == 0 and inside["sliced"] > 0), inside
