@@ -144,6 +144,9 @@ SLICE_DEFER_S = float(os.environ.get("PACELINE_SLICE_DEFER_S", "3.0"))
 # A step that nothing could preempt runs in one piece even while the loop slices (`_start`); 0: every step of a
 # slicing loop is sliced, as before 2026-11-29 (the A/B)
 SLICE_WHOLE = os.environ.get("PACELINE_SLICE_WHOLE", "1") != "0"
+# Only a model with shorter steps than the running one may preempt it (`_preemptors`); 0: any streaming model, as
+# before 2026-11-29 (the A/B)
+SLICE_SHORTER = os.environ.get("PACELINE_SLICE_SHORTER", "1") != "0"
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -462,7 +465,7 @@ class MultiEngine:
             between = resumed - self._since[self.last_model]
             if between < 0.02:
                 self._loop_s += 0.2 * (between - self._loop_s)
-        watch = self._preemptors(name, busy) if run.sliced else []
+        watch = self._preemptors(name, busy, run.predicted_s) if run.sliced else []
         if SLICE_SPAN and watch and run.predicted_s is not None:
             watch = self._span_due(name, run, watch, resumed, run.own_s)
         first, shorter, tail_first = self._watch_times(name, watch)
@@ -474,11 +477,15 @@ class MultiEngine:
                 next(run.gen)
                 now = time.monotonic()
                 run.boundaries += 1
-                if SLICE_SPAN and watch and run.predicted_s is None and run.boundaries == 1:
-                    # scheduled now: the step's predicted own time is known, so the span rule can judge it
+                if watch and run.predicted_s is None and run.boundaries == 1:
+                    # scheduled now: the step's predicted own time is known, so the span rule can judge it, and
+                    # (SLICE_SHORTER) only the models with shorter steps than it may preempt it
                     run.predicted_s = self._predicted_s(name, run)
                     if run.predicted_s is not None:
-                        watch = self._span_due(name, run, watch, now, run.own_s + now - resumed)
+                        if SLICE_SHORTER:
+                            watch = [(t, o) for t, o in watch if self._stream_step_s(o) < run.predicted_s]
+                        if SLICE_SPAN:
+                            watch = self._span_due(name, run, watch, now, run.own_s + now - resumed)
                         first, shorter, tail_first = self._watch_times(name, watch)
                 # SLICE_AHEAD: suspend at the last boundary before the due time, not the first one after it (the
                 # layer just run stands for the next; after the last layer, the model's last tail: SLICE_TAIL)
@@ -549,16 +556,32 @@ class MultiEngine:
             target = calm
         return target / 1e3
 
-    def _preemptors(self, name: str, busy: list[str]) -> list[tuple[float, str]]:
-        """(when due, model) of every other model that may preempt `name`'s step (see _advance)."""
+    def _preemptors(self, name: str, busy: list[str], own_s: float | None = None) -> list[tuple[float, str]]:
+        """(when due, model) of every other model that may preempt `name`'s step (see _advance). SLICE_SHORTER:
+        only a model whose streams' step is shorter than this step's own time (`own_s`: its prediction once
+        scheduled, else `_own_estimate`) may: a longer step run inside a short one makes the short one's streams
+        wait for all of it. Before that rule a float32 step of one decode (~18 ms) came due half way through
+        int4's decode steps (~9 ms) and ran inside them: those int4 gaps were ~35 ms (/tmp script, 2026-11-29)."""
+        if own_s is None:
+            own_s = self._own_estimate(name)
         watch = []
         for other in busy:
             engine = self.engines[other]
             if other == name or other in self._inflight or not has_streams(engine):
                 continue
+            if SLICE_SHORTER and self._stream_step_s(other) >= own_s:
+                continue
             factor = DEBUT_DUE if name in self._debut else SLICE_DUE
             watch.append((self._since.get(other, 0.0) + factor * self._stream_step_s(other), other))
         return watch
+
+    def _own_estimate(self, name: str) -> float:
+        """`name`'s next step's own time before it is scheduled: its streams' step while it has no prompt to
+        prefill (a decode step like the last); unbounded when a prompt may join (a chunk may be long)."""
+        sched = self.engines[name].scheduler
+        if sched.waiting or any(r.num_output_tokens == 0 for r in sched.running) or not has_streams(self.engines[name]):
+            return math.inf
+        return self._stream_step_s(name) or math.inf
 
     def _stream_step_s(self, name: str) -> float:
         """The step of `name` that its streams' due time is counted in (_preemptors): its last one; but after a

@@ -33,7 +33,7 @@ def always_preempt(multi: MultiEngine) -> list[tuple[str, str]]:
     the (suspended, preemptor) pairs are recorded."""
     seen: list[tuple[str, str]] = []
 
-    def preemptors(name: str, busy: list[str]) -> list[tuple[float, str]]:
+    def preemptors(name: str, busy: list[str], own_s: float | None = None) -> list[tuple[float, str]]:
         found = [(-math.inf, o) for o in busy
                  if o != name and o not in multi._inflight and has_streams(multi.engines[o])]
         seen.extend((name, o) for _, o in found[:1])
@@ -168,6 +168,7 @@ def llama_streaming(tiny_dirs) -> tuple[dict, MultiEngine]:
 
 
 def test_another_model_is_due_once_its_streams_waited_its_last_step(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(multi_module, "SLICE_SHORTER", False)  # any streaming model may preempt: not what this tests
     monkeypatch.setattr(multi_module, "SLICE_DUE", 1.0)
     engines, multi = llama_streaming(tiny_dirs)
     engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)  # a prompt only: no stream of its own
@@ -230,12 +231,12 @@ def test_a_step_is_suspended_at_the_last_boundary_before_the_other_is_due(tiny_d
         return []
 
     due = time.monotonic() + 0.08  # inside the second layer
-    monkeypatch.setattr(multi, "_preemptors", lambda name, busy: [(due, "qwen2")])
+    monkeypatch.setattr(multi, "_preemptors", lambda name, busy, *_: [(due, "qwen2")])
     run = multi_module._Run(step(), True, time.monotonic())
     # ahead: the second layer would end past the due time, so the step stops after the first
     assert multi._advance("llama", run, ["llama", "qwen2"]) == "qwen2"
     assert len(ran) == layers
-    monkeypatch.setattr(multi, "_preemptors", lambda name, busy: [])  # nothing due: to the end
+    monkeypatch.setattr(multi, "_preemptors", lambda name, busy, *_: [])  # nothing due: to the end
     assert multi._advance("llama", run, ["llama", "qwen2"]) is None and len(ran) == 5
 
 
@@ -275,7 +276,7 @@ def test_the_boundary_after_the_last_layer_is_judged_by_the_models_last_tail(tin
         return []
 
     busy = ["llama", "qwen2"]
-    monkeypatch.setattr(multi, "_preemptors", lambda name, busy: [])
+    monkeypatch.setattr(multi, "_preemptors", lambda name, busy, *_: [])
     assert multi._advance("llama", multi_module._Run(step(), True, time.monotonic()), busy) is None
     assert multi._layers["llama"] == 5 and 0.075 <= multi._tail_s["llama"] < 0.2  # learned from the whole step
     engines["llama"].last_step = StepStats(1, 0, 1, duration=0.180)
@@ -285,7 +286,7 @@ def test_the_boundary_after_the_last_layer_is_judged_by_the_models_last_tail(tin
         ran.clear()
         start = time.monotonic()
         due = start + 0.145  # inside the tail: after the five layers (100 ms), before the step's end (180 ms)
-        monkeypatch.setattr(multi, "_preemptors", lambda name, busy, due=due: [(due, "qwen2")])
+        monkeypatch.setattr(multi, "_preemptors", lambda name, busy, *_, due=due: [(due, "qwen2")])
         got = multi._advance("llama", multi_module._Run(step(), True, start), busy)
         if suspended:  # stopped at the last boundary: the tail runs once the other model's step has ended
             assert got == "qwen2" and ran == [0, 1, 2, 3, 4]
@@ -343,6 +344,7 @@ def test_a_step_that_would_outlast_its_target_lets_the_other_model_wait_longer(t
     """SLICE_SPAN: qwen2's step (predicted 45 ms of its own) beside llama's 10 ms steps; qwen2's streams last ended
     50 ms ago, its whole target is 120 ms: 70 ms left for 45 ms of its own, so each llama round (10 ms step + 1 ms of
     loop) must leave it g >= 45 x 11 / 25 = 19.8 ms, capped at SLICE_DUE_MAX x 10 ms."""
+    monkeypatch.setattr(multi_module, "SLICE_SHORTER", False)  # any streaming model may preempt: not what this tests
     monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
     monkeypatch.setattr(multi_module, "SLICE_DUE_MAX", 0.8)
     engines, multi = both_streaming(tiny_dirs)
@@ -377,6 +379,7 @@ def test_the_span_rule_aims_at_the_calm_target_while_no_other_prompt_of_its_mode
     72 ms) with 20 ms of its own to run, 50 ms after its streams' last step, 22 ms left: each llama round must leave it
     g >= 20 x 11 / 2 ms, capped at SLICE_DUE_MAX x 10 ms; against the whole target (70 ms left) g = 20 x 11 / 50 ms.
     With two prompts of its own queued, its steps alone would fill the whole target: that is the bound again."""
+    monkeypatch.setattr(multi_module, "SLICE_SHORTER", False)  # any streaming model may preempt: not what this tests
     monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
     monkeypatch.setattr(multi_module, "SLICE_DUE_MAX", 0.8)
     engines, multi = both_streaming(tiny_dirs)
@@ -407,7 +410,7 @@ def test_a_sliced_step_learns_its_predicted_time_once_scheduled(tiny_dirs, monke
     judged = []
     real = multi._span_due
     monkeypatch.setattr(multi, "_span_due", lambda *a: judged.append(a[1].predicted_s) or real(*a))
-    monkeypatch.setattr(multi, "_preemptors", lambda name, busy: [(time.monotonic() + 100.0, "llama")])
+    monkeypatch.setattr(multi, "_preemptors", lambda name, busy, *_: [(time.monotonic() + 100.0, "llama")])
     busy = ["llama", "qwen2"]
     run = multi._start("qwen2", busy, True)
     assert run.predicted_s is None
@@ -470,3 +473,24 @@ def test_a_step_nothing_could_preempt_runs_in_one_piece(tiny_dirs, monkeypatch, 
     got = serve(multi, [(f"{kind}-0", PROMPTS[0], kind) for kind in tiny_dirs])
     assert got == {**alone["llama"], **alone["qwen2"]} and seen  # same tokens; steps were suspended
     assert (inside["whole"] > 0 and inside["sliced"] == 0) if whole else (inside["whole"] == 0 and inside["sliced"] > 0), inside
+
+
+def test_only_a_model_with_shorter_steps_preempts_the_running_one(tiny_dirs, monkeypatch):
+    """SLICE_SHORTER: llama's decode steps take 10 ms, qwen2's 30 ms. qwen2's streams may not preempt llama's
+    decode step (they would make llama's streams wait 30 ms), llama's may preempt qwen2's; a step that may hold a
+    prompt chunk (its length unknown until scheduled) may be preempted by either; once scheduled, the prediction
+    decides."""
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
+    engines, multi = both_streaming(tiny_dirs)
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.010)
+    engines["qwen2"].last_step = StepStats(1, 0, 1, duration=0.030)
+    multi._since = {"llama": 10.0, "qwen2": 10.0}
+    busy = ["llama", "qwen2"]
+    assert multi._preemptors("llama", busy) == []
+    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.005), "llama")]
+    assert multi._preemptors("llama", busy, own_s=0.050) == [(pytest.approx(10.015), "qwen2")]  # a 50 ms step
+    engines["llama"].add_request("p", PROMPTS[0], GREEDY)  # a prompt may join llama's next step
+    assert multi._preemptors("llama", busy) == [(pytest.approx(10.015), "qwen2")]
+    monkeypatch.setattr(multi_module, "SLICE_SHORTER", False)
+    engines["llama"].abort("p")
+    assert multi._preemptors("llama", busy) == [(pytest.approx(10.015), "qwen2")]
