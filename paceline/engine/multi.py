@@ -26,7 +26,10 @@ on demand runs its first prompt whole, the others due only after DEBUT_DUE x the
 stays on the engine thread: running each model's steps on a thread of its own with one OpenMP thread each was
 measured instead (2026-11-24 08:18 UTC, one process, `/tmp` script): an int4 stream's gap beside float32 decodes was
 18.8-24.2 ms at the median, no better than sliced and over int4's 1.2x-alone bound. A suspended step's duration
-counts its own layers only.
+counts its own layers only. Only a model whose streams' step is shorter than the running step may preempt it
+(SLICE_SHORTER), a step that nothing could preempt runs in one piece (SLICE_WHOLE), and while another model streams
+a young prompt waits for a step with room for a block rather than taking its block beside decodes that already
+fill the target (SLICE_DEFER_S).
 
 Where slicing does not apply (PACELINE_SLICE=0, speculative decoding, a parallel runner, the fault injector's
 hooks: `sliceable`), a stream waits for a whole step of every other busy model, so while k models have
