@@ -158,6 +158,8 @@ SWITCH_VARIANTS = {
     "nice19": ("smol-fp32", {"PACELINE_LOADER_NICE": "19"}),
     "warm-up": ("smol-fp32", {"PACELINE_LOAD_WARM_UP": "1"}),
     "whole": ("smol-fp32", {"PACELINE_DEBUT_STEP": "whole"}), "int4-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
+    # the others' streams due after 2x (not 4x) their step while a newcomer's first prompt runs
+    "debut2": ("smol-fp32", {"PACELINE_DEBUT_DUE": "2"}), "int4-debut2": ("smol-int4", {"PACELINE_DEBUT_DUE": "2"}),
 }
 
 
