@@ -17,8 +17,9 @@ same arguments in the same order, so every tensor it produces has the bits the P
 What it covers: the fused path (fused_kernel's ops) with the attention op (attention_kernel), on float32 and
 bfloat16 steps of a model whose layers all run one kind of product per linear: Int4Linear's int4 op, w4a8 op, AMX
 op, dense bf16 copy (oneDNN) or W8A8Linear copy (with its fused SiLU * up for gate_up), and plain Linear (oneDNN
-prepacked, or F.linear before packing, or f32_rows_kernel's op for a float32 step of few rows). Anything else (CUDA, float32 wide steps of a bf16 model, the eager
-attention, a product the stack does not know) returns None from `LayerLoop.paths` and the Python loop runs.
+prepacked, or F.linear before packing, or f32_rows_kernel's op for a float32 step of few rows). Anything else
+(CUDA, float32 wide steps of a bf16 model, the eager attention, a product the stack does not know) returns None
+from `LayerLoop.paths` and the Python loop runs.
 `PACELINE_LAYER_LOOP=0` switches it off for models built afterwards (A/B runs).
 
 A step that nothing suspends (ModelRunner.execute: one model serving) runs every layer in one call; a step that
@@ -56,7 +57,8 @@ using at::Tensor;
 using OptTensor = std::optional<at::Tensor>;
 
 // products a linear can run (LayerLoop.PATHS names them in this order)
-enum Path : int64_t { INT4 = 0, W4A8 = 1, DENSE = 2, W8A8 = 3, W8A8_SILU = 4, INT4_AMX = 5, F32_ROWS = 6, NUM_PATHS = 7 };
+enum Path : int64_t { INT4 = 0, W4A8 = 1, DENSE = 2, W8A8 = 3, W8A8_SILU = 4, INT4_AMX = 5, F32_ROWS = 6,
+                      NUM_PATHS = 7 };
 enum Kind : int64_t { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3, NUM_KINDS = 4 };
 
 // one layer's weights for one product of one linear
