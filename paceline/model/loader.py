@@ -20,6 +20,7 @@ import pickle
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_nor
 @dataclass
 class Checkpoint:
     arch: ModelArch
-    weights: dict[str, torch.Tensor]  # Hugging Face names, all in one dtype
+    weights: Mapping[str, torch.Tensor]  # Hugging Face names, all in one dtype (a folder's: LazyWeights)
     tokenizer: Tokenizer
     name: str  # short name to serve it under
     source: str  # the path it came from
@@ -105,7 +106,7 @@ def expected_weight_names(arch: ModelArch) -> list[str]:
     return names
 
 
-def _check_weights(arch: ModelArch, weights: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+def _check_weights(arch: ModelArch, weights: Mapping[str, torch.Tensor], where: str) -> Mapping[str, torch.Tensor]:
     """Keep exactly the tensors the model uses; a missing one or a wrong shape is a ValueError naming it."""
     names = expected_weight_names(arch)
     missing = [n for n in names if n not in weights]
@@ -117,10 +118,56 @@ def _check_weights(arch: ModelArch, weights: dict[str, torch.Tensor], where: str
               "model.layers.0.self_attn.q_proj.weight": (q_rows, arch.hidden_size),
               "model.layers.0.self_attn.k_proj.weight": (kv_rows, arch.hidden_size),
               "model.layers.0.mlp.gate_proj.weight": (arch.intermediate_size, arch.hidden_size)}
+    lazy = isinstance(weights, LazyWeights)
     for n, shape in shapes.items():
-        if n in weights and tuple(weights[n].shape) != shape:
-            raise ValueError(f"{where}: tensor {n} has shape {tuple(weights[n].shape)}, the config says {shape}")
-    return {n: weights[n] for n in names}
+        got = (weights.shape(n) if lazy else tuple(weights[n].shape)) if n in weights else shape
+        if got != shape:
+            raise ValueError(f"{where}: tensor {n} has shape {got}, the config says {shape}")
+    return weights.only(names) if lazy else {n: weights[n] for n in names}
+
+
+class LazyWeights(Mapping):
+    """A Hugging Face folder's tensors, each read from its safetensors file (and cast) on first access, then kept.
+    Why: a model built from its runtime snapshot (build_model) needs the checkpoint's arch and tokenizer, not its
+    weights, and reading and casting every tensor up front took 16 ms (int4) and 58 ms (float32) of a model
+    loaded on demand's Engine build, a turn of the step loop that every other stream waits for (cProfile of
+    Engine(), the bundled model, 2026-11-29)."""
+
+    def __init__(self, files: dict[str, Path], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype | None):
+        self._files, self._shapes, self._dtype = files, shapes, dtype
+        self._read: dict[str, torch.Tensor] = {}
+        self._open: dict[Path, Any] = {}  # a file opened (mapped) once for all its tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._read.get(name)
+        if tensor is None:
+            if name not in self._files:
+                raise KeyError(name)
+            f = self._files[name]
+            if f not in self._open:
+                from safetensors import safe_open
+                self._open[f] = safe_open(str(f), framework="pt")
+            tensor = self._open[f].get_tensor(name)
+            tensor = self._read[name] = tensor if self._dtype is None else tensor.to(self._dtype)
+        return tensor
+
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor
+        return name in self._files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def only(self, names: list[str]) -> "LazyWeights":
+        """These tensors alone, in this order (read ones carried over)."""
+        out = LazyWeights({n: self._files[n] for n in names}, {n: self._shapes[n] for n in names}, self._dtype)
+        out._read = {n: t for n, t in self._read.items() if n in out._files}
+        return out
 
 
 # ---------------------------------------------------------------- Hugging Face folders
@@ -138,15 +185,17 @@ def _load_hf_folder(path: Path, dtype: torch.dtype | None = None) -> Checkpoint:
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no *.safetensors files (other weight formats are not supported)")
-    weights: dict[str, torch.Tensor] = {}
+    sources: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     wanted = set(expected_weight_names(arch))
     for f in files:
         if not f.is_file():
             raise ValueError(f"{path}: the safetensors index names {f.name}, which is not there")
         with safe_open(str(f), framework="pt") as st:
             for k in st.keys():
-                if k in wanted:  # cast tensor by tensor: never two full copies in memory
-                    weights[k] = st.get_tensor(k) if dtype is None else st.get_tensor(k).to(dtype)
+                if k in wanted:  # read (and cast) tensor by tensor when first used: never two full copies
+                    sources[k], shapes[k] = f, tuple(st.get_slice(k).get_shape())
+    weights = LazyWeights(sources, shapes, dtype)
     return Checkpoint(arch, _check_weights(arch, weights, str(path)), _tokenizer(path), path.name, str(path))
 
 
