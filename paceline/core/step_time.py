@@ -23,16 +23,20 @@ FEATURES = ("constant", "requests", "prefill_tokens", "decodes", "prefill_attn_p
 OPTIONAL = {"wide_rows": 0.0}  # coefficients a profile written before them may lack
 
 
+def wide_rows(s: BatchShape, few_rows: int) -> bool:
+    """Whether a step of shape s has more rows than the model's few-row product serves (none when few_rows is 0)."""
+    return bool(few_rows) and s.num_prefill_tokens + s.num_decodes > few_rows
+
+
 def features(s: BatchShape, few_rows: int = 0) -> list[float]:
-    wide = 1.0 if few_rows and s.num_prefill_tokens + s.num_decodes > few_rows else 0.0
     return [1.0, s.num_requests, s.num_prefill_tokens, s.num_decodes, s.prefill_attn_pairs, s.decode_context,
-            s.num_sampled, wide]
+            s.num_sampled, float(wide_rows(s, few_rows))]
 
 
 def linear_step_time(c: list[float], s: BatchShape, swap_s_per_block: float, mask_s_per_row: float,
                      few_rows: int = 0) -> float:
     """Seconds for a step of shape s under coefficients c (in FEATURES order), plus the terms timed apart."""
-    wide = c[7] if few_rows and s.num_prefill_tokens + s.num_decodes > few_rows else 0.0
+    wide = c[7] if wide_rows(s, few_rows) else 0.0
     return (c[0] + c[1] * s.num_requests + c[2] * s.num_prefill_tokens + c[3] * s.num_decodes
             + c[4] * s.prefill_attn_pairs + c[5] * s.decode_context + c[6] * s.num_sampled + wide
             + swap_s_per_block * s.num_swapped_blocks + mask_s_per_row * s.num_masked)

@@ -572,10 +572,11 @@ class MultiEngine:
             engine = self.engines[other]
             if other == name or other in self._inflight or not has_streams(engine):
                 continue
-            if SLICE_SHORTER and self._stream_step_s(other) >= own_s:
+            step_s = self._stream_step_s(other)
+            if SLICE_SHORTER and step_s >= own_s:
                 continue
             factor = DEBUT_DUE if name in self._debut else SLICE_DUE
-            watch.append((self._since.get(other, 0.0) + factor * self._stream_step_s(other), other))
+            watch.append((self._since.get(other, 0.0) + factor * step_s, other))
         return watch
 
     def _own_estimate(self, name: str) -> float:

@@ -488,8 +488,7 @@ def drop_plain_weights(linears: list[Linear]) -> None:
     """On the engine thread, between two steps: free the plain copies of the weights that now have packed ones
     (except those that few-row steps read: Linear.keep_plain)."""
     for lin in linears:
-        if lin.packed is not None and not lin.keep_plain:
-            lin.weight = None
+        lin.drop_plain()
 
 
 def _install(multi: MultiEngine, name: str, engine: Engine, step_ms: float,

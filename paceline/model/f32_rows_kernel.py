@@ -163,6 +163,7 @@ def op() -> Callable | None:
 
 
 def keeps_plain(weight: torch.Tensor) -> bool:
-    """Whether a Linear of this weight keeps its plain copy beside the packed one for the op: a float32 CPU weight,
-    the switch on and the op available here."""
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and enabled() and op() is not None
+    """Whether a Linear of this weight keeps its plain copy beside the packed one for the op: a contiguous float32
+    CPU weight, the switch on and the op available here."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous() and enabled()
+            and op() is not None)

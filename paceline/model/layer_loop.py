@@ -365,7 +365,7 @@ class LayerLoop:
         if dense is not None:
             packed = dense.packed is not None
             add(i, k, DENSE, dense.packed if packed else dense.weight, None, dense.bias, None, 0, packed)
-        if isinstance(lin, self._Linear) and lin.keep_plain and lin.weight is not None:  # kept for good
+        if isinstance(lin, self._Linear) and lin.keep_plain:  # its plain weight is kept for good
             add(i, k, F32_ROWS, lin.weight, None, lin.bias, None, 0, False)
 
     def _set_op(self, role: str, op: Any) -> bool:

@@ -81,15 +81,18 @@ class Linear:
                  few_rows: bool = True):
         self.weight, self.bias, self.dtype = weight, bias, weight.dtype
         self.packed = self._pack(weight, bias) if pack else None
-        self.keep_plain = few_rows and weight.is_contiguous() and f32_rows_kernel.keeps_plain(weight)
-        if self.packed is not None and not self.keep_plain:
-            self.weight = None  # the packed copy replaces the plain one
+        self.keep_plain = few_rows and f32_rows_kernel.keeps_plain(weight)  # then the weight is never dropped
+        self.drop_plain()
         self.wide: Linear | Int8Linear | None = None  # serves float32 inputs (make_linear's wide)
+
+    def drop_plain(self) -> None:
+        """The packed copy replaces the plain weight once there is one, unless few-row steps read it (keep_plain)."""
+        if self.packed is not None and not self.keep_plain:
+            self.weight = None
 
     def few_rows(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether f32_rows_kernel's op serves a step of `rows` rows of `dtype` (the layer loop asks the same)."""
-        return (self.keep_plain and self.weight is not None and dtype == torch.float32
-                and rows <= f32_rows_kernel.MAX_ROWS)
+        return self.keep_plain and dtype == torch.float32 and rows <= f32_rows_kernel.MAX_ROWS
 
     @staticmethod
     def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

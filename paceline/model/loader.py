@@ -700,8 +700,8 @@ def pack_linears(linears: list[Any], drop_plain: bool = True) -> None:
     """Pack each Linear for oneDNN (as the normal build does) and, unless told otherwise, free its plain weight."""
     for lin in linears:
         lin.packed = type(lin)._pack(lin.weight, lin.bias)
-        if drop_plain and lin.packed is not None and not lin.keep_plain:  # keep_plain: few-row steps read it
-            lin.weight = None
+        if drop_plain:
+            lin.drop_plain()
 
 
 def build_model(ckpt: Checkpoint, model: str | None, dtype: str, quantization: str, wide_linears: str,
