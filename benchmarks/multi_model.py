@@ -160,6 +160,11 @@ SWITCH_VARIANTS = {
     "whole": ("smol-fp32", {"PACELINE_DEBUT_STEP": "whole"}), "int4-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
     # the others' streams due after 2x (not 4x) their step while a newcomer's first prompt runs
     "debut2": ("smol-fp32", {"PACELINE_DEBUT_DUE": "2"}), "int4-debut2": ("smol-int4", {"PACELINE_DEBUT_DUE": "2"}),
+    # a debut's others due after a fixed DEBUT_DUE x their step, as before 2026-11-29 10:40 UTC (DEBUT_BY_S off)
+    "debut-fixed": ("smol-fp32", {"PACELINE_DEBUT_BY_S": "0"}),
+    "int4-debut-fixed": ("smol-int4", {"PACELINE_DEBUT_BY_S": "0"}),
+    # no map_in turn: the new model's first step faults its pages in
+    "no-map-in": ("smol-fp32", {"PACELINE_LOAD_MAP_IN": "0"}), "int4-no-map-in": ("smol-int4", {"PACELINE_LOAD_MAP_IN": "0"}),
 }
 
 

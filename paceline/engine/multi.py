@@ -97,6 +97,13 @@ SLICE_AHEAD = os.environ.get("PACELINE_SLICE_AHEAD", "1") != "0"
 # their own prompt chunks set). At SLICE_DUE the float32 debut's 64-token prompt got half the cores beside int4
 # streams: first token 0.481-0.511 s (run L, 2026-11-24 06:25 UTC). PACELINE_DEBUT_DUE for the A/B
 DEBUT_DUE = float(os.environ.get("PACELINE_DEBUT_DUE", "4.0"))
+# A debut's first prompt lets the other models' streams wait only as long as its first token needs: their due factor
+# is the least in [SLICE_DUE, DEBUT_DUE] at which the rest of its step, with their steps run inside it, is predicted
+# to end DEBUT_BY_S after its request (`_debut_due`). Why: at a fixed DEBUT_DUE of 4 an int4 debut's 64-token prompt
+# (50-80 ms) ran whole beside float32 streams, whose gaps then were 142-190 ms against their p99 of ~100 ms while its
+# first token came 0.21-0.33 s after the request (2026-11-29 10:20 UTC switch run); at a fixed 2 a float32 debut's
+# first token went past 0.5 s (run LL). 0.4 s leaves room for a prediction that falls short. 0: DEBUT_DUE alone (A/B)
+DEBUT_BY_S = float(os.environ.get("PACELINE_DEBUT_BY_S", "0.4"))
 # Sliced, a step of prompts alone is cut to its own whole step-time target while another model streams (_sliced_budget);
 # PACELINE_SLICE_PROMPT_CAP=0: uncut, as before (the A/B)
 SLICE_PROMPT_CAP = os.environ.get("PACELINE_SLICE_PROMPT_CAP", "1") != "0"
@@ -469,8 +476,9 @@ class MultiEngine:
             if between < 0.02:
                 self._loop_s += 0.2 * (between - self._loop_s)
         watch = self._preemptors(name, busy, run.predicted_s) if run.sliced else []
-        if SLICE_SPAN and watch and run.predicted_s is not None:
-            watch = self._span_due(name, run, watch, resumed, run.own_s)
+        debut = name in self._debut and DEBUT_BY_S > 0
+        if watch and (run.predicted_s is not None or debut):
+            watch = self._later_due(name, run, watch, resumed, run.own_s)
         first, shorter, tail_first = self._watch_times(name, watch)
         layers = self._layers.get(name, 0) if SLICE_TAIL else 0
         tail = self._tail_s.get(name, 0.0)
@@ -485,11 +493,13 @@ class MultiEngine:
                     # (SLICE_SHORTER) only the models with shorter steps than it may preempt it
                     run.predicted_s = self._predicted_s(name, run)
                     if run.predicted_s is not None:
-                        if SLICE_SHORTER:
+                        if SLICE_SHORTER and name not in self._debut:
                             watch = [(t, o) for t, o in watch if self._stream_step_s(o) < run.predicted_s]
-                        if SLICE_SPAN:
-                            watch = self._span_due(name, run, watch, now, run.own_s + now - resumed)
+                        watch = self._later_due(name, run, watch, now, run.own_s + now - resumed)
                         first, shorter, tail_first = self._watch_times(name, watch)
+                if debut and watch:  # its rest, judged again by the layers run so far (_debut_due)
+                    watch = self._debut_due(name, run, watch, now, run.own_s + now - resumed)
+                    first, shorter, tail_first = self._watch_times(name, watch)
                 # SLICE_AHEAD: suspend at the last boundary before the due time, not the first one after it (the
                 # layer just run stands for the next; after the last layer, the model's last tail: SLICE_TAIL)
                 ahead = now - last if SLICE_AHEAD else 0.0
@@ -531,6 +541,44 @@ class MultiEngine:
             return None
         return sched.step_time(sched.last_shape) * sched.last_scale
 
+    def _later_due(self, name: str, run: "_Run", watch: list[tuple[float, str]], now: float,
+                   own_s: float) -> list[tuple[float, str]]:
+        """The other models' due times once `name`'s step is scheduled: a debut's by its first-token budget
+        (DEBUT_BY_S), any other step's by the span rule (SLICE_SPAN)."""
+        if name in self._debut:
+            return self._debut_due(name, run, watch, now, own_s) if DEBUT_BY_S > 0 else watch
+        return self._span_due(name, run, watch, now, own_s) if SLICE_SPAN else watch
+
+    def _debut_due(self, name: str, run: "_Run", watch: list[tuple[float, str]], now: float,
+                   own_s: float) -> list[tuple[float, str]]:
+        """DEBUT_BY_S: while a debut's first prompt runs, the other models' streams are due after g of its own work
+        per round of their steps, the least g that still ends it DEBUT_BY_S after its request: the rest of its own
+        time, `rest`, spans rest x (1 + round / g) <= left, so g >= rest x round / (left - rest), within
+        [SLICE_DUE, DEBUT_DUE] x their step. `rest` is the larger of the prediction's remainder and what the layers
+        run so far say (a model just loaded may run slower than its step-time model thinks, and it has none until
+        its profile is in: _install). Judged again at every boundary while it runs (_advance); with neither, the
+        others wait DEBUT_DUE x their step."""
+        left = DEBUT_BY_S - (now - self._debut[name].start)
+        rest = max(run.predicted_s - own_s, 0.0) if run.predicted_s is not None else None
+        layers = self._layer_count(name)
+        if run.boundaries and layers:  # boundary k follows layer k; the tail (head, sampling) counted as a layer
+            rest = max(rest or 0.0, own_s / run.boundaries * (layers + 1 - run.boundaries))
+        if rest is None:
+            return watch
+        round_s = sum(self._stream_step_s(other) + self._loop_s for _, other in watch)
+        need = rest * round_s / (left - rest) if left > rest else math.inf
+        out = []
+        for _, other in watch:
+            step_s = self._stream_step_s(other)
+            g = min(max(need, SLICE_DUE * step_s), DEBUT_DUE * step_s)
+            out.append((self._since.get(other, 0.0) + self._loop_s + g, other))
+        return out
+
+    def _layer_count(self, name: str) -> int:
+        """Layer boundaries in one of `name`'s sliced steps: learned from its last one, else its model's layers."""
+        model = getattr(self.engines[name].runner, "model", None)
+        return self._layers.get(name) or len(getattr(model, "layers", ()))
+
     def _span_due(self, name: str, run: "_Run", watch: list[tuple[float, str]], now: float,
                   own_s: float) -> list[tuple[float, str]]:
         """SLICE_SPAN: the other models' due times, later where `name`'s own streams would otherwise wait longer
@@ -564,7 +612,10 @@ class MultiEngine:
         only a model whose streams' step is shorter than this step's own time (`own_s`: its prediction once
         scheduled, else `_own_estimate`) may: a longer step run inside a short one makes the short one's streams
         wait for all of it. Before that rule a float32 step of one decode (~18 ms) came due half way through
-        int4's decode steps (~9 ms) and ran inside them: those int4 gaps were ~35 ms (/tmp script, 2026-11-29)."""
+        int4's decode steps (~9 ms) and ran inside them: those int4 gaps were ~35 ms (/tmp script, 2026-11-29).
+        Not for a debut's first prompt: no stream of its own waits on it, and (DEBUT_BY_S) its first token sets
+        how long the others wait; an int4 debut's 64-token prompt, predicted shorter than a float32 step, ran
+        whole (50-80 ms) while the float32 streams waited (2026-11-29 10:45 UTC switch run)."""
         if own_s is None:
             own_s = self._own_estimate(name)
         watch = []
@@ -573,7 +624,7 @@ class MultiEngine:
             if other == name or other in self._inflight or not has_streams(engine):
                 continue
             step_s = self._stream_step_s(other)
-            if SLICE_SHORTER and step_s >= own_s:
+            if SLICE_SHORTER and step_s >= own_s and name not in self._debut:  # a debut has no streams to keep
                 continue
             factor = DEBUT_DUE if name in self._debut else SLICE_DUE
             watch.append((self._since.get(other, 0.0) + factor * step_s, other))

@@ -193,6 +193,39 @@ def test_a_debut_step_lets_the_other_streams_wait_debut_due_times_their_step(tin
     assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.040), "llama")]
 
 
+def test_a_debut_lets_the_other_streams_wait_only_as_long_as_its_first_token_needs(tiny_dirs, monkeypatch):
+    """DEBUT_BY_S: qwen2's first prompt (request at 9.8, 50 ms of its own predicted) beside llama's 10 ms steps
+    (1 ms of loop each round): with 0.4 s to its first token and 0.2 s gone, g >= 50 x 11 / 150 = 3.7 ms, so
+    SLICE_DUE's 5 ms; with 0.3 s gone, 50 x 11 / 50 = 11 ms; with 0.35 s gone, capped at DEBUT_DUE x 10 ms. The
+    layers run so far count when they say more is left than the prediction: 30 ms for 5 of 30 layers, 26 to go."""
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
+    monkeypatch.setattr(multi_module, "DEBUT_DUE", 4.0)
+    monkeypatch.setattr(multi_module, "DEBUT_BY_S", 0.4)
+    engines, multi = llama_streaming(tiny_dirs)
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.010)
+    multi._since = {"llama": 10.0}
+    multi._loop_s = 0.001
+    multi._debut["qwen2"] = multi_module.LoadTimeline(start=9.8)
+    watch = multi._preemptors("qwen2", ["llama", "qwen2"])
+    run = multi_module._Run(iter(()), True, 10.0, predicted_s=0.050)
+
+    def due(now: float, own_s: float = 0.0) -> float:
+        return multi._later_due("qwen2", run, watch, now, own_s)[0][0]
+
+    assert due(10.0) == pytest.approx(10.0 + 0.001 + 0.005)
+    assert due(10.1) == pytest.approx(10.0 + 0.001 + 0.011)
+    assert due(10.15) == pytest.approx(10.0 + 0.001 + 0.040)
+    monkeypatch.setattr(multi, "_layer_count", lambda name: 30)
+    run.boundaries = 5
+    assert due(10.0, own_s=0.030) == pytest.approx(10.0 + 0.001 + 0.156 * 0.011 / (0.2 - 0.156))
+    run.predicted_s = None  # no step-time model yet (a model just loaded): the layers run so far alone
+    assert due(10.0, own_s=0.030) == pytest.approx(10.0 + 0.001 + 0.156 * 0.011 / (0.2 - 0.156))
+    run.boundaries = 0  # and before its first layer, nothing to judge by: DEBUT_DUE
+    assert due(10.0) == pytest.approx(10.040)
+    monkeypatch.setattr(multi_module, "DEBUT_BY_S", 0.0)  # off: DEBUT_DUE alone, as before
+    assert due(10.0) == pytest.approx(10.040)
+
+
 def test_sliced_step_targets_count_the_other_models_steps_run_inside(tiny_dirs, monkeypatch):
     monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
     monkeypatch.setattr(multi_module, "SLICE_TAIL", True)  # the default; set here: the rule itself
@@ -497,3 +530,17 @@ def test_only_a_model_with_shorter_steps_preempts_the_running_one(tiny_dirs, mon
     monkeypatch.setattr(multi_module, "SLICE_SHORTER", False)
     engines["llama"].abort("p")
     assert multi._preemptors("llama", busy) == [(pytest.approx(10.015), "qwen2")]
+
+
+def test_a_debut_may_be_preempted_by_a_model_with_longer_steps(tiny_dirs, monkeypatch):
+    """SLICE_SHORTER keeps a short step's streams from waiting for a longer one; a debut's first prompt has no
+    streams of its own, so the other model may preempt it whatever its step."""
+    monkeypatch.setattr(multi_module, "SLICE_SHORTER", True)
+    monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
+    engines, multi = llama_streaming(tiny_dirs)
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.050)
+    multi._since = {"llama": 10.0}
+    busy = ["llama", "qwen2"]
+    assert multi._preemptors("qwen2", busy, own_s=0.030) == []  # a 30 ms step: llama's 50 ms one may not
+    multi._debut["qwen2"] = multi_module.LoadTimeline(start=9.9)
+    assert [o for _, o in multi._preemptors("qwen2", busy, own_s=0.030)] == ["llama"]
