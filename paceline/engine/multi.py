@@ -404,7 +404,13 @@ class MultiEngine:
         # a step of prompts alone may use the lone-prefill budget only while no other model is busy: beside them
         # the budgets below bound it
         config.lone_prefill_tokens = self._lone[name] if len(busy) == 1 else 0
-        config.defer_prompt_s = SLICE_DEFER_S if any(has_streams(self.engines[o]) for o in busy if o != name) else 0.0
+        # A model loading on demand, or waiting for its first token, will stream next: its turns and its first
+        # prompt run between this model's steps, so those steps defer young prompts too. Why: float32 steps of a
+        # decode and the 16-token floor (54-79 ms) with a 25-42 ms load turn between two of them made its streams'
+        # gaps 106-113 ms against their p99 of 98 ms while int4 loaded (2026-11-29 10:00 UTC switch run)
+        coming = self.turns.pending or any(other != name for other in self._debut)
+        others_stream = any(has_streams(self.engines[o]) for o in busy if o != name)
+        config.defer_prompt_s = SLICE_DEFER_S if others_stream or coming else 0.0
         if sliced:
             # Another model's streams wait for a slice of this step, not all of it (`_advance`): a step of prompts
             # alone is cut to the whole target only and a debut's prompt runs whole. The target stays shared: this

@@ -474,6 +474,13 @@ def test_a_models_prompts_may_wait_for_room_only_while_another_model_streams(tin
     assert engines["qwen2"].scheduler.config.defer_prompt_s == multi_module.SLICE_DEFER_S > 0  # llama streams
     multi._start("llama", busy, sliced=True)
     assert engines["llama"].scheduler.config.defer_prompt_s == 0.0  # qwen2 has no stream yet
+    multi.turns.pending = True  # a third model loads on demand: it will stream next
+    multi._start("llama", busy, sliced=True)
+    assert engines["llama"].scheduler.config.defer_prompt_s == multi_module.SLICE_DEFER_S
+    multi.turns.pending = False
+    multi._debut["qwen2"] = multi_module.LoadTimeline(start=0.0)  # loaded, its first prompt still to run
+    multi._start("llama", busy, sliced=True)
+    assert engines["llama"].scheduler.config.defer_prompt_s == multi_module.SLICE_DEFER_S
 
 
 @pytest.mark.parametrize("whole", [True, False])
