@@ -158,6 +158,10 @@ SLICE_WHOLE = os.environ.get("PACELINE_SLICE_WHOLE", "1") != "0"
 # before 2026-11-29 (the A/B)
 SLICE_SHORTER = os.environ.get("PACELINE_SLICE_SHORTER", "1") != "0"
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
+# While a model loads, the other models' step-time targets leave room for a turn of it beside their streams' gap
+# (_share_step_target); PACELINE_LOAD_TURN_TARGET=0: one share per busy model and the load, as before (the A/B)
+LOAD_TURN_TARGET = os.environ.get("PACELINE_LOAD_TURN_TARGET", "1") != "0"
+TURN_GUESS_S = 0.04  # a turn's length before the first one is measured (the bundled model's: 23-42 ms, 2026-11-29)
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
 
@@ -272,6 +276,7 @@ class MultiEngine:
         self.recent_steps: deque[tuple] = deque(maxlen=STEP_RING)
         self.turns = LoadTurns()
         self._turn_since_step = False  # a load's turn was served since the last step
+        self._turn_s = TURN_GUESS_S  # the last load turn's length (_share_step_target)
         self._inflight: dict[str, _Run] = {}  # model -> its suspended step (at most one each)
         self._lone: dict[str, int] = {}  # model -> its own lone_prefill_tokens (0 while another model is busy)
         self._layers: dict[str, int] = {}  # model -> layer boundaries in one of its sliced steps (learned)
@@ -376,7 +381,9 @@ class MultiEngine:
         limit_s = (self._foreign_step_s(None, busy) if busy else 0.0) or LOAD_TURN_MAX_S
         start, cpu = time.monotonic(), time.thread_time()
         if self.turns.serve(limit_s) > 0:
-            self.recent_steps.append(("(load)", start, time.monotonic(), time.thread_time() - cpu, 0, 0))
+            end = time.monotonic()
+            self._turn_s = end - start
+            self.recent_steps.append(("(load)", start, end, time.thread_time() - cpu, 0, 0))
 
     def step(self) -> list[RequestOutput]:
         """Run steps until one model's step ends; its outputs. Where slicing applies, a step is suspended between
@@ -751,6 +758,14 @@ class MultiEngine:
                     others = sum(self._stream_step_s(o) for o in busy if o != name and has_streams(self.engines[o]))
                     target = max(target / 2, target - 1e3 * others)
                 config.max_step_ms = target / shares
+                if loading and LOAD_TURN_TARGET:
+                    # its streams wait for a load's turn between two of its steps: the step gets what the gap
+                    # its streams keep alone leaves beside the last turn. Why: float32 steps of a decode and a
+                    # 17-18-token chunk (54-65 ms, half the whole target) with a 35 ms turn between them made its
+                    # streams' gaps 96-110 ms against their p99 of 79 ms (2026-11-29 10:05 UTC switch run); a young
+                    # prompt then waits (defer_prompt_s, _start)
+                    room = 1e3 * (self._gap_alone_s(name) - self._turn_s)
+                    config.max_step_ms = max(1.0, min(config.max_step_ms, room))
 
     def _foreign_step_s(self, name: str | None, busy: list[str]) -> float:
         """Seconds of one step of a model with no streams of its own (`name`, or a load's turn when None) that

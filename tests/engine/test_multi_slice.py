@@ -250,6 +250,26 @@ def test_sliced_step_targets_count_the_other_models_steps_run_inside(tiny_dirs, 
     assert [engines[k].scheduler.config.max_step_ms for k in busy] == [pytest.approx(50.0), pytest.approx(40.0)]
 
 
+def test_while_a_model_loads_a_step_leaves_room_for_its_turn_in_the_streams_gap(tiny_dirs, monkeypatch):
+    """A load's turns run between a busy model's steps: its step-time target is its share, but never more than its
+    streams' gap alone (its whole target here: no calm target) less the last turn."""
+    monkeypatch.setattr(multi_module, "LOAD_TURN_TARGET", True)
+    engines, multi = llama_streaming(tiny_dirs)
+    multi._step_ms["llama"] = 100.0
+    config = engines["llama"].scheduler.config
+    multi._share_step_target(["llama"])
+    assert config.max_step_ms == pytest.approx(100.0)  # nothing loads: its whole target
+    multi.turns.pending = True
+    multi._share_step_target(["llama"])
+    assert config.max_step_ms == pytest.approx(50.0)  # one share of two; the first turn guessed at 40 ms
+    multi._turn_s = 0.070  # a long turn measured
+    multi._share_step_target(["llama"])
+    assert config.max_step_ms == pytest.approx(30.0)
+    monkeypatch.setattr(multi_module, "LOAD_TURN_TARGET", False)  # the A/B: the shares alone
+    multi._share_step_target(["llama"])
+    assert config.max_step_ms == pytest.approx(50.0)
+
+
 @pytest.mark.parametrize("ahead, layers", [(True, 1), (False, 2)])
 def test_a_step_is_suspended_at_the_last_boundary_before_the_other_is_due(tiny_dirs, monkeypatch, ahead, layers):
     monkeypatch.setattr(multi_module, "SLICE_AHEAD", ahead)
