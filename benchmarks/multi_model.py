@@ -271,7 +271,8 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, va
             "others_max_gap_first_prompt_ms": 1e3 * max(prompting, default=0.0),
             "others_gaps": len(loading) + len(prompting),
             "server_max_decode_gap_ms": 1e3 * max(server_gaps, default=0.0),
-            "steps": load["steps"]})
+            # where the client's window ends later than the server's first token: the steps just after it
+            "steps": load["steps"], "steps_after": load.get("after", [])})
     return out
 
 
@@ -284,10 +285,11 @@ def print_switches(key: str, result: dict) -> None:
               f"{sw['others_max_gap_ms']:.1f} ms (loading {sw['others_max_gap_loading_ms']:.1f} / first prompt "
               f"{sw['others_max_gap_first_prompt_ms']:.1f}, {sw['others_gaps']} gaps; server decode gap "
               f"{sw['server_max_decode_gap_ms']:.1f}); split {split}", flush=True)
-        for m, a, b, cpu, d, p in sw["steps"]:
-            if b > -0.2:
-                print(f"      {m:10s} {a:7.3f}-{b:7.3f} {1e3 * (b - a):6.1f} ms cpu {1e3 * cpu:6.1f} "
-                      f"decode {d:3d} prompt {p:4d}", flush=True)
+        for mark, steps in (("", sw["steps"]), ("after ", sw.get("steps_after", []))):
+            for m, a, b, cpu, d, p in steps:
+                if b > -0.2:
+                    print(f"    {mark:6s}{m:10s} {a:7.3f}-{b:7.3f} {1e3 * (b - a):6.1f} ms cpu {1e3 * cpu:6.1f} "
+                          f"decode {d:3d} prompt {p:4d}", flush=True)
 
 
 def main() -> None:

@@ -720,7 +720,7 @@ class MultiEngine:
     def steps_since(self, since: float, origin: float) -> list[tuple]:
         """The recorded steps that ended after `since`, their times in seconds after `origin`."""
         return [(m, round(a - origin, 4), round(b - origin, 4), round(c, 4), d, p)
-                for m, a, b, c, d, p in self.recent_steps if b > since]
+                for m, a, b, c, d, p in tuple(self.recent_steps) if b > since]  # a copy: the log reads it elsewhere
 
     # ---- the policy -----------------------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ import torch
 from paceline.config import EngineConfig
 from paceline.engine.engine import Engine
 from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
-from paceline.engine.multi import LoadTimeline, LoadTurns, MultiEngine
+from paceline.engine.multi import SWITCH_STEPS_BEFORE_S, LoadTimeline, LoadTurns, MultiEngine
 from paceline.engine.prefault import held_until, madvise_function, set_nice
 from paceline.model.llama import Linear, deferred_packing
 from paceline.model.loader import unpacked_linears as model_unpacked_linears
@@ -61,6 +61,7 @@ LOAD_WARM_UP = os.environ.get("PACELINE_LOAD_WARM_UP", "0") != "0"
 LOAD_MAP_IN = os.environ.get("PACELINE_LOAD_MAP_IN", "1") != "0"
 # log every step around each switch as one JSON line (benchmarks/multi_model.py reads it)
 LOG_SWITCH_STEPS = os.environ.get("PACELINE_LOG_SWITCH_STEPS", "0") != "0"
+SWITCH_STEPS_AFTER_S = 0.3  # the log holds the steps this long after the first token too (the streams' gaps there)
 FIRST_TOKEN_WAIT_S = 5.0  # packing and the KV prefault wait this long at most for a loaded model's first token
 
 
@@ -177,9 +178,13 @@ class Residency:
             held.set()
             loop.call_soon_threadsafe(first_token.set)
             log.info("model %s: switch %s (seconds after the request)", name, timeline.split())
-            if LOG_SWITCH_STEPS:
-                log.info("model %s: switch steps %s", name, json.dumps({"split": timeline.split(),
-                                                                          "steps": timeline.steps}))
+            if LOG_SWITCH_STEPS:  # the steps up to the first token, and those of the next SWITCH_STEPS_AFTER_S
+                def log_steps() -> None:
+                    after = self.multi.steps_since(timeline.start - SWITCH_STEPS_BEFORE_S, timeline.start)
+                    log.info("model %s: switch steps %s", name, json.dumps({"split": timeline.split(),
+                                                                              "steps": timeline.steps,
+                                                                              "after": after[len(timeline.steps):]}))
+                loop.call_soon_threadsafe(loop.call_later, SWITCH_STEPS_AFTER_S, log_steps)
 
         timeline.on_first_token = on_first_token
         try:
