@@ -114,6 +114,8 @@ class AsyncEngine:
         self._idle = threading.Event()
         self.admission: AdmissionControl | None = None  # --max-queue-delay-s, set once the engine is built
         self.on_reject: Callable[[str], None] | None = None  # on_reject(reason) for every 503 of overload
+        # full cyclic-garbage collections run while the loop is idle (gc_pacing.FullCollections; the server sets it)
+        self.collector: Any = None
         # The arrival check's count of requests ahead: waiting in the engine (recounted after every step, +1 for
         # each add the engine thread applied since) plus adds submitted and not yet applied. Both move under _lock,
         # so an add is never counted twice or missed, even while a long step runs.
@@ -327,6 +329,8 @@ class AsyncEngine:
                 self._recount()
                 self._observe([], False)  # gauges reflect aborts applied while idle
                 self._idle.set()
+                if self.collector is not None:
+                    self.collector.idle()
                 # with a queue-delay limit the thread also wakes to expire requests (none wait while idle)
                 self._wake.wait()
                 continue
@@ -347,6 +351,8 @@ class AsyncEngine:
                 self.admission.observe(outputs, time.monotonic())
             self._observe(outputs, True)
             self._dispatch(outputs)
+            if self.collector is not None:
+                self.collector.stepped()
         self._fail_all(EngineStoppedError("the server shut down"))
 
     def _recount(self) -> None:

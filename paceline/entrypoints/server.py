@@ -28,6 +28,7 @@ from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.admission import QueueDelayError
 from paceline.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from paceline.engine.faults import maybe_install
+from paceline.engine import gc_pacing
 from paceline.engine.metrics import EngineMetrics
 from paceline.entrypoints import tools
 from paceline.entrypoints.dashboard import add_dashboard_routes
@@ -930,6 +931,8 @@ def run_server(args: argparse.Namespace) -> None:
         metrics = EngineMetrics(async_engine.engine.model_name, step_log=not getattr(args, "no_dashboard", False))
         async_engine.on_step = metrics.on_step  # read per call; an idle call before this only skips zero gauges
     engine = async_engine.engine
+    if gc_pacing.PACING:  # full collections while the loop idles (engine/gc_pacing.py)
+        async_engine.collector = gc_pacing.FullCollections()
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                               served_model_names=tuple(args.served_model_name or ()), limits=limits_from_args(args),
                               dashboard=not getattr(args, "no_dashboard", False))

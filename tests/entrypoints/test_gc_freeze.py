@@ -1,5 +1,6 @@
 """The single-model server freezes its start-up heap: full collections stop walking the model, torch and the app."""
 import gc
+import time
 import weakref
 
 from paceline.entrypoints.server import freeze_startup_heap
@@ -49,3 +50,36 @@ def test_an_app_frozen_after_it_was_built_still_serves() -> None:
             assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     finally:
         gc.unfreeze()
+
+
+def test_the_engine_loop_runs_due_full_collections_while_idle() -> None:
+    """The server's engine loop calls its collector (engine/gc_pacing.py) after every step and when it goes idle."""
+    from fake_engine import FakeEngine
+    from fastapi.testclient import TestClient
+
+    from paceline.engine.async_engine import AsyncEngine
+    from paceline.engine.metrics import EngineMetrics
+    from paceline.entrypoints.server import ServerSettings, build_app
+
+    class Counting:
+        def __init__(self) -> None:
+            self.idle_calls = self.step_calls = 0
+
+        def idle(self) -> None:
+            self.idle_calls += 1
+
+        def stepped(self) -> None:
+            self.step_calls += 1
+
+    engine = FakeEngine()
+    metrics = EngineMetrics(engine.model_name)
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
+    counting = async_engine.collector = Counting()
+    with TestClient(build_app(async_engine, metrics, ServerSettings())) as client:
+        r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5, "seed": 0})
+        assert r.status_code == 200, r.text
+        assert counting.step_calls >= 5  # one step a token
+        deadline = time.monotonic() + 10
+        while counting.idle_calls == 0 and time.monotonic() < deadline:  # the loop goes idle once the stream ends
+            time.sleep(0.01)
+    assert counting.idle_calls >= 1
