@@ -178,7 +178,7 @@ SWITCH_VARIANTS = {
 # token); one-loop-tail-rules: both rules of 13:10 UTC on; one-loop-tail-only: the first of them alone
 ONE_LOOP_VARIANTS = {
     "one-loop": {}, "one-loop-gc-unpaced": {"PACELINE_GC_PACING": "0"},
-    "one-loop-due-max13": {"PACELINE_SLICE_DUE_MAX": "1.3"}, "one-loop-unsliced": {"PACELINE_SLICE": "0"}, "one-loop-no-defer": {"PACELINE_SLICE_DEFER_S": "0"},
+    "one-loop-unsliced": {"PACELINE_SLICE": "0"}, "one-loop-no-defer": {"PACELINE_SLICE_DEFER_S": "0"},
     "one-loop-sliced-all": {"PACELINE_SLICE_WHOLE": "0"}, "one-loop-any-preempts": {"PACELINE_SLICE_SHORTER": "0"},
     "one-loop-sliced-before": SWITCH_VARIANTS["sliced-before"][1],
     "one-loop-before-tail": SWITCH_VARIANTS["before-tail"][1],
@@ -200,6 +200,7 @@ ONE_LOOP_VARIANTS = {
     "one-loop-due-max-0.85": {"PACELINE_SLICE_DUE_MAX": "0.85"},
     "one-loop-due-max-0.6": {"PACELINE_SLICE_DUE_MAX": "0.6"},
     "one-loop-due-max-0.5": {"PACELINE_SLICE_DUE_MAX": "0.5"},
+    "one-loop-due-max-1.3": {"PACELINE_SLICE_DUE_MAX": "1.3"},
     # the span rule bounded by the whole step-time target, not the calm one (PACELINE_SLICE_CALM; the default on)
     "one-loop-no-calm": {"PACELINE_SLICE_CALM": "0"},
 }
