@@ -166,8 +166,6 @@ SWITCH_VARIANTS = {
     # while a model loads, the others' step-time targets one share each, as before 2026-11-29 10:10 UTC
     "turn-shares": ("smol-fp32", {"PACELINE_LOAD_TURN_TARGET": "0"}),
     "int4-turn-shares": ("smol-int4", {"PACELINE_LOAD_TURN_TARGET": "0"}),
-    # no map_in turn: the new model's first step faults its pages in
-    "no-map-in": ("smol-fp32", {"PACELINE_LOAD_MAP_IN": "0"}), "int4-no-map-in": ("smol-int4", {"PACELINE_LOAD_MAP_IN": "0"}),
 }
 
 

@@ -101,7 +101,7 @@ DEBUT_DUE = float(os.environ.get("PACELINE_DEBUT_DUE", "4.0"))
 # is the least in [SLICE_DUE, DEBUT_DUE] at which the rest of its step, with their steps run inside it, is predicted
 # to end DEBUT_BY_S after its request (`_debut_due`). Why: at a fixed DEBUT_DUE of 4 an int4 debut's 64-token prompt
 # (50-80 ms) ran whole beside float32 streams, whose gaps then were 142-190 ms against their p99 of ~100 ms while its
-# first token came 0.21-0.33 s after the request (2026-11-29 10:20 UTC switch run); at a fixed 2 a float32 debut's
+# first token came 0.21-0.33 s after the request (2026-11-29 09:50 UTC switch run); at a fixed 2 a float32 debut's
 # first token went past 0.5 s (run LL). 0.4 s leaves room for a prediction that falls short. 0: DEBUT_DUE alone (A/B)
 DEBUT_BY_S = float(os.environ.get("PACELINE_DEBUT_BY_S", "0.4"))
 # Sliced, a step of prompts alone is cut to its own whole step-time target while another model streams (_sliced_budget);
@@ -628,7 +628,7 @@ class MultiEngine:
         int4's decode steps (~9 ms) and ran inside them: those int4 gaps were ~35 ms (/tmp script, 2026-11-29).
         Not for a debut's first prompt: no stream of its own waits on it, and (DEBUT_BY_S) its first token sets
         how long the others wait; an int4 debut's 64-token prompt, predicted shorter than a float32 step, ran
-        whole (50-80 ms) while the float32 streams waited (2026-11-29 10:45 UTC switch run)."""
+        whole (50-80 ms) while the float32 streams waited (2026-11-29 09:53 UTC switch run)."""
         if own_s is None:
             own_s = self._own_estimate(name)
         watch = []

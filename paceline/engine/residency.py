@@ -57,8 +57,6 @@ LOAD_TURNS = os.environ.get("PACELINE_LOAD_TURNS", "1") != "0"  # 0: the load ru
 LOADER_NICE = int(os.environ.get("PACELINE_LOADER_NICE", "0"))  # the load's CPU priority (19: the A/B's before)
 # Two warm-up forwards on the loader thread before the model joins (1: the A/B's before, 2026-11-23)
 LOAD_WARM_UP = os.environ.get("PACELINE_LOAD_WARM_UP", "0") != "0"
-# Fault the new model's pages in as a turn before it joins (map_in); 0: its first step faults them in (the A/B)
-LOAD_MAP_IN = os.environ.get("PACELINE_LOAD_MAP_IN", "1") != "0"
 # log every step around each switch as one JSON line (benchmarks/multi_model.py reads it)
 LOG_SWITCH_STEPS = os.environ.get("PACELINE_LOG_SWITCH_STEPS", "0") != "0"
 SWITCH_STEPS_AFTER_S = 0.3  # the log holds the steps this long after the first token too (the streams' gaps there)
@@ -394,9 +392,8 @@ def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
                 timeline.mark("engine_built")
         model = getattr(engine.runner, "model", None)
         if model is not None and hasattr(model, "layers"):
-            with turn() if LOAD_MAP_IN else contextlib.nullcontext():
-                if LOAD_MAP_IN:
-                    map_in(model)
+            with turn():
+                map_in(model)
                 timeline.mark("mapped")
             # Left out by default (2026-11-24): the first step on the engine's two threads does whatever first-call
             # set-up a kernel has, while these forwards ran on one thread beside the other models' steps, before
