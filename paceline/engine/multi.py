@@ -157,9 +157,6 @@ SLICE_WHOLE = os.environ.get("PACELINE_SLICE_WHOLE", "1") != "0"
 # Only a model with shorter steps than the running one may preempt it (`_preemptors`); 0: any streaming model, as
 # before 2026-11-29 (the A/B)
 SLICE_SHORTER = os.environ.get("PACELINE_SLICE_SHORTER", "1") != "0"
-# ... and only while the running model has streams of its own to keep (`_keeps_streams`): a step of prompts alone (a
-# model's first request, a debut) may be preempted by any streaming model; 0: only a debut is exempt (the A/B)
-SLICE_SHORTER_STREAMS = os.environ.get("PACELINE_SLICE_SHORTER_STREAMS", "1") != "0"
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 # While a model loads, the other models' step-time targets leave room for a turn of it beside their streams' gap
 # (_share_step_target); PACELINE_LOAD_TURN_TARGET=0: one share per busy model and the load, as before (the A/B)
@@ -509,7 +506,7 @@ class MultiEngine:
                     # (SLICE_SHORTER) only the models with shorter steps than it may preempt it
                     run.predicted_s = self._predicted_s(name, run)
                     if run.predicted_s is not None:
-                        if SLICE_SHORTER and self._keeps_streams(name):
+                        if SLICE_SHORTER and name not in self._debut:
                             watch = [(t, o) for t, o in watch if self._stream_step_s(o) < run.predicted_s]
                         watch = self._later_due(name, run, watch, now, run.own_s + now - resumed)
                         first, shorter, tail_first = self._watch_times(name, watch)
@@ -631,9 +628,7 @@ class MultiEngine:
         int4's decode steps (~9 ms) and ran inside them: those int4 gaps were ~35 ms (/tmp script, 2026-11-29).
         Not for a debut's first prompt: no stream of its own waits on it, and (DEBUT_BY_S) its first token sets
         how long the others wait; an int4 debut's 64-token prompt, predicted shorter than a float32 step, ran
-        whole (50-80 ms) while the float32 streams waited (2026-11-29 09:53 UTC switch run). Nor, likewise, for
-        a step of prompts alone (SLICE_SHORTER_STREAMS): int4's first 86-token prompt in the loop ran whole (61 ms)
-        while three float32 streams were due, and their gap was 163 ms (2026-11-29 11:10 UTC step log)."""
+        whole (50-80 ms) while the float32 streams waited (2026-11-29 09:53 UTC switch run)."""
         if own_s is None:
             own_s = self._own_estimate(name)
         watch = []
@@ -642,17 +637,11 @@ class MultiEngine:
             if other == name or other in self._inflight or not has_streams(engine):
                 continue
             step_s = self._stream_step_s(other)
-            if SLICE_SHORTER and step_s >= own_s and self._keeps_streams(name):
+            if SLICE_SHORTER and step_s >= own_s and name not in self._debut:  # a debut has no streams to keep
                 continue
             factor = DEBUT_DUE if name in self._debut else SLICE_DUE
             watch.append((self._since.get(other, 0.0) + factor * step_s, other))
         return watch
-
-    def _keeps_streams(self, name: str) -> bool:
-        """Whether SLICE_SHORTER protects `name`'s step: it has streams of its own waiting on it (a debut never)."""
-        if name in self._debut:
-            return False
-        return has_streams(self.engines[name]) or not SLICE_SHORTER_STREAMS
 
     def _own_estimate(self, name: str) -> float:
         """`name`'s next step's own time before it is scheduled: its streams' step while it has no prompt to

@@ -559,18 +559,15 @@ def test_only_a_model_with_shorter_steps_preempts_the_running_one(tiny_dirs, mon
     assert multi._preemptors("llama", busy) == [(pytest.approx(10.015), "qwen2")]
 
 
-def test_a_step_without_streams_of_its_own_may_be_preempted_by_a_model_with_longer_steps(tiny_dirs, monkeypatch):
-    """SLICE_SHORTER keeps a short step's streams from waiting for a longer one; a step of prompts alone (qwen2 has
-    no stream yet) and a debut's first prompt have none to keep, so the other model may preempt them whatever its
-    step (SLICE_SHORTER_STREAMS; off, only a debut is exempt)."""
+def test_a_debut_may_be_preempted_by_a_model_with_longer_steps(tiny_dirs, monkeypatch):
+    """SLICE_SHORTER keeps a short step's streams from waiting for a longer one; a debut's first prompt has no
+    streams of its own, so the other model may preempt it whatever its step."""
     monkeypatch.setattr(multi_module, "SLICE_SHORTER", True)
     monkeypatch.setattr(multi_module, "SLICE_DUE", 0.5)
     engines, multi = llama_streaming(tiny_dirs)
     engines["llama"].last_step = StepStats(1, 0, 1, duration=0.050)
     multi._since = {"llama": 10.0}
     busy = ["llama", "qwen2"]
-    assert [o for _, o in multi._preemptors("qwen2", busy, own_s=0.030)] == ["llama"]  # prompts alone
-    monkeypatch.setattr(multi_module, "SLICE_SHORTER_STREAMS", False)
     assert multi._preemptors("qwen2", busy, own_s=0.030) == []  # a 30 ms step: llama's 50 ms one may not
     multi._debut["qwen2"] = multi_module.LoadTimeline(start=9.9)
     assert [o for _, o in multi._preemptors("qwen2", busy, own_s=0.030)] == ["llama"]
