@@ -163,6 +163,8 @@ SWITCH_VARIANTS = {
     # a debut's others due after a fixed DEBUT_DUE x their step, as before 2026-11-29 10:40 UTC (DEBUT_BY_S off)
     "debut-fixed": ("smol-fp32", {"PACELINE_DEBUT_BY_S": "0"}),
     "int4-debut-fixed": ("smol-int4", {"PACELINE_DEBUT_BY_S": "0"}),
+    # float32 products on plain (not yet packed) weights through aten's linear, as before 2026-11-29 11:45 UTC
+    "plain-aten": ("smol-fp32", {"PACELINE_PLAIN_ONEDNN": "0"}),
     # while a model loads, the others' step-time targets one share each, as before 2026-11-29 10:10 UTC
     "turn-shares": ("smol-fp32", {"PACELINE_LOAD_TURN_TARGET": "0"}),
     "int4-turn-shares": ("smol-int4", {"PACELINE_LOAD_TURN_TARGET": "0"}),

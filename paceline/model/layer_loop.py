@@ -363,10 +363,18 @@ class LayerLoop:
                     dense.gated_rounded)
         dense = self._dense(lin)
         if dense is not None:
-            packed = dense.packed is not None
-            add(i, k, DENSE, dense.packed if packed else dense.weight, None, dense.bias, None, 0, packed)
+            self._add_dense(i, k, dense)
         if isinstance(lin, self._Linear) and lin.keep_plain:  # its plain weight is kept for good
             add(i, k, F32_ROWS, lin.weight, None, lin.bias, None, 0, False)
+
+    def _add_dense(self, i: int, k: int, dense: Any) -> None:
+        """The dense path of layer i's linear k: oneDNN's linear where Linear.__call__ runs it (packed, or a plain
+        float32 weight; the stack's dense path runs float32 steps only on a float32 weight), else aten's."""
+        w = dense.onednn_weight()
+        if w is None:
+            self.stack.add_linear(i, k, DENSE, dense.weight, None, dense.bias, None, 0, False)
+        else:
+            self.stack.add_linear(i, k, DENSE, w, None, dense.bias, None, 0, True)
 
     def _set_op(self, role: str, op: Any) -> bool:
         """Point the stack's `role` at `op`; False where op is None (that path cannot run)."""
@@ -435,9 +443,7 @@ class LayerLoop:
                 for i, lin in enumerate(lins):
                     dense = self._dense(lin)
                     if dense is not None:
-                        packed = dense.packed is not None
-                        self.stack.add_linear(i, k, DENSE, dense.packed if packed else dense.weight, None,
-                                              dense.bias, None, 0, packed)
+                        self._add_dense(i, k, dense)
             self.dense_state = state
         return self.stack.run(h, rot, kv_cache, meta.slot_mapping, meta.kernel_tables, meta.kernel_seqs,
                               first, last, *paths, int(w4a8_kernel.MAX_R))

@@ -52,6 +52,9 @@ def cpu_has_bf16_math() -> bool:
 
 
 _defer = threading.local()
+# float32 products on a Linear's plain weight (not yet packed) run oneDNN's linear, not aten's (Linear.onednn_weight);
+# PACELINE_PLAIN_ONEDNN=0: aten's, as before 2026-11-29 (the A/B)
+PLAIN_ONEDNN = os.environ.get("PACELINE_PLAIN_ONEDNN", "1") != "0"
 
 
 @contextlib.contextmanager
@@ -106,6 +109,20 @@ class Linear:
         except (RuntimeError, AttributeError):
             return None
 
+    def onednn_weight(self) -> torch.Tensor | None:
+        """The weight oneDNN's linear runs on: the packed copy, else (PLAIN_ONEDNN) a plain float32 CPU weight not
+        yet packed, else None (aten's linear). Why the plain one: unpacked (a model loaded on demand serves before
+        its packing, engine/residency.py), oneDNN's product on the plain weight took 133 ms for the bundled model's
+        64-row float32 linears against 193 ms for aten's (MKL's) and 105 ms packed (/tmp script, 2 threads,
+        2026-11-29 11:40 UTC). The layer loop's dense path asks the same."""
+        if self.packed is not None:
+            return self.packed
+        w = self.weight
+        if (PLAIN_ONEDNN and w is not None and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2
+                and w.is_contiguous() and torch.backends.mkldnn.is_available()):
+            return w
+        return None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.wide is not None and x.dtype == torch.float32:
             return self.wide(x)
@@ -113,8 +130,9 @@ class Linear:
             op = f32_rows_kernel.op()
             if op is not None:
                 return op(x, self.weight, self.bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        w = self.onednn_weight()
+        if w is not None and (w is self.packed or x.dtype == torch.float32):
+            return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -88,3 +88,28 @@ def test_the_layer_loop_runs_float32_steps_of_few_rows_on_the_op(tiny):
     for rows in range(1, f32_rows_kernel.MAX_ROWS + 1):
         assert loop.paths(rows, torch.float32) == (layer_loop.F32_ROWS,) * 4
     assert loop.paths(f32_rows_kernel.MAX_ROWS + 1, torch.float32) == (layer_loop.DENSE,) * 4
+
+
+def test_an_unpacked_float32_linear_runs_onednn_on_its_plain_weight(monkeypatch):
+    """A Linear not yet packed (deferred packing: a model loaded on demand) runs oneDNN's product on the plain float32
+    weight for wide steps (PACELINE_PLAIN_ONEDNN), aten's when switched off; a bfloat16 weight stays on aten's."""
+    from paceline.model import llama
+
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    with llama.deferred_packing():
+        lin = Linear(w, b)
+    assert lin.packed is None and lin.onednn_weight() is lin.weight
+    x = torch.randn(8, 64)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[1]) or real(*a))
+    got = lin(x)
+    assert len(calls) == 1 and calls[0] is lin.weight
+    torch.testing.assert_close(got, x @ w.T + b, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(llama, "PLAIN_ONEDNN", False)
+    assert lin.onednn_weight() is None and torch.equal(lin(x), torch.nn.functional.linear(x, w, b))
+    monkeypatch.setattr(llama, "PLAIN_ONEDNN", True)
+    with llama.deferred_packing():
+        half = Linear(w.bfloat16(), None)
+    assert half.onednn_weight() is None
