@@ -501,6 +501,7 @@ class MultiEngine:
                 next(run.gen)
                 now = time.monotonic()
                 run.boundaries += 1
+                judge = debut  # a debut's rest is judged again at every boundary, by the layers run so far
                 if watch and run.predicted_s is None and run.boundaries == 1:
                     # scheduled now: the step's predicted own time is known, so the span rule can judge it, and
                     # (SLICE_SHORTER) only the models with shorter steps than it may preempt it
@@ -508,10 +509,9 @@ class MultiEngine:
                     if run.predicted_s is not None:
                         if SLICE_SHORTER and name not in self._debut:
                             watch = [(t, o) for t, o in watch if self._stream_step_s(o) < run.predicted_s]
-                        watch = self._later_due(name, run, watch, now, run.own_s + now - resumed)
-                        first, shorter, tail_first = self._watch_times(name, watch)
-                if debut and watch:  # its rest, judged again by the layers run so far (_debut_due)
-                    watch = self._debut_due(name, run, watch, now, run.own_s + now - resumed)
+                        judge = True
+                if judge and watch:
+                    watch = self._later_due(name, run, watch, now, run.own_s + now - resumed)
                     first, shorter, tail_first = self._watch_times(name, watch)
                 # SLICE_AHEAD: suspend at the last boundary before the due time, not the first one after it (the
                 # layer just run stands for the next; after the last layer, the model's last tail: SLICE_TAIL)
@@ -578,14 +578,19 @@ class MultiEngine:
             rest = max(rest or 0.0, own_s / run.boundaries * (layers + 1 - run.boundaries))
         if rest is None:
             return watch
-        round_s = sum(self._stream_step_s(other) + self._loop_s for _, other in watch)
-        need = rest * round_s / (left - rest) if left > rest else math.inf
+        need = self._own_share_needed(watch, rest, left)
         out = []
         for _, other in watch:
             step_s = self._stream_step_s(other)
             g = min(max(need, SLICE_DUE * step_s), DEBUT_DUE * step_s)
             out.append((self._since.get(other, 0.0) + self._loop_s + g, other))
         return out
+
+    def _own_share_needed(self, watch: list[tuple[float, str]], rest: float, left: float) -> float:
+        """The least own work g per round of the watched models' steps (each plus the loop's time) for `rest` of
+        it to end within `left`: rest x (1 + round / g) <= left (_debut_due, _span_due); inf when it cannot."""
+        round_s = sum(self._stream_step_s(other) + self._loop_s for _, other in watch)
+        return rest * round_s / (left - rest) if left > rest else math.inf
 
     def _layer_count(self, name: str) -> int:
         """Layer boundaries in one of `name`'s sliced steps: learned from its last one, else its model's layers."""
@@ -605,8 +610,7 @@ class MultiEngine:
             return watch
         rest = max(run.predicted_s - own_s, 0.0)
         left = target - (now - self._since.get(name, run.start))
-        round_s = sum(self._stream_step_s(other) + self._loop_s for _, other in watch)
-        need = rest * round_s / (left - rest) if left > rest else math.inf
+        need = self._own_share_needed(watch, rest, left)
         return [(max(start_by, self._since.get(other, 0.0) + self._loop_s
                      + min(need, SLICE_DUE_MAX * self._stream_step_s(other))), other) for start_by, other in watch]
 
