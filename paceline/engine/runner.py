@@ -135,7 +135,7 @@ class ModelRunner:
             # a NaN or inf row (a broken weight, an overflow) would sample garbage silently: fail the step instead,
             # and the engine finds the row's request (engine/faults.py); one sum per row is cheap next to sampling
             if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
-                raise ValueError("the model produced non-finite logits (NaN or inf)")
+                raise ValueError(f"the model produced non-finite logits (NaN or inf) for {_non_finite(logits, sampled)}")
             rows = [row for s in sampled for row in verify_rows(s)]  # one, or k + 1 for k proposals
             tokens, logprobs = self.sampler(logits, rows)
             i = 0
@@ -280,3 +280,17 @@ class ModelRunner:
             raise ValueError(f"{num_tokens} tokens need {need} blocks from block {first_block}; "
                              f"the cache has {self.num_blocks}")
         return list(range(first_block, first_block + need))
+
+
+def _non_finite(logits: torch.Tensor, sampled: list[ScheduledRequest]) -> str:
+    """The requests whose logit rows hold a NaN or inf, named in the step's error: a step whose only requests are two
+    such rows then fails with a message that neither of them repeats alone, which engine/faults.py reads as two
+    faulty requests rather than a broken engine (it would otherwise fail every request in flight)."""
+    bad = (~torch.isfinite(logits).all(dim=-1)).tolist()
+    names, row = [], 0
+    for s in sampled:
+        rows = len(s.spec_token_ids) + 1
+        if any(bad[row:row + rows]):
+            names.append(s.request.request_id)
+        row += rows
+    return "request " + ", ".join(names) if len(names) == 1 else "requests " + ", ".join(names)

@@ -76,6 +76,20 @@ def test_faulty_requests_fail_alone_and_the_others_are_token_exact(engine):
     assert engine.stats().num_running == engine.stats().num_waiting == 0
 
 
+def test_a_step_of_two_nan_rows_fails_those_two_and_nothing_else(engine, tmp_path):
+    """Two faulty requests that make up a whole step (the CI flake of 2026-11-29): each names its own row in its
+    error, so isolation fails the two and the engine goes on; before, both failed alone with the batch's very
+    message, which reads as a broken engine, and every request in flight failed with them."""
+    write_hf_folder(tiny_checkpoint("llama", seed=3), tmp_path)
+    fresh = FaultInjector(Engine(dataclasses.replace(engine.config, model=str(tmp_path)))).install().engine
+    got = run(fresh, {"nan-a": f"Hi {MARKER}nan", "nan-b": f"Yo {MARKER}nan"})
+    for rid in ("nan-a", "nan-b"):
+        tokens, reason, error = got[rid]
+        assert reason == "error" and f"non-finite logits (NaN or inf) for request {rid}" in error, error
+    tokens, reason, error = run(fresh, {"good0": GOOD[0]})["good0"]
+    assert (reason, error, len(tokens)) == ("length", None, 16)
+
+
 def test_isolation_gives_up_when_every_request_fails(engine):
     class Broken:
         def execute(self, out):
