@@ -168,6 +168,9 @@ SWITCH_VARIANTS = {
     # while a model loads, the others' step-time targets one share each, as before 2026-11-29 10:10 UTC
     "turn-shares": ("smol-fp32", {"PACELINE_LOAD_TURN_TARGET": "0"}),
     "int4-turn-shares": ("smol-int4", {"PACELINE_LOAD_TURN_TARGET": "0"}),
+    # the Engine's build and the page mapping one load turn each, as before 2026-11-29 12:40 UTC (PIECE_TURNS off)
+    "one-turn": ("smol-fp32", {"PACELINE_PIECE_TURNS": "0"}),
+    "int4-one-turn": ("smol-int4", {"PACELINE_PIECE_TURNS": "0"}),
 }
 
 

@@ -25,7 +25,7 @@ from paceline.engine.runner import ModelRunner
 from paceline.model import (amx_attention_kernel, attention_kernel, f32_rows_kernel, int4_amx_kernel, layer_loop, llama,
                             q8_kernel, w4a8_kernel)
 from paceline.model.llama import drain
-from paceline.model.loader import DTYPES, build_model, cache_root, default_model_path, load_checkpoint
+from paceline.model.loader import DTYPES, build_model, cache_root, default_model_path, load_checkpoint, piece_break
 from paceline.model.tokenizer import IncrementalDetokenizer, StopStringMatcher
 from paceline.parallel.executor import build_runner, parallel_bytes_per_block
 from paceline.request import Request
@@ -140,6 +140,7 @@ class Engine:
             raise ValueError(f"{config.quantization} quantization runs on CPU only; this engine's device is {self.device}")
         # int4 quantizes from float32 weights, so a Q4_1 GGUF's own codes come back before any rounding
         ckpt = load_checkpoint(config.model, "float32" if quantized else config.dtype)
+        piece_break()  # a load on demand lets the other models step here (engine/residency.py)
         self.arch = ckpt.arch
         self.tokenizer = ckpt.tokenizer
         self.model_name = config.served_model_name or ckpt.name
@@ -169,10 +170,12 @@ class Engine:
                 # from the GGUF's runtime snapshot when there is one: no conversion, the tensors mapped (loader.py)
                 model = build_model(ckpt, config.model, config.dtype, config.quantization, config.wide_linears,
                                     self.device)
+                piece_break()
                 self.runner = ModelRunner(model, self.arch, self.num_blocks, cache.block_size,
                                           num_host_blocks=self.num_host_blocks, device=self.device, dtype=dtype,
                                           seed=config.seed)
         del ckpt
+        piece_break()
         self.live_step_time = None  # the step-time model refitted to measured steps (core/step_time.LiveStepTime)
         self.scheduler = Scheduler(config.scheduler, cache, self.num_blocks, self.num_host_blocks,
                                    step_time=self._step_time_model(), speculative=self.speculative_config)

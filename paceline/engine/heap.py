@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 
@@ -29,9 +30,11 @@ TRIM_THRESHOLD = 1 << 30  # free memory at a heap's top stays up to this much
 TOP_PAD = 64 * 2**20  # and one thread heap is never unmapped while its arena's previous heap is full
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Set glibc's thresholds once for this process; True if they were set. A no-op (False) outside glibc or with
-    PACELINE_KEEP_HEAP=0 (A/B runs)."""
+    PACELINE_KEEP_HEAP=0 (A/B runs). Cached: every ModelRunner asks, and find_library runs ldconfig in a subprocess
+    (2-8 ms of a model load on demand, 2026-11-29)."""
     if os.environ.get("PACELINE_KEEP_HEAP", "1") == "0":
         return False
     try:

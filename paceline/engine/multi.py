@@ -219,13 +219,20 @@ class LoadTurns:
         self.pending = False  # a load is under way: it counts as one more busy model in the step-time shares
 
     @contextmanager
-    def take(self, nudge: Callable[[], None] | None = None, timeout_s: float = 5.0) -> Iterator[None]:
-        """On the loader thread: `with turns.take(nudge): piece()`. nudge() has the engine thread call serve even
-        while it is idle (AsyncEngine.call); a busy one serves at the top of its next step anyway. The wait for a
-        grant is bounded: an engine thread that never comes round must not block a load."""
+    def take(self, nudge: Callable[[], None] | None = None,
+             timeout_s: float = 5.0) -> Iterator[Callable[[], None]]:
+        """On the loader thread: `with turns.take(nudge) as next_turn: piece()`. nudge() has the engine thread call
+        serve even while it is idle (AsyncEngine.call); a busy one serves at the top of its next step anyway. The
+        wait for a grant is bounded: an engine thread that never comes round must not block a load. The piece may
+        call next_turn() between two of its parts: its turn ends there and the next part waits for a turn of its
+        own, the busy models' steps in between (a turn's length is what their streams wait)."""
+        def next_turn() -> None:
+            self._end()
+            self._begin(nudge, timeout_s)
+
         self._begin(nudge, timeout_s)
         try:
-            yield
+            yield next_turn
         finally:
             self._end()
 

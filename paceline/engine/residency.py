@@ -46,6 +46,7 @@ from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
 from paceline.engine.multi import SWITCH_STEPS_BEFORE_S, LoadTimeline, LoadTurns, MultiEngine
 from paceline.engine.prefault import held_until, madvise_function, set_nice
 from paceline.model.llama import Linear, deferred_packing
+from paceline.model.loader import piece_break, piece_breaks
 from paceline.model.loader import unpacked_linears as model_unpacked_linears
 
 log = logging.getLogger("paceline.residency")
@@ -54,6 +55,10 @@ REAP_INTERVAL_S = 0.5
 DEFER_PACKING = os.environ.get("PACELINE_DEFER_PACKING", "1") != "0"  # 0: pack before serving (the A/B's before)
 PACK_PAUSE_S = 0.002  # between two Linears packed in the background
 LOAD_TURNS = os.environ.get("PACELINE_LOAD_TURNS", "1") != "0"  # 0: the load runs beside the steps (the A/B's before)
+# A load's larger pieces each a turn of their own (_build_engine); PACELINE_PIECE_TURNS=0: the Engine and the mapping
+# one turn each, as before 2026-11-29 (the A/B)
+PIECE_TURNS = os.environ.get("PACELINE_PIECE_TURNS", "1") != "0"
+MAP_IN_PIECE_BYTES = 128 << 20  # the mapping's turns: ~128 MB of pages each
 LOADER_NICE = int(os.environ.get("PACELINE_LOADER_NICE", "0"))  # the load's CPU priority (19: the A/B's before)
 # Two warm-up forwards on the loader thread before the model joins (1: the A/B's before, 2026-11-23)
 LOAD_WARM_UP = os.environ.get("PACELINE_LOAD_WARM_UP", "0") != "0"
@@ -387,12 +392,16 @@ def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
                 stack.enter_context(deferred_packing())
             if held is not None:
                 stack.enter_context(held_until(held))
-            with turn():
+            # each larger piece of the build a turn of its own (loader.piece_break): the Engine in one turn took
+            # 25-53 ms, once 198 ms, and the int4 streams beside a float32 load waited for all of it on top of
+            # their step (gaps 55-61 ms against their p99 of 50-59, 2026-11-29 11:42 UTC switch run); in parts
+            # (the snapshot's unpickling, ~26 ms, is the largest) and the mapping in ~MAP_IN_PIECE_BYTES parts
+            with turn() as next_turn, piece_breaks(next_turn if PIECE_TURNS else None):
                 engine = Engine(config)
                 timeline.mark("engine_built")
         model = getattr(engine.runner, "model", None)
         if model is not None and hasattr(model, "layers"):
-            with turn():
+            with turn() as next_turn, piece_breaks(next_turn if PIECE_TURNS else None):
                 map_in(model)
                 timeline.mark("mapped")
             # Left out by default (2026-11-24): the first step on the engine's two threads does whatever first-call
@@ -417,12 +426,17 @@ def map_in(model: torch.nn.Module) -> None:
     if madvise is None:
         return
     page = mmap.PAGESIZE
+    done = 0
     for storage in {id(t.untyped_storage()): t.untyped_storage() for t in model_tensors(model)}.values():
         if storage.device.type != "cpu" or storage.nbytes() < page:
             continue
         start = storage.data_ptr() // page * page
         if madvise(start, storage.data_ptr() + storage.nbytes() - start, MADV_POPULATE_READ) != 0:
             return  # an older kernel: the pages come in on first use, as before
+        done += storage.nbytes()
+        if done >= MAP_IN_PIECE_BYTES:
+            done = 0
+            piece_break()
 
 
 def reachable_tensors(*roots: Any) -> list[torch.Tensor]:

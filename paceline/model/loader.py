@@ -19,6 +19,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -696,6 +697,28 @@ def unpacked_linears(model: Any) -> list[Any]:
     return out
 
 
+_pieces = threading.local()
+
+
+@contextlib.contextmanager
+def piece_breaks(hook: Any) -> Iterator[None]:
+    """Inside the block, building a model or an Engine on this thread calls hook() between its larger pieces
+    (piece_break): a load on demand lets the step loop run there (engine/residency.py), so that the other models'
+    streams wait for one piece of the load at a time, not for all of it."""
+    _pieces.hook = hook
+    try:
+        yield
+    finally:
+        _pieces.hook = None
+
+
+def piece_break() -> None:
+    """A point in a build between two of its larger pieces (see piece_breaks); nothing outside that block."""
+    hook = getattr(_pieces, "hook", None)
+    if hook is not None:
+        hook()
+
+
 def pack_linears(linears: list[Any], drop_plain: bool = True) -> None:
     """Pack each Linear for oneDNN (as the normal build does) and, unless told otherwise, free its plain weight."""
     for lin in linears:
@@ -721,6 +744,7 @@ def build_model(ckpt: Checkpoint, model: str | None, dtype: str, quantization: s
     # read before any block of our own: deferred_packing() switches the flag off when it ends, not back
     deferred = getattr(llama._defer, "on", False)
     built = read_snapshot(path)
+    piece_break()
     if built is None:
         with llama.deferred_packing():
             built = from_weights()

@@ -52,4 +52,6 @@ def test_switched_off_by_the_environment(monkeypatch):
     from paceline.engine.heap import keep_freed_memory
 
     monkeypatch.setenv("PACELINE_KEEP_HEAP", "0")
+    keep_freed_memory.cache_clear()  # cached per process: an engine built earlier in this run asked already
     assert keep_freed_memory() is False
+    keep_freed_memory.cache_clear()
