@@ -161,6 +161,11 @@ LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at mo
 # While a model loads, the other models' step-time targets leave room for a turn of it beside their streams' gap
 # (_share_step_target); PACELINE_LOAD_TURN_TARGET=0: one share per busy model and the load, as before (the A/B)
 LOAD_TURN_TARGET = os.environ.get("PACELINE_LOAD_TURN_TARGET", "1") != "0"
+# A load's pieces (loader.piece_break) chain into one turn until it has lasted this long: in parts of 1-30 ms, one
+# turn each, a float32 load took ten rotations, and beside int4 steps of 50 ms (its own prompt chunks) its first
+# token came 0.706 s after the request (2026-11-29 12:41 UTC switch run). With nothing busy, a turn takes every piece
+CHAIN_WAIT_S = 0.002  # how long a turn waits for the next piece to ask (the loader asks right after one ends)
+LOAD_TURN_CHAIN_S = 0.02
 TURN_GUESS_S = 0.04  # a turn's length before the first one is measured (the bundled model's: 23-42 ms, 2026-11-29)
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -236,16 +241,22 @@ class LoadTurns:
         finally:
             self._end()
 
-    def serve(self, limit_s: float) -> float:
+    def serve(self, limit_s: float, chain_s: float = 0.0) -> float:
         """On the engine thread between two steps: if a piece asks for a turn, let it run and wait until it ends
-        or limit_s passes. Seconds waited (0: no piece asked)."""
+        or limit_s passes; while less than chain_s has passed, a next piece that asks at once (next_turn) runs in
+        the same turn. Seconds waited (0: no piece asked)."""
         with self._cond:
             if self._state != "asked":
                 return 0.0
             start = time.monotonic()
-            self._state, self._ended = "granted", False
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: self._ended, timeout=limit_s)
+            while True:
+                self._state, self._ended = "granted", False
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._ended, timeout=max(0.0, limit_s - (time.monotonic() - start)))
+                if not self._ended or time.monotonic() - start >= chain_s:
+                    break
+                if not self._cond.wait_for(lambda: self._state == "asked", timeout=CHAIN_WAIT_S):
+                    break
             return time.monotonic() - start
 
     def is_asked(self) -> bool:
@@ -254,6 +265,7 @@ class LoadTurns:
     def _begin(self, nudge: Callable[[], None] | None, timeout_s: float) -> None:
         with self._cond:
             self._state = "asked"
+            self._cond.notify_all()  # an engine thread chaining pieces in one turn waits for this (serve)
         if nudge is not None:
             nudge()
         with self._cond:
@@ -387,7 +399,7 @@ class MultiEngine:
         self._turn_since_step = True
         limit_s = (self._foreign_step_s(None, busy) if busy else 0.0) or LOAD_TURN_MAX_S
         start, cpu = time.monotonic(), time.thread_time()
-        if self.turns.serve(limit_s) > 0:
+        if self.turns.serve(limit_s, LOAD_TURN_CHAIN_S if busy else limit_s) > 0:
             end = time.monotonic()
             self._turn_s = end - start
             self.recent_steps.append(("(load)", start, end, time.thread_time() - cpu, 0, 0))

@@ -174,6 +174,32 @@ def test_a_load_turn_runs_its_piece_while_the_engine_thread_waits_and_is_bounded
         assert order == ["piece start", "engine goes on", "piece end"] and waited < 0.5
 
 
+def test_a_load_in_pieces_chains_them_into_one_turn_until_it_has_lasted_chain_s():
+    turns = LoadTurns()
+    ran: list[tuple[int, int]] = []  # (turn, piece)
+    turn = [0]
+
+    def load(pieces: int, seconds: float) -> None:
+        with turns.take(timeout_s=5.0) as next_turn:
+            for i in range(pieces):
+                if i:
+                    next_turn()
+                ran.append((turn[0], i))
+                time.sleep(seconds)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as loader:
+        done = loader.submit(load, 6, 0.01)
+        while not done.done():
+            if turns.is_asked():
+                turns.serve(5.0, chain_s=0.025)  # pieces of ~10 ms: three to a turn
+                turn[0] += 1
+            time.sleep(0.001)
+        done.result()
+    by_turn = [sum(1 for t, _ in ran if t == k) for k in range(turn[0])]
+    assert [piece for _, piece in ran] == list(range(6)) and len(by_turn) >= 2 and max(by_turn) >= 2, ran
+    assert all(n <= 4 for n in by_turn), ran  # a turn stops taking pieces once it has lasted chain_s
+
+
 def test_a_load_turn_that_nobody_serves_runs_after_its_timeout():
     turns = LoadTurns()
     start = time.monotonic()
@@ -202,12 +228,13 @@ def test_a_load_on_demand_builds_in_turns_between_the_other_models_steps(tiny_di
             multi.step()
         new, step_ms = built.result()
     loads = [(a, b) for name, a, b, *_ in multi.recent_steps if name == "(load)"]
-    # the build's pieces (checkpoint, model, runner, the rest: loader.piece_break) and the page mapping (one piece
-    # for a tiny model), each a turn of its own
-    assert len(loads) == 5, loads
+    # the build's pieces (checkpoint, model, runner, the rest: loader.piece_break) and the page mapping; a tiny
+    # model's pieces are short and chain into as little as one turn (LOAD_TURN_CHAIN_S)
+    assert 1 <= len(loads) <= 5, loads
     marks = timeline.marks
-    assert marks["build_start"] <= loads[0][0] and loads[3][0] <= marks["engine_built"] <= loads[3][1]
-    assert loads[4][0] <= marks["mapped"] <= loads[4][1]
+    assert marks["build_start"] <= loads[0][0]
+    for mark in ("engine_built", "mapped"):  # each piece ran while the loop waited
+        assert any(a <= marks[mark] <= b for a, b in loads), mark
     for (_, end), (start, _) in zip(loads, loads[1:]):  # a step of the others between every two turns
         assert any(s[0] == "llama" and end <= s[1] <= start for s in multi.recent_steps)
     _install(multi, "qwen2", new, step_ms, timeline)
