@@ -529,8 +529,9 @@ class MultiEngine:
                         if SLICE_SHORTER and name not in self._debut:
                             watch = [(t, o) for t, o in watch if self._stream_step_s(o) < run.predicted_s]
                         judge = True
-                if judge and watch:
-                    watch = self._later_due(name, run, watch, now, run.own_s + now - resumed)
+                if judge:  # the due times again, also when SLICE_SHORTER just left no model to watch
+                    if watch:
+                        watch = self._later_due(name, run, watch, now, run.own_s + now - resumed)
                     first, shorter, tail_first = self._watch_times(name, watch)
                 # SLICE_AHEAD: suspend at the last boundary before the due time, not the first one after it (the
                 # layer just run stands for the next; after the last layer, the model's last tail: SLICE_TAIL)

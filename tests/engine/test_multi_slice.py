@@ -471,6 +471,23 @@ def test_a_sliced_step_learns_its_predicted_time_once_scheduled(tiny_dirs, monke
     assert run.predicted_s == pytest.approx(1.5 * 0.006) and judged == [run.predicted_s]
 
 
+def test_a_step_whose_prediction_leaves_no_model_to_watch_runs_on(tiny_dirs, monkeypatch):
+    """Once scheduled, SLICE_SHORTER drops every model whose streams' step is longer than the step's prediction;
+    when that leaves none, the step runs to its end. A regression: the due times were then not judged again, the
+    dropped model's (already past) stood, and the boundary raised ValueError on an empty list, failing every request
+    in flight (served one-loop run, 2026-11-29 12:54 UTC)."""
+    monkeypatch.setattr(multi_module, "SLICE_SHORTER", True)
+    engines, multi = both_streaming(tiny_dirs)
+    sched = engines["qwen2"].scheduler
+    sched.step_time = lambda shape: 0.004 + 0.002 * shape.num_decodes  # predicted ~6 ms
+    multi._step_ms["qwen2"] = sched.config.max_step_ms = 120.0
+    engines["llama"].last_step = StepStats(1, 0, 1, duration=0.050)  # llama's streams' step: longer
+    monkeypatch.setattr(multi, "_preemptors", lambda name, busy, *_: [(time.monotonic() - 1.0, "llama")])
+    busy = ["llama", "qwen2"]
+    run = multi._start("qwen2", busy, True)
+    assert multi._advance("qwen2", run, busy) is None and run.predicted_s == pytest.approx(0.006)
+
+
 def test_an_idle_models_kv_prefault_waits_while_another_model_runs(tiny_dirs):
     """An Engine paces its pool's prefault by its own requests only: the loop holds every model's back while any
     model has work (beside the other model's steps it slowed them), and lets them all go once nothing runs."""
