@@ -123,9 +123,6 @@ SLICE_TAIL = os.environ.get("PACELINE_SLICE_TAIL", "1") != "0"
 # next step is a decode, and due after half a 60-200 ms prompt step their first gap was 22-50 ms, the largest int4
 # gaps of the run (same step log). On by default like SLICE_TAIL (PACELINE_SLICE_STREAM_DUE=0: off, the A/B)
 SLICE_STREAM_DUE = os.environ.get("PACELINE_SLICE_STREAM_DUE", "1") != "0"
-# Likewise after a step of decodes and a prompt chunk when no prompt is left (`_stream_step_s`);
-# PACELINE_SLICE_NEXT_DECODE=0: that step's own length, as before 2026-11-29 13:05 UTC (the A/B)
-SLICE_NEXT_DECODE = os.environ.get("PACELINE_SLICE_NEXT_DECODE", "1") != "0"
 # Sliced, a step whose own streams would otherwise wait longer than the model's whole step-time target (its gap
 # alone) lets the other models' streams wait longer than SLICE_DUE x their step, up to SLICE_DUE_MAX x it
 # (`_span_due`). Why: at SLICE_DUE 0.5 a float32 step of 2 decodes and the smallest prompt chunk (43-49 ms of its own)
@@ -681,17 +678,12 @@ class MultiEngine:
     def _stream_step_s(self, name: str) -> float:
         """The step of `name` that its streams' due time is counted in (_preemptors): its last one; but after a
         step of prompts alone (its streams' first token), the next is a decode step, so (SLICE_STREAM_DUE) its last
-        step of decodes alone, or the step-time model's prediction of one for its streams. The same after a step of
-        decodes and a prompt chunk when no prompt is left to prefill (SLICE_NEXT_DECODE): its next step holds
-        decodes only. Why: float32's last 24-token chunk step (75 ms) then stood for its streams' step, longer than
-        int4's first prompt (predicted 57 ms), so SLICE_SHORTER kept the float32 streams from preempting that prompt
-        while their next step was a 31 ms decode step, and their gap was 151 ms (2026-11-29 12:58 UTC step log)."""
+        step of decodes alone, or the step-time model's prediction of one for its streams."""
         engine = self.engines[name]
         last = engine.last_step
         if last is None:
             return 0.0
-        if not SLICE_STREAM_DUE or last.num_decode_tokens > 0 and not (
-                SLICE_NEXT_DECODE and last.num_prefill_tokens > 0 and not prompts_pending(engine)):
+        if not SLICE_STREAM_DUE or last.num_decode_tokens > 0:
             return last.duration
         if name in self._decode_s:
             return self._decode_s[name]
@@ -857,12 +849,6 @@ def sliceable(engine: Engine) -> bool:
     runner = engine.runner
     return (type(engine) is Engine and engine.speculative_config is None and type(runner) is ModelRunner
             and runner.drafter is None and "step" not in vars(engine) and "execute" not in vars(runner))
-
-
-def prompts_pending(engine: Engine) -> bool:
-    """Whether any request of the engine still has prompt tokens to prefill (waiting, swapped out, or running)."""
-    sched = engine.scheduler
-    return bool(sched.waiting or sched.swapped) or any(not r.is_decoding for r in sched.running)
 
 
 def has_streams(engine: Engine) -> bool:

@@ -362,16 +362,8 @@ def test_streams_given_their_first_token_by_a_prompt_step_are_due_by_a_decode_st
     assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.0 + 0.5 * 1.5 * 0.006), "llama")]
     multi._decode_s["llama"] = 0.010  # its last step of decodes alone
     assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.005), "llama")]
-    engines["llama"].last_step = StepStats(1, 30, 2, duration=0.080)  # a decode beside a prompt chunk
-    # no prompt left to prefill (SLICE_NEXT_DECODE): the next step holds decodes only
-    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.005), "llama")]
-    monkeypatch.setattr(multi_module, "SLICE_NEXT_DECODE", False)  # the A/B: that step
+    engines["llama"].last_step = StepStats(1, 30, 2, duration=0.080)  # a decode beside a prompt chunk: that step
     assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.040), "llama")]
-    monkeypatch.setattr(multi_module, "SLICE_NEXT_DECODE", True)
-    engines["llama"].add_request("p2", PROMPTS[1], GREEDY)  # a prompt waits: the next step holds a chunk again
-    assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.040), "llama")]
-    engines["llama"].abort("p2")
-    engines["llama"].step()
     engines["llama"].last_step = StepStats(0, 30, 1, duration=0.200)
     monkeypatch.setattr(multi_module, "SLICE_STREAM_DUE", False)  # the A/B: half of the prompt step
     assert multi._preemptors("qwen2", busy) == [(pytest.approx(10.100), "llama")]
