@@ -588,3 +588,62 @@ def test_a_debut_may_be_preempted_by_a_model_with_longer_steps(tiny_dirs, monkey
     assert multi._preemptors("qwen2", busy, own_s=0.030) == []  # a 30 ms step: llama's 50 ms one may not
     multi._debut["qwen2"] = multi_module.LoadTimeline(start=9.9)
     assert [o for _, o in multi._preemptors("qwen2", busy, own_s=0.030)] == ["llama"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_under_every_slicing_rule_never_breaks_the_loop(tiny_dirs, monkeypatch, seed):
+    """The loop's rules (SLICE_SHORTER, the span rule, a debut's first-token budget, the tail) run on time and on
+    predictions; here both models get made-up step-time models and targets, layers of random length, and requests
+    that arrive, and are aborted, at random steps. Nothing may raise (a stale due time once raised ValueError and
+    failed every request in flight), every request that was not aborted gets the tokens of single-model serving,
+    and every KV block comes back."""
+    import random
+
+    rng = random.Random(seed)
+    for knob in ("SLICE_SHORTER", "SLICE_SPAN", "SLICE_TAIL", "SLICE_STREAM_DUE", "SLICE_AHEAD", "SLICE_WHOLE"):
+        monkeypatch.setattr(multi_module, knob, rng.random() < 0.8)
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    for name, e in engines.items():
+        base, per_token = rng.uniform(0.001, 0.02), rng.uniform(0.0001, 0.002)
+        e.scheduler.step_time = lambda shape, b=base, p=per_token: b + p * (shape.num_decodes + shape.num_prefill_tokens)
+        e.scheduler.config.max_step_ms = multi._step_ms[name] = rng.choice([5.0, 20.0, 120.0])
+        real = e.runner.execute_iter
+
+        def slow_iter(out, real=real):  # layers of random length: the rules' clocks see varied times
+            gen = real(out)
+            try:
+                while True:
+                    next(gen)
+                    if rng.random() < 0.3:
+                        time.sleep(rng.uniform(0.0, 0.004))
+                    yield
+            except StopIteration as done:
+                return done.value
+        monkeypatch.setattr(e.runner, "execute_iter", slow_iter)  # execute stays the class's: still sliceable
+    if rng.random() < 0.5:  # the second model as if loaded on demand: its first prompt is a debut
+        multi._debut["qwen2"] = multi_module.LoadTimeline(time.monotonic())
+    plan = [(f"{kind}-{i}", PROMPTS[i % len(PROMPTS)], kind) for i in range(6) for kind in tiny_dirs]
+    rng.shuffle(plan)
+    alone = {kind: serve(engine(path, kind), [(rid, p, None) for rid, p, m in plan if m == kind])
+             for kind, path in tiny_dirs.items()}
+    got: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    while plan or multi.has_unfinished():
+        if plan and rng.random() < 0.4:
+            rid, prompt, model = plan.pop()
+            multi.add_request(rid, prompt, GREEDY, model=model)
+            got[rid] = []
+        if got and rng.random() < 0.05:
+            victim = rng.choice(sorted(got))
+            multi.abort(victim)
+            aborted.add(victim)
+        for out in multi.step():
+            got[out.request_id] += out.new_token_ids
+    for kind in tiny_dirs:
+        for rid, tokens in alone[kind].items():
+            if rid not in aborted:
+                assert got[rid] == tokens, rid
+    assert not multi._inflight and multi._owner == {}
+    for e in engines.values():
+        assert e.scheduler.stats().num_used_blocks == 0
