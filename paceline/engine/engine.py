@@ -10,14 +10,14 @@ import platform
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Generator
+from typing import Callable, Generator
 from pathlib import Path
 
 import torch
 
 from paceline.config import EngineConfig
 from paceline.core.batch_shape import batch_shape
-from paceline.core.outputs import StepResult, TokenLogprobs
+from paceline.core.outputs import SchedulerOutput, StepResult, TokenLogprobs
 from paceline.core.scheduler import Scheduler
 from paceline.engine.faults import run_isolated
 from paceline.engine.prefault import paced_by
@@ -342,11 +342,15 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         return drain(self.step_iter())
 
-    def step_iter(self, sliced: bool = False) -> Generator[None, None, list[RequestOutput]]:
+    def step_iter(self, sliced: bool = False,
+                  execute: Callable[[SchedulerOutput], Generator[None, None, StepResult]] | None = None
+                  ) -> Generator[None, None, list[RequestOutput]]:
         """step; with `sliced`, suspended between two layers of the model (a bare `yield`, from
         ModelRunner.execute_iter), so that the loop of several models (engine/multi.py) can run another model's
         step in between. Unsliced (step), the runner's plain execute runs: the single-model path, the
-        tensor- and pipeline-parallel runners and the fault injector's hooks see exactly what they always saw."""
+        tensor- and pipeline-parallel runners and the fault injector's hooks see exactly what they always saw.
+        `execute`: the forward runs elsewhere (multi.py's lanes: on a worker thread while this one waits), a
+        generator that yields until the result is in; scheduling and the update stay on the calling thread."""
         outputs = self._drain_aborted()
         sched_out = self.scheduler.schedule(time.monotonic())
         if sched_out.is_empty:
@@ -360,7 +364,10 @@ class Engine:
         # what the refit learns from; read before update(), which moves the requests on
         shape = batch_shape(sched_out) if self.live_step_time is not None else None
         try:
-            result = (yield from self.runner.execute_iter(sched_out)) if sliced else self.runner.execute(sched_out)
+            if execute is not None:
+                result = yield from execute(sched_out)
+            else:
+                result = (yield from self.runner.execute_iter(sched_out)) if sliced else self.runner.execute(sched_out)
             failed: dict[str, str] = {}
         except Exception as e:  # one request's row may have done it: find it, fail it alone (engine/faults.py)
             result, failed = run_isolated(self.runner, sched_out, e)

@@ -55,6 +55,7 @@ MultiEngine is not thread-safe; AsyncEngine calls it from its engine thread only
 """
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import threading
@@ -68,7 +69,7 @@ from paceline.config import EngineConfig
 from paceline.core.auto_batch import largest_that_fits
 from paceline.core.batch_shape import BatchShape
 from paceline.engine.engine import Engine, RequestOutput
-from paceline.engine.runner import ModelRunner
+from paceline.engine.runner import ModelRunner, set_step_threads, step_threads
 from paceline.sampling import SamplingParams
 
 # Without slicing (PACELINE_SLICE=0, or an engine that cannot be sliced), how a model loaded on demand runs its first
@@ -157,6 +158,13 @@ SLICE_WHOLE = os.environ.get("PACELINE_SLICE_WHOLE", "1") != "0"
 # Only a model with shorter steps than the running one may preempt it (`_preemptors`); 0: any streaming model, as
 # before 2026-11-29 (the A/B)
 SLICE_SHORTER = os.environ.get("PACELINE_SLICE_SHORTER", "1") != "0"
+# Lanes: while exactly two models are busy (no load, no debut), each one's steps run back to back on a worker thread
+# of its own with one OpenMP thread each, both at once, instead of taking turns on both threads (`_lane_step`).
+# Why: a step on both threads is not twice as fast as on one at these sizes (float32 two decodes 27.6 against 47.0
+# ms, int4 one decode 11.6 against 17.1 ms, /tmp script 2026-11-29 12:35 UTC), so side by side each model's streams
+# wait for their own step only: float32's 44-48 ms against the 77-100 ms its sliced steps spanned beside int4
+# streams (run BBB's step log), int4's 19 ms against ~20 ms. PACELINE_LANES=1 turns them on (the A/B)
+LANES = os.environ.get("PACELINE_LANES", "0") != "0"
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 # While a model loads, the other models' step-time targets leave room for a turn of it beside their streams' gap
 # (_share_step_target); PACELINE_LOAD_TURN_TARGET=0: one share per busy model and the load, as before (the A/B)
@@ -303,6 +311,9 @@ class MultiEngine:
         self._decode_s: dict[str, float] = {}  # model -> its last step of decodes alone (no prompt chunk)
         self._loop_s = 0.001  # the loop's own time between one model's step and the next (SLICE_SPAN; averaged)
         self._deferred_aborts: dict[str, list[str]] = {}  # aborts that wait for the model's suspended step
+        self._lanes: dict[str, _Run] = {}  # model -> its step whose forward runs on a lane worker now
+        self._lane_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._threads = step_threads()  # the engine thread's OpenMP threads, restored after lanes
         for name, engine in (engines or {}).items():
             self.add_model(name, engine)
 
@@ -368,7 +379,7 @@ class MultiEngine:
 
     def abort(self, request_id: str) -> None:
         model = self._owner.get(request_id)
-        if model in self._inflight:
+        if model in self._inflight or model in self._lanes:
             # its model's step is suspended mid-forward with this request in its batch: freed now, its blocks would
             # go back to the pool while that forward still writes them, and update() would meet a request that is
             # gone; the abort waits for the step's end (_finish)
@@ -414,6 +425,8 @@ class MultiEngine:
             self.last_model, self.last_step = None, None
             self._pace_prefaults()
             return []
+        if self._lanes or self._lane_mode(busy):
+            return self._lane_step(busy)
         name = busy[0] if len(busy) == 1 else self.pick(busy, time.monotonic())
         sliced = SLICE and len(busy) > 1 and all(sliceable(self.engines[m]) for m in busy)
         while True:
@@ -423,6 +436,72 @@ class MultiEngine:
                 return self._finish(name, run)
             self._inflight[name] = run  # resumed by a later call, once the preemptor's step has ended
             name = preemptor
+
+    # ---- lanes: two models' steps side by side (LANES) ---------------------------------------------------------
+
+    def _lane_mode(self, busy: list[str]) -> bool:
+        """Whether the busy models run in lanes: exactly two, both sliceable (a plain Engine on the single-process
+        runner), no load under way or debut (their turns and first prompts follow the rotation's rules), and no
+        step of the rotation still suspended."""
+        return (LANES and len(busy) == 2 and not self.turns.pending and not self._debut and not self._inflight
+                and all(sliceable(self.engines[m]) for m in busy))
+
+    def _lane_step(self, busy: list[str]) -> list[RequestOutput]:
+        """In lane mode, start a step for each busy model that has none under way (scheduled here, its forward on a
+        worker thread of one OpenMP thread), then wait for the first forward to end and finish that step here; its
+        outputs. Out of lane mode, the steps still under way end first, one a call, then the engine thread's
+        threads come back."""
+        if self._lane_mode(busy):
+            for name in busy:
+                if name not in self._lanes:
+                    run = self._start_lane(name)
+                    if run is not None:  # nothing to run (an empty schedule): its outputs (aborts) go out now
+                        return self._finish(name, run)
+        if not self._lanes:
+            return []
+        futures = {run.future: name for name, run in self._lanes.items()}
+        done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+        name = min(futures[f] for f in done)
+        run = self._lanes.pop(name)
+        try:
+            next(run.gen)
+        except StopIteration as finished:
+            run.outputs = finished.value
+        if not self._lanes and not self._lane_mode(busy):
+            set_step_threads(self._threads)  # the rotation runs on the engine thread again
+        return self._finish(name, run)
+
+    def _start_lane(self, name: str) -> "_Run | None":
+        """Schedule `name`'s step and send its forward to a lane worker; the _Run when it ended at once (an empty
+        schedule), else None (it is under way in self._lanes). Its streams wait for its own step only, so it gets
+        its own step-time target and token budget, and no prompt waits for room (SLICE_DEFER_S protects another
+        model's streams from this one's steps, which no longer hold them)."""
+        engine = self.engines[name]
+        config = engine.scheduler.config
+        config.lone_prefill_tokens = 0
+        config.defer_prompt_s = 0.0
+        config.max_step_ms = self._step_ms[name]
+        if not config.auto_max_num_batched_tokens:
+            config.max_num_batched_tokens = self._budget[name]
+        if self._lane_pool is None:
+            self._lane_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="paceline-lane")
+        run = _Run(None, False, time.monotonic(), steps_before=engine.scheduler.num_steps)
+        runner, pool = engine.runner, self._lane_pool
+
+        def execute(out: Any) -> Generator[None, None, Any]:
+            run.future = pool.submit(_lane_forward, runner, out)
+            yield
+            result, run.cpu = run.future.result()
+            return result
+
+        run.gen = engine.step_iter(execute=execute)
+        try:
+            next(run.gen)
+        except StopIteration as finished:
+            run.outputs = finished.value
+            return run
+        self._lanes[name] = run
+        return None
 
     def _start(self, name: str, busy: list[str], sliced: bool) -> "_Run":
         engine = self.engines[name]
@@ -831,7 +910,7 @@ class MultiEngine:
 @dataclass
 class _Run:
     """One model's step under way: its generator (Engine.step_iter), when it began (wall), its own CPU so far."""
-    gen: Generator[None, None, list[RequestOutput]]
+    gen: Generator[None, None, list[RequestOutput]] | None
     sliced: bool
     start: float
     cpu: float = 0.0
@@ -840,6 +919,16 @@ class _Run:
     own_s: float = 0.0  # wall time it ran (not suspended) before this call (SLICE_SPAN)
     predicted_s: float | None = None  # its own time, as the step-time model predicts it once scheduled (SLICE_SPAN)
     steps_before: int | None = None  # its scheduler's step count before it was scheduled: tells that it was
+    future: concurrent.futures.Future | None = None  # a lane's forward on its worker thread (LANES)
+
+
+def _lane_forward(runner: ModelRunner, out: Any) -> tuple[Any, float]:
+    """On a lane worker: the step's forward on one OpenMP thread (the other lane has the other core); its result
+    and the worker's CPU seconds."""
+    set_step_threads(1)
+    cpu = time.thread_time()
+    result = runner.execute(out)
+    return result, time.thread_time() - cpu
 
 
 def sliceable(engine: Engine) -> bool:

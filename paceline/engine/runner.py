@@ -294,3 +294,14 @@ def _non_finite(logits: torch.Tensor, sampled: list[ScheduledRequest]) -> str:
             names.append(s.request.request_id)
         row += rows
     return "request " + ", ".join(names) if len(names) == 1 else "requests " + ", ".join(names)
+
+
+def step_threads() -> int:
+    """The OpenMP threads a step of this thread runs on (multi.py's lanes set their own)."""
+    return torch.get_num_threads()
+
+
+def set_step_threads(threads: int) -> None:
+    """Steps run on this thread use `threads` OpenMP threads from now on (paceline's kernels and oneDNN read the
+    calling thread's count; MKL's and torch's default for new threads follow too)."""
+    torch.set_num_threads(threads)

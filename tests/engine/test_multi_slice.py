@@ -647,3 +647,49 @@ def test_random_traffic_under_every_slicing_rule_never_breaks_the_loop(tiny_dirs
     assert not multi._inflight and multi._owner == {}
     for e in engines.values():
         assert e.scheduler.stats().num_used_blocks == 0
+
+
+def test_lanes_run_two_models_side_by_side_with_the_tokens_of_single_model_serving(tiny_dirs, monkeypatch):
+    """LANES: while both models are busy each one's forward runs on a worker thread of its own, both at once; the
+    tokens are those of single-model serving, an abort while its model's forward runs waits for the step, every
+    block comes back, and once one model is idle the rotation runs on the engine thread's own threads again."""
+    import threading
+
+    monkeypatch.setattr(multi_module, "LANES", True)
+    alone = {kind: serve(engine(path, kind), [(f"{kind}-{i}", p, None) for i, p in enumerate(PROMPTS)])
+             for kind, path in tiny_dirs.items()}
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    threads_before = multi_module.step_threads()
+    on_workers, both_at_once = set(), []
+    for e in engines.values():
+        real = type(e.runner).execute
+
+        def execute(out, real=real, runner=e.runner):
+            on_workers.add(threading.current_thread().name.startswith("paceline-lane"))
+            both_at_once.append(len(multi._lanes))
+            time.sleep(0.002)  # long enough for the other lane's forward to overlap
+            return real(runner, out)
+        monkeypatch.setattr(e.runner, "execute", execute)
+    monkeypatch.setattr(multi_module, "sliceable", lambda engine: True)  # the spy replaced execute
+    requests = [(f"{kind}-{i}", p, kind) for i, p in enumerate(PROMPTS) for kind in tiny_dirs]
+    for rid, prompt, model in requests:
+        multi.add_request(rid, prompt, GREEDY, model=model)
+    multi.add_request("gone", PROMPTS[0], GREEDY, model="qwen2")
+    got = {rid: [] for rid, _, _ in requests}
+    steps = 0
+    while multi.has_unfinished():
+        outputs = multi.step()
+        steps += 1
+        if steps == 3:
+            assert "qwen2" in multi._lanes  # its forward is under way: the abort waits for the step's end
+            multi.abort("gone")
+        for out in outputs:
+            if out.request_id != "gone":
+                got[out.request_id] += out.new_token_ids
+    for kind in tiny_dirs:
+        assert {k: v for k, v in got.items() if k.startswith(kind)} == alone[kind]
+    assert on_workers == {True} and max(both_at_once) == 2
+    assert not multi._lanes and multi._owner == {} and multi_module.step_threads() == threads_before
+    for e in engines.values():
+        assert e.scheduler.stats().num_used_blocks == 0
