@@ -185,6 +185,9 @@ class Engine:
         self._text: dict[str, _TextState] = {}
         self._aborted: list[Request] = []
         self.last_step: StepStats | None = None
+        # steps teach the live step-time refit and the scale; off while they run on fewer threads than the model
+        # was profiled on (multi.py's lanes), whose times would teach it the wrong machine
+        self.learn_steps = True
         log.info("model %s loaded in %.2f s on %s (%s, quantization %s); KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); "
                  "token budget %d per step, at most %d requests; scheduler %s/%s",
                  self.model_name, time.perf_counter() - t0, self.device, config.dtype, config.quantization,
@@ -373,7 +376,7 @@ class Engine:
             result, failed = run_isolated(self.runner, sched_out, e)
         for rid, message in failed.items():
             outputs.append(self._error_output(rid, message))
-        if not failed and not self._warming_up():
+        if not failed and self.learn_steps and not self._warming_up():
             if shape is not None:
                 self.live_step_time.observe(shape, result.duration)
             if sched_out.predicted_step_s > 0 and num_prefill > 0:

@@ -165,6 +165,11 @@ SLICE_SHORTER = os.environ.get("PACELINE_SLICE_SHORTER", "1") != "0"
 # wait for their own step only: float32's 44-48 ms against the 77-100 ms its sliced steps spanned beside int4
 # streams (run BBB's step log), int4's 19 ms against ~20 ms. PACELINE_LANES=1 turns them on (the A/B)
 LANES = os.environ.get("PACELINE_LANES", "0") != "0"
+# A lane's step on one thread against the prediction for both (the step-time model is profiled on all threads):
+# its targets are divided by this, learned per model from its lane steps with a prompt chunk (`_lane_ratio`). The
+# guess: float32 steps of two decodes and a 19-30-token chunk took 98-118 ms in a lane against 66-72 ms predicted
+# (2026-11-29 13:20 UTC step log)
+LANE_RATIO_GUESS = 1.6
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 # While a model loads, the other models' step-time targets leave room for a turn of it beside their streams' gap
 # (_share_step_target); PACELINE_LOAD_TURN_TARGET=0: one share per busy model and the load, as before (the A/B)
@@ -314,6 +319,8 @@ class MultiEngine:
         self._lanes: dict[str, _Run] = {}  # model -> its step whose forward runs on a lane worker now
         self._lane_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._threads = step_threads()  # the engine thread's OpenMP threads, restored after lanes
+        self._lane_ratio: dict[str, float] = {}  # model -> its lane steps' time over their prediction (learned)
+        self._calm: dict[str, tuple[float, float]] = {}  # model -> its own calm and short step targets
         for name, engine in (engines or {}).items():
             self.add_model(name, engine)
 
@@ -327,6 +334,7 @@ class MultiEngine:
             timeline.mark("joined")
             self._debut[name] = timeline
         self._step_ms[name] = engine.scheduler.config.max_step_ms
+        self._calm[name] = (engine.scheduler.config.calm_step_ms, engine.scheduler.config.short_step_ms)
         self._budget[name] = engine.scheduler.config.max_num_batched_tokens
         self._lone[name] = engine.scheduler.config.lone_prefill_tokens
 
@@ -342,6 +350,8 @@ class MultiEngine:
         if debut is not None:  # it never produced a token: what waited for that goes on now
             debut.finish()
         self._step_ms.pop(name, None)
+        self._calm.pop(name, None)
+        self._lane_ratio.pop(name, None)
         self._budget.pop(name, None)
         self._lone.pop(name, None)
         self._since.pop(name, None)
@@ -467,6 +477,11 @@ class MultiEngine:
             next(run.gen)
         except StopIteration as finished:
             run.outputs = finished.value
+        last = self.engines[name].last_step
+        if last is not None and last.num_prefill_tokens > 0 and last.predicted_s > 0:
+            # as the engine's scale learns from chunk steps only: decode steps are predicted differently well
+            ratio = self._lane_ratio.get(name, LANE_RATIO_GUESS)
+            self._lane_ratio[name] = ratio + 0.2 * (last.duration / last.predicted_s - ratio)
         if not self._lanes and not self._lane_mode(busy):
             set_step_threads(self._threads)  # the rotation runs on the engine thread again
         return self._finish(name, run)
@@ -480,7 +495,11 @@ class MultiEngine:
         config = engine.scheduler.config
         config.lone_prefill_tokens = 0
         config.defer_prompt_s = 0.0
-        config.max_step_ms = self._step_ms[name]
+        ratio = self._lane_ratio.get(name, LANE_RATIO_GUESS)
+        calm, short = self._calm[name]
+        config.max_step_ms, config.calm_step_ms, config.short_step_ms = (
+            self._step_ms[name] / ratio, calm / ratio, short / ratio)
+        engine.learn_steps = False
         if not config.auto_max_num_batched_tokens:
             config.max_num_batched_tokens = self._budget[name]
         if self._lane_pool is None:
@@ -506,6 +525,8 @@ class MultiEngine:
     def _start(self, name: str, busy: list[str], sliced: bool) -> "_Run":
         engine = self.engines[name]
         config = engine.scheduler.config
+        engine.learn_steps = True
+        config.calm_step_ms, config.short_step_ms = self._calm[name]  # lanes divide them
         # a step of prompts alone may use the lone-prefill budget only while no other model is busy: beside them
         # the budgets below bound it
         config.lone_prefill_tokens = self._lone[name] if len(busy) == 1 else 0

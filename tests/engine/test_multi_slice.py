@@ -677,19 +677,19 @@ def test_lanes_run_two_models_side_by_side_with_the_tokens_of_single_model_servi
         multi.add_request(rid, prompt, GREEDY, model=model)
     multi.add_request("gone", PROMPTS[0], GREEDY, model="qwen2")
     got = {rid: [] for rid, _, _ in requests}
-    steps = 0
+    aborted = False
     while multi.has_unfinished():
         outputs = multi.step()
-        steps += 1
-        if steps == 3:
-            assert "qwen2" in multi._lanes  # its forward is under way: the abort waits for the step's end
+        if not aborted and "qwen2" in multi._lanes:  # its forward is under way: the abort waits for the step's end
             multi.abort("gone")
+            assert multi._deferred_aborts["qwen2"] == ["gone"]
+            aborted = True
         for out in outputs:
             if out.request_id != "gone":
                 got[out.request_id] += out.new_token_ids
     for kind in tiny_dirs:
         assert {k: v for k, v in got.items() if k.startswith(kind)} == alone[kind]
-    assert on_workers == {True} and max(both_at_once) == 2
+    assert aborted and on_workers == {True} and max(both_at_once) == 2
     assert not multi._lanes and multi._owner == {} and multi_module.step_threads() == threads_before
     for e in engines.values():
         assert e.scheduler.stats().num_used_blocks == 0
