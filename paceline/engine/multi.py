@@ -489,12 +489,13 @@ class MultiEngine:
     def _start_lane(self, name: str) -> "_Run | None":
         """Schedule `name`'s step and send its forward to a lane worker; the _Run when it ended at once (an empty
         schedule), else None (it is under way in self._lanes). Its streams wait for its own step only, so it gets
-        its own step-time target and token budget, and no prompt waits for room (SLICE_DEFER_S protects another
-        model's streams from this one's steps, which no longer hold them)."""
+        its own step-time targets and token budget, divided by what one thread costs its steps (`_lane_ratio`)."""
         engine = self.engines[name]
         config = engine.scheduler.config
         config.lone_prefill_tokens = 0
-        config.defer_prompt_s = 0.0
+        # a young prompt waits for room as in the rotation (SLICE_DEFER_S): on one thread a float32 step of two
+        # decodes and the 16-token floor took 78-122 ms against its 46-53 ms target (13:26 UTC step log)
+        config.defer_prompt_s = SLICE_DEFER_S
         ratio = self._lane_ratio.get(name, LANE_RATIO_GUESS)
         calm, short = self._calm[name]
         config.max_step_ms, config.calm_step_ms, config.short_step_ms = (
