@@ -182,7 +182,7 @@ SWITCH_VARIANTS = {
 ONE_LOOP_VARIANTS = {
     "one-loop": {}, "one-loop-gc-unpaced": {"PACELINE_GC_PACING": "0"},
     # two busy models' steps side by side on a worker thread each, one OpenMP thread each (multi.py LANES)
-    "one-loop-lanes": {"PACELINE_LANES": "1"},
+    "one-loop-lanes": {"PACELINE_LANES": "1"}, "one-loop-lanes-nice0": {"PACELINE_LANES": "1", "PACELINE_LANE_NICE": "0"},
     "one-loop-unsliced": {"PACELINE_SLICE": "0"}, "one-loop-no-defer": {"PACELINE_SLICE_DEFER_S": "0"},
     "one-loop-sliced-all": {"PACELINE_SLICE_WHOLE": "0"}, "one-loop-any-preempts": {"PACELINE_SLICE_SHORTER": "0"},
     "one-loop-sliced-before": SWITCH_VARIANTS["sliced-before"][1],

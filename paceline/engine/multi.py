@@ -69,6 +69,7 @@ from paceline.config import EngineConfig
 from paceline.core.auto_batch import largest_that_fits
 from paceline.core.batch_shape import BatchShape
 from paceline.engine.engine import Engine, RequestOutput
+from paceline.engine.prefault import set_nice
 from paceline.engine.runner import ModelRunner, set_step_threads, step_threads
 from paceline.sampling import SamplingParams
 
@@ -170,6 +171,12 @@ LANES = os.environ.get("PACELINE_LANES", "0") != "0"
 # guess: float32 steps of two decodes and a 19-30-token chunk took 98-118 ms in a lane against 66-72 ms predicted
 # (2026-11-29 13:20 UTC step log)
 LANE_RATIO_GUESS = 1.6
+# The lane of the model with the longer steps runs at this nice value, so that the engine, HTTP and client threads
+# that share the two cores take their time from it rather than from the short steps, whose streams' bound is the
+# tighter one (int4 lane steps went from 15-18 to 30-38 ms for 0.6 s beside unchanged float32 ones, 13:33 UTC step
+# log). Raising a lane's priority back needs CAP_SYS_NICE: without it, a worker once lowered stays there.
+# PACELINE_LANE_NICE=0: equal priorities (the A/B)
+LANE_NICE = int(os.environ.get("PACELINE_LANE_NICE", "5"))
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
 # While a model loads, the other models' step-time targets leave room for a turn of it beside their streams' gap
 # (_share_step_target); PACELINE_LOAD_TURN_TARGET=0: one share per busy model and the load, as before (the A/B)
@@ -317,7 +324,7 @@ class MultiEngine:
         self._loop_s = 0.001  # the loop's own time between one model's step and the next (SLICE_SPAN; averaged)
         self._deferred_aborts: dict[str, list[str]] = {}  # aborts that wait for the model's suspended step
         self._lanes: dict[str, _Run] = {}  # model -> its step whose forward runs on a lane worker now
-        self._lane_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lane_pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}  # model -> its lane's worker
         self._threads = step_threads()  # the engine thread's OpenMP threads, restored after lanes
         self._lane_ratio: dict[str, float] = {}  # model -> its lane steps' time over their prediction (learned)
         self._calm: dict[str, tuple[float, float]] = {}  # model -> its own calm and short step targets
@@ -352,6 +359,9 @@ class MultiEngine:
         self._step_ms.pop(name, None)
         self._calm.pop(name, None)
         self._lane_ratio.pop(name, None)
+        pool = self._lane_pools.pop(name, None)
+        if pool is not None:
+            pool.shutdown(wait=False)
         self._budget.pop(name, None)
         self._lone.pop(name, None)
         self._since.pop(name, None)
@@ -503,13 +513,18 @@ class MultiEngine:
         engine.learn_steps = False
         if not config.auto_max_num_batched_tokens:
             config.max_num_batched_tokens = self._budget[name]
-        if self._lane_pool is None:
-            self._lane_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="paceline-lane")
+        pool = self._lane_pools.get(name)
+        if pool is None:
+            pool = self._lane_pools[name] = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"paceline-lane-{name}")
+        own = engine.last_step.duration if engine.last_step is not None else 0.0
+        others = [e.last_step.duration for m, e in self.engines.items() if m != name and e.last_step is not None]
+        nice = LANE_NICE if others and own > max(others) else 0
         run = _Run(None, False, time.monotonic(), steps_before=engine.scheduler.num_steps)
-        runner, pool = engine.runner, self._lane_pool
+        runner = engine.runner
 
         def execute(out: Any) -> Generator[None, None, Any]:
-            run.future = pool.submit(_lane_forward, runner, out)
+            run.future = pool.submit(_lane_forward, runner, out, nice)
             yield
             result, run.cpu = run.future.result()
             return result
@@ -944,10 +959,11 @@ class _Run:
     future: concurrent.futures.Future | None = None  # a lane's forward on its worker thread (LANES)
 
 
-def _lane_forward(runner: ModelRunner, out: Any) -> tuple[Any, float]:
-    """On a lane worker: the step's forward on one OpenMP thread (the other lane has the other core); its result
-    and the worker's CPU seconds."""
+def _lane_forward(runner: ModelRunner, out: Any, nice: int) -> tuple[Any, float]:
+    """On a lane worker: the step's forward on one OpenMP thread (the other lane has the other core) at CPU
+    priority `nice` (LANE_NICE); its result and the worker's CPU seconds."""
     set_step_threads(1)
+    set_nice(nice)
     cpu = time.thread_time()
     result = runner.execute(out)
     return result, time.thread_time() - cpu
