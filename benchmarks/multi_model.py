@@ -181,8 +181,9 @@ SWITCH_VARIANTS = {
 # token); one-loop-tail-rules: both rules of 13:10 UTC on; one-loop-tail-only: the first of them alone
 ONE_LOOP_VARIANTS = {
     "one-loop": {}, "one-loop-gc-unpaced": {"PACELINE_GC_PACING": "0"},
-    # two busy models' steps side by side on a worker thread each, one OpenMP thread each (multi.py LANES)
-    "one-loop-lanes": {"PACELINE_LANES": "1"}, "one-loop-lanes-nice0": {"PACELINE_LANES": "1", "PACELINE_LANE_NICE": "0"},
+    # two busy models' steps side by side on a worker thread each, one OpenMP thread each (multi.py LANES);
+    # lanes are the default since 13:45 UTC: one-loop-rotation is every step in the rotation, as before (the A/B)
+    "one-loop-rotation": {"PACELINE_LANES": "0"}, "one-loop-lanes-nice0": {"PACELINE_LANE_NICE": "0"},
     "one-loop-unsliced": {"PACELINE_SLICE": "0"}, "one-loop-no-defer": {"PACELINE_SLICE_DEFER_S": "0"},
     "one-loop-sliced-all": {"PACELINE_SLICE_WHOLE": "0"}, "one-loop-any-preempts": {"PACELINE_SLICE_SHORTER": "0"},
     "one-loop-sliced-before": SWITCH_VARIANTS["sliced-before"][1],

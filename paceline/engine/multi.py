@@ -165,7 +165,7 @@ SLICE_SHORTER = os.environ.get("PACELINE_SLICE_SHORTER", "1") != "0"
 # ms, int4 one decode 11.6 against 17.1 ms, /tmp script 2026-11-29 12:35 UTC), so side by side each model's streams
 # wait for their own step only: float32's 44-48 ms against the 77-100 ms its sliced steps spanned beside int4
 # streams (run BBB's step log), int4's 19 ms against ~20 ms. PACELINE_LANES=1 turns them on (the A/B)
-LANES = os.environ.get("PACELINE_LANES", "0") != "0"
+LANES = os.environ.get("PACELINE_LANES", "1") != "0"
 # A lane's step on one thread against the prediction for both (the step-time model is profiled on all threads):
 # its targets are divided by this, learned per model from its lane steps with a prompt chunk (`_lane_ratio`). The
 # guess: float32 steps of two decodes and a 19-30-token chunk took 98-118 ms in a lane against 66-72 ms predicted

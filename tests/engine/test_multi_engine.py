@@ -57,6 +57,7 @@ def test_greedy_outputs_per_model_equal_single_model(tiny_dirs):
 
 def test_busy_models_alternate_step_by_step(tiny_dirs, monkeypatch):
     monkeypatch.setattr(multi_module, "SLICE", False)  # the pick alone (sliced, a due model preempts: test_multi_slice)
+    monkeypatch.setattr(multi_module, "LANES", False)  # the rotation's pick (in lanes both run at once)
     multi = MultiEngine(config(None), {kind: Engine(config(path, name=kind)) for kind, path in tiny_dirs.items()})
     _, order = run_all(multi, [("a", "x y", "llama"), ("b", "x y", "qwen2")], max_tokens=10)
     both = order[:2 * 10]  # while both have streams, neither runs twice in a row
@@ -85,6 +86,7 @@ def test_prompt_steps_are_cut_to_their_share_while_another_model_streams(tiny_di
     target fits. Sliced (the default), the other model's streams wait for one layer of it, which the step's whole
     target bounds: cut to that (multi._sliced_budget), not to the share."""
     monkeypatch.setattr(multi_module, "SLICE", sliced)
+    monkeypatch.setattr(multi_module, "LANES", False)  # the rotation's budgets (a lane has its own, divided)
     engines = {kind: Engine(config(path, name=kind, max_num_batched_tokens=64)) for kind, path in tiny_dirs.items()}
     for engine in engines.values():  # a step-time model: 1 ms a token; a 20 ms target, 10 ms each for two models
         engine.scheduler.step_time = lambda shape: 1e-3 * shape.num_tokens

@@ -22,6 +22,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny_dirs and one_torch_thread: conftest.py
 
 
+@pytest.fixture(autouse=True)
+def rotation(monkeypatch):
+    """These tests are about the rotation's slicing: two busy models would otherwise run in lanes (LANES), which
+    the lanes test turns back on for itself."""
+    monkeypatch.setattr(multi_module, "LANES", False)
+
+
 def engine(path: str, name: str) -> Engine:
     return Engine(EngineConfig(model=path, dtype="float32", tbt_goal_ms=0, served_model_name=name,
                                cache=CacheConfig(num_blocks=64, block_size=4, swap_space_gb=0),
@@ -590,8 +597,9 @@ def test_a_debut_may_be_preempted_by_a_model_with_longer_steps(tiny_dirs, monkey
     assert [o for _, o in multi._preemptors("qwen2", busy, own_s=0.030)] == ["llama"]
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_random_traffic_under_every_slicing_rule_never_breaks_the_loop(tiny_dirs, monkeypatch, seed):
+@pytest.mark.parametrize("lanes", [False, True])
+@pytest.mark.parametrize("seed", range(8))
+def test_random_traffic_under_every_slicing_rule_never_breaks_the_loop(tiny_dirs, monkeypatch, seed, lanes):
     """The loop's rules (SLICE_SHORTER, the span rule, a debut's first-token budget, the tail) run on time and on
     predictions; here both models get made-up step-time models and targets, layers of random length, and requests
     that arrive, and are aborted, at random steps. Nothing may raise (a stale due time once raised ValueError and
@@ -600,6 +608,7 @@ def test_random_traffic_under_every_slicing_rule_never_breaks_the_loop(tiny_dirs
     import random
 
     rng = random.Random(seed)
+    monkeypatch.setattr(multi_module, "LANES", lanes)  # in lanes, until a model is idle or the debut is over
     for knob in ("SLICE_SHORTER", "SLICE_SPAN", "SLICE_TAIL", "SLICE_STREAM_DUE", "SLICE_AHEAD", "SLICE_WHOLE"):
         monkeypatch.setattr(multi_module, knob, rng.random() < 0.8)
     engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
