@@ -1,5 +1,10 @@
 """MultiEngine: one step loop over several models, each with its own Engine (runner, KV pool, scheduler).
 
+Lanes (LANES, the default): while exactly two models are busy (no load, no debut), each one's forward runs on a
+worker thread of its own with one OpenMP thread, both at once, and the engine thread schedules, updates and sends
+tokens out for whichever ends first (`_lane_step`). A step on both cores is far from twice as fast as on one at
+these sizes, so side by side each model's streams wait for their own step only. Otherwise the rotation below.
+
 A step runs one model's batch: different weights cannot share a forward pass. Which model runs is decided here,
 from every model's streams at once (two engines in two processes would instead both compute at the same time and
 share the cores badly):
@@ -22,10 +27,10 @@ model with the short steps more of the cores while both stream; the step-time ta
 counts the other models' steps run inside them (`_share_step_target`), so a model's own streams, which wait for all
 of its step, keep their gap too. A step of prompts alone is cut to the model's whole target while another model
 streams (its layers would otherwise be longer than the other's due interval, `_sliced_budget`), and a model loaded
-on demand runs its first prompt whole, the others due only after DEBUT_DUE x their last step meanwhile. Everything
-stays on the engine thread: running each model's steps on a thread of its own with one OpenMP thread each was
-measured instead (2026-11-24 08:18 UTC, one process, `/tmp` script): an int4 stream's gap beside float32 decodes was
-18.8-24.2 ms at the median, no better than sliced and over int4's 1.2x-alone bound. A suspended step's duration
+on demand runs its first prompt whole, the others due only after DEBUT_DUE x their last step meanwhile. The rotation
+stays on the engine thread. (Lanes were first measured 2026-11-24 08:18 UTC, one process, `/tmp` script: an int4
+stream's gap beside float32 decodes was 18.8-24.2 ms at the median, no better than sliced; by 2026-11-29 float32's
+gaps, not int4's, were what the rotation missed, and served lanes won: docs/multi-model.md.) A suspended step's duration
 counts its own layers only. Only a model whose streams' step is shorter than the running step may preempt it
 (SLICE_SHORTER), a step that nothing could preempt runs in one piece (SLICE_WHOLE), and while another model streams
 a young prompt waits for a step with room for a block rather than taking its block beside decodes that already

@@ -702,3 +702,35 @@ def test_lanes_run_two_models_side_by_side_with_the_tokens_of_single_model_servi
     assert not multi._lanes and multi._owner == {} and multi_module.step_threads() == threads_before
     for e in engines.values():
         assert e.scheduler.stats().num_used_blocks == 0
+
+
+def test_a_lane_divides_its_targets_by_what_one_thread_costs_and_teaches_no_step_times(tiny_dirs, monkeypatch):
+    """A lane's step runs on one thread while the step-time model is of all threads: its max, calm and short
+    targets are divided by the model's learned lane ratio (first LANE_RATIO_GUESS), learned from its lane steps
+    with a prompt chunk, and the engine's refit and scale learn nothing from them; the rotation gets the model's own
+    targets and learning back."""
+    monkeypatch.setattr(multi_module, "LANES", True)
+    engines, multi = both_streaming(tiny_dirs)
+    sched, config = engines["qwen2"].scheduler, engines["qwen2"].scheduler.config
+    sched.step_time = lambda shape: 0.001 * shape.num_tokens
+    config.max_step_ms = multi._step_ms["qwen2"] = 120.0
+    config.calm_step_ms, config.short_step_ms = 72.0, 42.0
+    multi._calm["qwen2"] = (72.0, 42.0)
+    engines["qwen2"].add_request("p", PROMPTS[0], GREEDY)  # a prompt: its lane steps carry chunks
+    guess = multi_module.LANE_RATIO_GUESS
+    multi.step()
+    assert "qwen2" in multi._lanes or multi.last_model == "qwen2"
+    assert (config.max_step_ms, config.calm_step_ms, config.short_step_ms) == pytest.approx(
+        (120.0 / guess, 72.0 / guess, 42.0 / guess))
+    assert engines["qwen2"].learn_steps is False
+    while "qwen2" not in multi._lane_ratio:  # learned at the end of its first lane step with a chunk
+        multi.step()
+    last = engines["qwen2"].last_step
+    assert last.num_prefill_tokens > 0 and multi.last_model == "qwen2"
+    assert multi._lane_ratio["qwen2"] == pytest.approx(guess + 0.2 * (last.duration / last.predicted_s - guess))
+    engines["llama"].abort("s")  # one busy model: the rotation, with the model's own targets and learning
+    while multi._lanes:
+        multi.step()
+    multi.step()
+    assert (config.calm_step_ms, config.short_step_ms, config.max_step_ms) == (72.0, 42.0, 120.0)
+    assert engines["qwen2"].learn_steps is True
