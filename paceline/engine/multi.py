@@ -466,10 +466,10 @@ class MultiEngine:
 
     def _lane_mode(self, busy: list[str]) -> bool:
         """Whether the busy models run in lanes: exactly two, both sliceable (a plain Engine on the single-process
-        runner), no load under way or debut (their turns and first prompts follow the rotation's rules), and no
-        step of the rotation still suspended."""
+        runner) on the CPU (lanes split its cores), no load under way or debut (their turns and first prompts follow
+        the rotation's rules), and no step of the rotation still suspended."""
         return (LANES and len(busy) == 2 and not self.turns.pending and not self._debut and not self._inflight
-                and all(sliceable(self.engines[m]) for m in busy))
+                and all(sliceable(self.engines[m]) and self.engines[m].runner.device.type == "cpu" for m in busy))
 
     def _lane_step(self, busy: list[str]) -> list[RequestOutput]:
         """In lane mode, start a step for each busy model that has none under way (scheduled here, its forward on a
@@ -529,7 +529,7 @@ class MultiEngine:
         runner = engine.runner
 
         def execute(out: Any) -> Generator[None, None, Any]:
-            run.future = pool.submit(_lane_forward, runner, out, nice)
+            run.future = pool.submit(_lane_forward, runner, out, max(1, self._threads // 2), nice)
             yield
             result, run.cpu = run.future.result()
             return result
@@ -964,10 +964,10 @@ class _Run:
     future: concurrent.futures.Future | None = None  # a lane's forward on its worker thread (LANES)
 
 
-def _lane_forward(runner: ModelRunner, out: Any, nice: int) -> tuple[Any, float]:
-    """On a lane worker: the step's forward on one OpenMP thread (the other lane has the other core) at CPU
-    priority `nice` (LANE_NICE); its result and the worker's CPU seconds."""
-    set_step_threads(1)
+def _lane_forward(runner: ModelRunner, out: Any, threads: int, nice: int) -> tuple[Any, float]:
+    """On a lane worker: the step's forward on `threads` OpenMP threads (half the engine's: the other lane has the
+    other half) at CPU priority `nice` (LANE_NICE); its result and the worker's CPU seconds."""
+    set_step_threads(threads)
     set_nice(nice)
     cpu = time.thread_time()
     result = runner.execute(out)
