@@ -165,11 +165,13 @@ SLICE_WHOLE = os.environ.get("PACELINE_SLICE_WHOLE", "1") != "0"
 # before 2026-11-29 (the A/B)
 SLICE_SHORTER = os.environ.get("PACELINE_SLICE_SHORTER", "1") != "0"
 # Lanes: while exactly two models are busy (no load, no debut), each one's steps run back to back on a worker thread
-# of its own with one OpenMP thread each, both at once, instead of taking turns on both threads (`_lane_step`).
+# of its own with half the OpenMP threads each, both at once, instead of taking turns on all of them (`_lane_step`).
 # Why: a step on both threads is not twice as fast as on one at these sizes (float32 two decodes 27.6 against 47.0
 # ms, int4 one decode 11.6 against 17.1 ms, /tmp script 2026-11-29 12:35 UTC), so side by side each model's streams
 # wait for their own step only: float32's 44-48 ms against the 77-100 ms its sliced steps spanned beside int4
-# streams (run BBB's step log), int4's 19 ms against ~20 ms. PACELINE_LANES=1 turns them on (the A/B)
+# streams (run BBB's step log), int4's 19 ms against ~20 ms. On by default since 2026-11-29 13:45 UTC (runs DDD-HHH
+# of benchmarks/summaries/multi_model.md: both models' p99 TBT within 1.2x alone in 4 of 9 lane arms, float32 within
+# in all nine; the rotation 2 of 13 arms that day); PACELINE_LANES=0: the rotation alone (the A/B)
 LANES = os.environ.get("PACELINE_LANES", "1") != "0"
 # A lane's step on one thread against the prediction for both (the step-time model is profiled on all threads):
 # its targets are divided by this, learned per model from its lane steps with a prompt chunk (`_lane_ratio`). The
