@@ -1,7 +1,7 @@
 """MultiEngine: one step loop over several models, each with its own Engine (runner, KV pool, scheduler).
 
 Lanes (LANES, the default): while exactly two models are busy (no load, no debut), each one's forward runs on a
-worker thread of its own with one OpenMP thread, both at once, and the engine thread schedules, updates and sends
+worker thread of its own with half the OpenMP threads, both at once, and the engine thread schedules, updates and sends
 tokens out for whichever ends first (`_lane_step`). A step on both cores is far from twice as fast as on one at
 these sizes, so side by side each model's streams wait for their own step only. Otherwise the rotation below.
 
@@ -474,8 +474,8 @@ class MultiEngine:
                 and all(sliceable(self.engines[m]) and self.engines[m].runner.device.type == "cpu" for m in busy))
 
     def _lane_step(self, busy: list[str]) -> list[RequestOutput]:
-        """In lane mode, start a step for each busy model that has none under way (scheduled here, its forward on a
-        worker thread of one OpenMP thread), then wait for the first forward to end and finish that step here; its
+        """In lane mode, start a step for each busy model that has none under way (scheduled here, its forward on its
+        worker thread with half the OpenMP threads), then wait for the first forward to end and finish that step; its
         outputs. Out of lane mode, the steps still under way end first, one a call, then the engine thread's
         threads come back."""
         if self._lane_mode(busy):
