@@ -170,8 +170,8 @@ SLICE_SHORTER = os.environ.get("PACELINE_SLICE_SHORTER", "1") != "0"
 # ms, int4 one decode 11.6 against 17.1 ms, /tmp script 2026-11-29 12:35 UTC), so side by side each model's streams
 # wait for their own step only: float32's 44-48 ms against the 77-100 ms its sliced steps spanned beside int4
 # streams (run BBB's step log), int4's 19 ms against ~20 ms. On by default since 2026-11-29 13:45 UTC (runs DDD-HHH
-# of benchmarks/summaries/multi_model.md: both models' p99 TBT within 1.2x alone in 4 of 12 lane arms, float32 within
-# in 10; the rotation 2 of 14 arms that day); PACELINE_LANES=0: the rotation alone (the A/B)
+# of benchmarks/summaries/multi_model.md: both models' p99 TBT within 1.2x alone in 6 of 14 lane arms, float32 within
+# in 12; the rotation 2 of 15 arms that day); PACELINE_LANES=0: the rotation alone (the A/B)
 LANES = os.environ.get("PACELINE_LANES", "1") != "0"
 # A lane's step on one thread against the prediction for both (the step-time model is profiled on all threads):
 # its targets are divided by this, learned per model from its lane steps with a prompt chunk (`_lane_ratio`). The
