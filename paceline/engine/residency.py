@@ -36,7 +36,7 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -369,8 +369,15 @@ def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
     _install gives it once it has a profile. Its KV pool's prefault waits for `held` (set at the first token).
     With `turns`, building the Engine and mapping its pages in each run as a turn of the step loop (LoadTurns in
     multi.py: the engine thread waits between two steps while the piece runs)."""
-    def turn() -> contextlib.AbstractContextManager:
-        return turns.take(nudge) if turns is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def turn() -> Iterator[None]:
+        # inside, each larger piece a turn of its own (loader.piece_break): the Engine in one turn took 25-53 ms,
+        # once 198 ms, and the int4 streams beside a float32 load waited for all of it on top of their step (gaps
+        # 55-61 ms against their p99 of 50-59, 2026-11-29 11:42 UTC switch run); in parts (the snapshot's
+        # unpickling, ~26 ms, is the largest) and the mapping in ~MAP_IN_PIECE_BYTES parts
+        with (turns.take(nudge) if turns is not None else contextlib.nullcontext()) as next_turn, \
+                piece_breaks(next_turn if PIECE_TURNS else None):
+            yield
 
     timeline = timeline or LoadTimeline(time.monotonic())
     timeline.mark("build_start")
@@ -392,16 +399,12 @@ def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
                 stack.enter_context(deferred_packing())
             if held is not None:
                 stack.enter_context(held_until(held))
-            # each larger piece of the build a turn of its own (loader.piece_break): the Engine in one turn took
-            # 25-53 ms, once 198 ms, and the int4 streams beside a float32 load waited for all of it on top of
-            # their step (gaps 55-61 ms against their p99 of 50-59, 2026-11-29 11:42 UTC switch run); in parts
-            # (the snapshot's unpickling, ~26 ms, is the largest) and the mapping in ~MAP_IN_PIECE_BYTES parts
-            with turn() as next_turn, piece_breaks(next_turn if PIECE_TURNS else None):
+            with turn():
                 engine = Engine(config)
                 timeline.mark("engine_built")
         model = getattr(engine.runner, "model", None)
         if model is not None and hasattr(model, "layers"):
-            with turn() as next_turn, piece_breaks(next_turn if PIECE_TURNS else None):
+            with turn():
                 map_in(model)
                 timeline.mark("mapped")
             # Left out by default (2026-11-24): the first step on the engine's two threads does whatever first-call

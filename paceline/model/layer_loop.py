@@ -371,10 +371,7 @@ class LayerLoop:
         """The dense path of layer i's linear k: oneDNN's linear where Linear.__call__ runs it (packed, or a plain
         float32 weight; the stack's dense path runs float32 steps only on a float32 weight), else aten's."""
         w = dense.onednn_weight()
-        if w is None:
-            self.stack.add_linear(i, k, DENSE, dense.weight, None, dense.bias, None, 0, False)
-        else:
-            self.stack.add_linear(i, k, DENSE, w, None, dense.bias, None, 0, True)
+        self.stack.add_linear(i, k, DENSE, dense.weight if w is None else w, None, dense.bias, None, 0, w is not None)
 
     def _set_op(self, role: str, op: Any) -> bool:
         """Point the stack's `role` at `op`; False where op is None (that path cannot run)."""
