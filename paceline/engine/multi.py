@@ -178,6 +178,9 @@ LANES = os.environ.get("PACELINE_LANES", "1") != "0"
 # guess: float32 steps of two decodes and a 19-30-token chunk took 98-118 ms in a lane against 66-72 ms predicted
 # (2026-11-29 13:20 UTC step log)
 LANE_RATIO_GUESS = 1.6
+# A lane's next step is scheduled and its forward sent as soon as its step has been updated, before the outputs go
+# out (_lane_step); PACELINE_LANE_RESTART=0: on the engine loop's next call, as before (the A/B)
+LANE_RESTART = os.environ.get("PACELINE_LANE_RESTART", "1") != "0"
 # The lane of the model with the longer steps runs at this nice value, so that the engine, HTTP and client threads
 # that share the two cores take their time from it rather than from the short steps, whose streams' bound is the
 # tighter one (int4 lane steps went from 15-18 to 30-38 ms for 0.6 s beside unchanged float32 ones, 13:33 UTC step
@@ -475,8 +478,9 @@ class MultiEngine:
 
     def _lane_step(self, busy: list[str]) -> list[RequestOutput]:
         """In lane mode, start a step for each busy model that has none under way (scheduled here, its forward on its
-        worker thread with half the OpenMP threads), then wait for the first forward to end and finish that step; its
-        outputs. Out of lane mode, the steps still under way end first, one a call, then the engine thread's
+        worker thread with half the OpenMP threads), then wait for a forward to end and finish the step of every
+        forward that has ended, the earliest first, each model's next step started (LANE_RESTART) before any of
+        their outputs go out. Out of lane mode, the steps still under way end first, then the engine thread's
         threads come back."""
         if self._lane_mode(busy):
             for name in busy:
@@ -488,20 +492,30 @@ class MultiEngine:
             return []
         futures = {run.future: name for name, run in self._lanes.items()}
         done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
-        name = min(futures[f] for f in done)
-        run = self._lanes.pop(name)
-        try:
-            next(run.gen)
-        except StopIteration as finished:
-            run.outputs = finished.value
-        last = self.engines[name].last_step
-        if last is not None and last.num_prefill_tokens > 0 and last.predicted_s > 0:
-            # as the engine's scale learns from chunk steps only: decode steps are predicted differently well
-            ratio = self._lane_ratio.get(name, LANE_RATIO_GUESS)
-            self._lane_ratio[name] = ratio + 0.2 * (last.duration / last.predicted_s - ratio)
+        outputs: list[RequestOutput] = []
+        for name in sorted((futures[f] for f in done), key=lambda n: _forward_end(self._lanes[n].future)):
+            run = self._lanes.pop(name)
+            try:
+                next(run.gen)
+            except StopIteration as finished:
+                run.outputs = finished.value
+            last = self.engines[name].last_step
+            if last is not None and last.num_prefill_tokens > 0 and last.predicted_s > 0:
+                # as the engine's scale learns from chunk steps only: decode steps are predicted differently well
+                ratio = self._lane_ratio.get(name, LANE_RATIO_GUESS)
+                self._lane_ratio[name] = ratio + 0.2 * (last.duration / last.predicted_s - ratio)
+            outputs += self._finish(name, run)
+            busy = [m for m, e in self.engines.items() if e.has_unfinished()]
+            if LANE_RESTART and name in busy and self._lane_mode(busy):
+                # Its next forward starts now, not after the AsyncEngine has sent these outputs and come back: that
+                # turn-around (1.5 ms at the median, 6 ms at p99, 11 ms at most in run KKK's step log, 2026-11-30)
+                # was part of every gap of its streams. A request added meanwhile joins the step after.
+                started = self._start_lane(name)
+                if started is not None:
+                    outputs += self._finish(name, started)
         if not self._lanes and not self._lane_mode(busy):
             set_step_threads(self._threads)  # the rotation runs on the engine thread again
-        return self._finish(name, run)
+        return outputs
 
     def _start_lane(self, name: str) -> "_Run | None":
         """Schedule `name`'s step and send its forward to a lane worker; the _Run when it ended at once (an empty
@@ -533,7 +547,7 @@ class MultiEngine:
         def execute(out: Any) -> Generator[None, None, Any]:
             run.future = pool.submit(_lane_forward, runner, out, max(1, self._threads // 2), nice)
             yield
-            result, run.cpu = run.future.result()
+            result, run.cpu, _ = run.future.result()
             return result
 
         run.gen = engine.step_iter(execute=execute)
@@ -966,14 +980,19 @@ class _Run:
     future: concurrent.futures.Future | None = None  # a lane's forward on its worker thread (LANES)
 
 
-def _lane_forward(runner: ModelRunner, out: Any, threads: int, nice: int) -> tuple[Any, float]:
+def _lane_forward(runner: ModelRunner, out: Any, threads: int, nice: int) -> tuple[Any, float, float]:
     """On a lane worker: the step's forward on `threads` OpenMP threads (half the engine's: the other lane has the
-    other half) at CPU priority `nice` (LANE_NICE); its result and the worker's CPU seconds."""
+    other half) at CPU priority `nice` (LANE_NICE); its result, the worker's CPU seconds and when it ended."""
     set_step_threads(threads)
     set_nice(nice)
     cpu = time.thread_time()
     result = runner.execute(out)
-    return result, time.thread_time() - cpu
+    return result, time.thread_time() - cpu, time.monotonic()
+
+
+def _forward_end(future: concurrent.futures.Future) -> float:
+    """When a lane's finished forward ended (one that raised: first, its step fails its requests at once)."""
+    return future.result()[2] if future.exception() is None else 0.0
 
 
 def sliceable(engine: Engine) -> bool:

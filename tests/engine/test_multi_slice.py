@@ -706,6 +706,35 @@ def test_lanes_run_two_models_side_by_side_with_the_tokens_of_single_model_servi
         assert e.scheduler.stats().num_used_blocks == 0
 
 
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_lane_sends_its_next_forward_before_its_outputs_go_out(tiny_dirs, monkeypatch, restart):
+    """LANE_RESTART: once a lane's step has been updated, its next step is scheduled and its forward on the worker
+    before step() hands the outputs over (the forward runs while they are sent); off, the next call starts it.
+    Either way the tokens are those of single-model serving."""
+    monkeypatch.setattr(multi_module, "LANES", True)
+    monkeypatch.setattr(multi_module, "LANE_RESTART", restart)
+    requests = [(f"{kind}-{i}", p, kind) for i, p in enumerate(PROMPTS[:2]) for kind in tiny_dirs]
+    alone = {kind: serve(engine(path, kind), [(r, p, None) for r, p, m in requests if m == kind])
+             for kind, path in tiny_dirs.items()}
+    engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    for rid, prompt, model in requests:
+        multi.add_request(rid, prompt, GREEDY, model=model)
+    got = {rid: [] for rid, _, _ in requests}
+    seen = []  # (whose tokens came out, whether that model's next forward was already under way)
+    while multi.has_unfinished():
+        outputs = multi.step()
+        both = all(e.has_unfinished() for e in engines.values())
+        for model in {rid.split("-")[0] for rid in (o.request_id for o in outputs if o.new_token_ids)}:
+            if both:
+                seen.append((model, model in multi._lanes))
+        for out in outputs:
+            got[out.request_id] += out.new_token_ids
+    assert got == {**alone["llama"], **alone["qwen2"]}
+    assert seen and {model for model, _ in seen} == set(tiny_dirs)
+    assert all(under_way == restart for _, under_way in seen)
+
+
 def test_a_lane_divides_its_targets_by_what_one_thread_costs_and_teaches_no_step_times(tiny_dirs, monkeypatch):
     """A lane's step runs on one thread while the step-time model is of all threads: its max, calm and short
     targets are divided by the model's learned lane ratio (first LANE_RATIO_GUESS), learned from its lane steps

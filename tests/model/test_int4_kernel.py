@@ -49,6 +49,22 @@ def test_kernel_equals_dense_reference_and_torch_op(n, k):
         torch.testing.assert_close(got.double(), ref, rtol=2 ** -8, atol=1e-4 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("n,k", [(45, 288), (160, 576), (960, 576), (576, 1536)])
+def test_bfloat16_rows_give_the_bits_of_float32_rows_rounded(n, k):
+    """Few rows of bfloat16 x run on vdpbf16ps where the CPU has AVX512-BF16, float32 x on the AVX2 loop: the same
+    sums in the same order, so the bfloat16 result is the float32 one rounded once, bit for bit (on a CPU without
+    AVX512-BF16 both run the AVX2 loop and this holds as well)."""
+    op = int4_kernel.load()
+    codes, scale, zero, _ = _weight(n, k, 3 * n + k)
+    packed = int4_kernel.pack(codes, scale, zero)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(n)
+    for m in range(1, 7):
+        x = (torch.randn(m, k, generator=g) * 4).to(torch.bfloat16)
+        assert torch.equal(op(x, packed, n, None), op(x.float(), packed, n, None).to(torch.bfloat16))
+        assert torch.equal(op(x, packed, n, bias), op(x.float(), packed, n, bias.float()).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("n,k", [(45, 288), (160, 576), (16, 1536)])
 def test_both_paths_equal_the_dense_reference_at_any_rows(n, k):
     """The few-row path (codes expanded per pass of up to 6 rows) and the many-row path (each K block of a tile
