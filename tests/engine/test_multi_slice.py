@@ -735,12 +735,34 @@ def test_a_lane_sends_its_next_forward_before_its_outputs_go_out(tiny_dirs, monk
     assert all(under_way == restart for _, under_way in seen)
 
 
+def test_the_lane_lowered_is_the_one_with_the_longer_decode_steps_not_the_last_long_step(tiny_dirs, monkeypatch):
+    """LANE_NICE: the lane of the model whose decode-only steps are the longer runs at the lowered priority, decided
+    from decode steps only: a prompt step of the other model (however long) does not swap the roles, since a
+    worker once lowered cannot be raised again without CAP_SYS_NICE; without a decode step of each, neither."""
+    monkeypatch.setattr(multi_module, "LANES", True)
+    engines, multi = both_streaming(tiny_dirs)
+    nices = {}
+    monkeypatch.setattr(multi_module, "_lane_forward",
+                        lambda runner, out, threads, nice: (nices.setdefault(runner, nice), runner.execute(out))[1:]
+                        + (0.0, time.monotonic()))
+    multi._decode_s = {"llama": 0.040}
+    assert not multi._longer_decodes("llama") and not multi._longer_decodes("qwen2")  # qwen2's is not known yet
+    multi._decode_s = {"llama": 0.040, "qwen2": 0.010}
+    engines["qwen2"].last_step = StepStats(0, 512, 1, duration=0.619)  # a long prompt step: decodes decide
+    assert multi._longer_decodes("llama") and not multi._longer_decodes("qwen2")
+    multi.step()
+    assert nices == {engines["llama"].runner: multi_module.LANE_NICE, engines["qwen2"].runner: 0}
+
+
 def test_a_lane_divides_its_targets_by_what_one_thread_costs_and_teaches_no_step_times(tiny_dirs, monkeypatch):
     """A lane's step runs on one thread while the step-time model is of all threads: its max, calm and short
     targets are divided by the model's learned lane ratio (first LANE_RATIO_GUESS), learned from its lane steps
     with a prompt chunk, and the engine's refit and scale learn nothing from them; the rotation gets the model's own
     targets and learning back."""
     monkeypatch.setattr(multi_module, "LANES", True)
+    # with LANE_RESTART a call that ends a lane's step starts its next, divided by the ratio just learned: off, what
+    # the first step was divided by is still there to read
+    monkeypatch.setattr(multi_module, "LANE_RESTART", False)
     engines, multi = both_streaming(tiny_dirs)
     sched, config = engines["qwen2"].scheduler, engines["qwen2"].scheduler.config
     sched.step_time = lambda shape: 0.001 * shape.num_tokens
@@ -757,13 +779,14 @@ def test_a_lane_divides_its_targets_by_what_one_thread_costs_and_teaches_no_step
     while "qwen2" not in multi._lane_ratio:  # learned at the end of its first lane step with a chunk
         multi.step()
     last = engines["qwen2"].last_step
-    assert last.num_prefill_tokens > 0 and multi.last_model == "qwen2"
+    assert last.num_prefill_tokens > 0
     assert multi._lane_ratio["qwen2"] == pytest.approx(guess + 0.2 * (last.duration / last.predicted_s - guess))
     while "llama" in multi._lanes:  # its stream was added to its Engine directly: aborted there, between steps
         multi.step()
     engines["llama"].abort("s")  # one busy model: the rotation, with the model's own targets and learning
-    while multi._lanes:
+    while multi._lanes or engines["llama"].has_unfinished():  # the abort goes out at llama's next (empty) step
         multi.step()
+    engines["qwen2"].add_request("p2", PROMPTS[1], GREEDY)  # busy still, whatever ended meanwhile
     multi.step()
     assert (config.calm_step_ms, config.short_step_ms, config.max_step_ms) == (72.0, 42.0, 120.0)
     assert engines["qwen2"].learn_steps is True
