@@ -178,9 +178,12 @@ LANES = os.environ.get("PACELINE_LANES", "1") != "0"
 # guess: float32 steps of two decodes and a 19-30-token chunk took 98-118 ms in a lane against 66-72 ms predicted
 # (2026-11-29 13:20 UTC step log)
 LANE_RATIO_GUESS = 1.6
-# A lane's next step is scheduled and its forward sent as soon as its step has been updated, before the outputs go
-# out (_lane_step); PACELINE_LANE_RESTART=0: on the engine loop's next call, as before (the A/B)
-LANE_RESTART = os.environ.get("PACELINE_LANE_RESTART", "1") != "0"
+# PACELINE_LANE_RESTART=1: a lane's next step is scheduled and its forward sent as soon as its step has been updated,
+# before the outputs go out (_lane_step), not on the engine loop's next call. Off: it cut the loop's turn-around
+# (int4 1.57 -> 0.94 ms at the median) but no p99 or p50 TBT moved for it over 5 arms against 2 (runs LLL and NNN,
+# 2026-11-29; float32's p50 32.68-34.21 ms without, 33.66-36.93 with: the engine thread's work then runs beside
+# both lanes' forwards on the two cores), and a request added meanwhile waited one step more
+LANE_RESTART = os.environ.get("PACELINE_LANE_RESTART", "0") == "1"
 # The lane of the model with the longer steps runs at this nice value, so that the engine, HTTP and client threads
 # that share the two cores take their time from it rather than from the short steps, whose streams' bound is the
 # tighter one (int4 lane steps went from 15-18 to 30-38 ms for 0.6 s beside unchanged float32 ones, 13:33 UTC step
@@ -479,8 +482,8 @@ class MultiEngine:
     def _lane_step(self, busy: list[str]) -> list[RequestOutput]:
         """In lane mode, start a step for each busy model that has none under way (scheduled here, its forward on its
         worker thread with half the OpenMP threads), then wait for a forward to end and finish the step of every
-        forward that has ended, the earliest first, each model's next step started (LANE_RESTART) before any of
-        their outputs go out. Out of lane mode, the steps still under way end first, then the engine thread's
+        forward that has ended, the earliest first (with LANE_RESTART each model's next step started before any
+        of their outputs go out). Out of lane mode, the steps still under way end first, then the engine thread's
         threads come back."""
         if self._lane_mode(busy):
             for name in busy:
@@ -507,9 +510,7 @@ class MultiEngine:
             outputs += self._finish(name, run)
             busy = [m for m, e in self.engines.items() if e.has_unfinished()]
             if LANE_RESTART and name in busy and self._lane_mode(busy):
-                # Its next forward starts now, not after the AsyncEngine has sent these outputs and come back: that
-                # turn-around (1.5 ms at the median, 6 ms at p99, 11 ms at most in run KKK's step log, 2026-11-30)
-                # was part of every gap of its streams. A request added meanwhile joins the step after.
+                # its next forward starts now, not after the AsyncEngine has sent these outputs and come back
                 started = self._start_lane(name)
                 if started is not None:
                     outputs += self._finish(name, started)
