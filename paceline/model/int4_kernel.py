@@ -234,7 +234,8 @@ void run_gemm(const float* xf, int64_t ldx, int M, int K, const uint8_t* w, int6
 // are exact in bfloat16), then one vdpbf16ps a row adds both inputs' products: per 32 weights 5 instructions and 2
 // a row, against 10 and 6 a row on AVX2. The product of two bfloat16 values is exact in float32 and vdpbf16ps
 // rounds after each product, the odd word's first: with x[k] in the odd word and x[k + 1] in the even one each
-// column's sum runs in the AVX2 loop's order, so both paths give the same bits (test_int4_kernel.py).
+// column's sum runs in the AVX2 loop's order, so both paths give the same bits (test_int4_kernel.py), subnormal
+// values aside (vdpbf16ps reads and writes them as zero; activations and sums this small do not occur in practice).
 #define PL_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16")))
 
 struct Bf16DotTables {  // vpermb's byte picks, vpsrlvw's shifts and vpermw's code -> bfloat16 table
@@ -304,6 +305,19 @@ bool bf16_dot_ok() {
   return ok;
 }
 
+// f(std::integral_constant<int, R>) for R rows of a pass (1..MAX_R): the row count as a template argument
+template <typename F>
+void with_rows(int R, F&& f) {
+  switch (R) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
+}
+
 // y rows [M, N] of T from float32 x rows (contiguous, row stride K), few-row path
 template <typename T>
 void run_few(const float* xf, int M, int K, const uint8_t* w, int64_t N, const float* b, T* yp, int nthreads) {
@@ -339,26 +353,14 @@ void run_few(const float* xf, int M, int K, const uint8_t* w, int64_t N, const f
         xr[r] = xf + size_t(m0 + r) * K;
         sr[r] = xsum.data() + size_t(m0 + r) * G;
       }
-      if (dot) {
-        const uint32_t* pr[MAX_R];
+      const uint32_t* pr[MAX_R];
+      if (dot)
         for (int r = 0; r < R; ++r) pr[r] = xpairs.data() + size_t(m0 + r) * K / 2;
-        switch (R) {
-          case 1: tile_rows_bf16<1>(pr, sr, tile, G, out); break;
-          case 2: tile_rows_bf16<2>(pr, sr, tile, G, out); break;
-          case 3: tile_rows_bf16<3>(pr, sr, tile, G, out); break;
-          case 4: tile_rows_bf16<4>(pr, sr, tile, G, out); break;
-          case 5: tile_rows_bf16<5>(pr, sr, tile, G, out); break;
-          default: tile_rows_bf16<6>(pr, sr, tile, G, out); break;
-        }
-      } else
-      switch (R) {
-        case 1: tile_rows<1>(xr, sr, tile, G, out); break;
-        case 2: tile_rows<2>(xr, sr, tile, G, out); break;
-        case 3: tile_rows<3>(xr, sr, tile, G, out); break;
-        case 4: tile_rows<4>(xr, sr, tile, G, out); break;
-        case 5: tile_rows<5>(xr, sr, tile, G, out); break;
-        default: tile_rows<6>(xr, sr, tile, G, out); break;
-      }
+      with_rows(R, [&](auto rows) {
+        constexpr int RR = decltype(rows)::value;
+        if (dot) tile_rows_bf16<RR>(pr, sr, tile, G, out);
+        else tile_rows<RR>(xr, sr, tile, G, out);
+      });
       const int n0 = t * TILE, nn = int(std::min<int64_t>(TILE, N - n0));
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < nn; ++j) yp[int64_t(m0 + r) * N + n0 + j] = T(out[r][j] + b[n0 + j]);
