@@ -158,6 +158,9 @@ SWITCH_VARIANTS = {
     "span": ("smol-fp32", {"PACELINE_SLICE_TAIL": "1", "PACELINE_SLICE_STREAM_DUE": "1", "PACELINE_SLICE_SPAN": "1"}),
     "pack-first": ("smol-fp32", {"PACELINE_DEFER_PACKING": "0"}),
     "nice19": ("smol-fp32", {"PACELINE_LOADER_NICE": "19"}),
+    # the background packing at nice 19 with 2 ms pauses, as before 2026-11-29 17:00 UTC (residency.PACK_NICE)
+    "pack19": ("smol-fp32", {"PACELINE_PACK_NICE": "19", "PACELINE_PACK_PAUSE_MS": "2"}),
+    "int4-pack19": ("smol-int4", {"PACELINE_PACK_NICE": "19", "PACELINE_PACK_PAUSE_MS": "2"}),
     "warm-up": ("smol-fp32", {"PACELINE_LOAD_WARM_UP": "1"}),
     "whole": ("smol-fp32", {"PACELINE_DEBUT_STEP": "whole"}), "int4-whole": ("smol-int4", {"PACELINE_DEBUT_STEP": "whole"}),
     # the others' streams due after 2x (not 4x) their step while a newcomer's first prompt runs

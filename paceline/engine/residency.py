@@ -53,7 +53,15 @@ log = logging.getLogger("paceline.residency")
 
 REAP_INTERVAL_S = 0.5
 DEFER_PACKING = os.environ.get("PACELINE_DEFER_PACKING", "1") != "0"  # 0: pack before serving (the A/B's before)
-PACK_PAUSE_S = 0.002  # between two Linears packed in the background
+# The background packing of a freshly loaded model (_pack_slowly): its CPU priority and its pause between two Linears.
+# Why nice 0 and long pauses, not nice 19 and short ones: at nice 19 beside two busy lanes it held the interpreter
+# lock while preempted (Python's lock knows nothing of priorities), so the others' steps stalled for it; after a
+# float32 debut 6-11 of 57-65 steps of the other streams took over 1.5x their CPU time in wall time (one int4 decode
+# 64.6 ms for 13.0 ms of CPU), against 1 of 67 with nothing packing in the background (switch runs QQQ and RRR,
+# 2026-11-29). At nice 0 it is scheduled as soon as it asks, and the pause bounds its share of a core (a float32
+# Linear packs in ~1-3 ms). PACELINE_PACK_NICE=19 PACELINE_PACK_PAUSE_MS=2: as before (the A/B)
+PACK_NICE = int(os.environ.get("PACELINE_PACK_NICE", "0"))
+PACK_PAUSE_S = float(os.environ.get("PACELINE_PACK_PAUSE_MS", "20")) / 1000.0
 LOAD_TURNS = os.environ.get("PACELINE_LOAD_TURNS", "1") != "0"  # 0: the load runs beside the steps (the A/B's before)
 # A load's larger pieces each a turn of their own (_build_engine); PACELINE_PIECE_TURNS=0: the Engine and the mapping
 # one turn each, as before 2026-11-29 (the A/B)
@@ -118,7 +126,7 @@ class Residency:
             slot.last_used = time.monotonic()
         self._lock = asyncio.Lock()  # one load or eviction decision at a time
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paceline-loader")
-        self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paceline-packer")  # nice 19
+        self._packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paceline-packer")  # PACK_NICE
         self._reaper: asyncio.Task | None = None
         self._packing: set[asyncio.Future] = set()  # background packing of freshly loaded models
         self.on_unload: list[Any] = []  # callbacks(name): the server drops what it built on that Engine
@@ -491,11 +499,11 @@ def unpacked_linears(engine: Engine) -> list[Linear]:
 
 
 def _pack_slowly(linears: list[Linear]) -> None:
-    """On the loader thread (one torch thread, lowest CPU priority), while the model already serves: pack one
-    Linear at a time. The engine thread may be calling it meanwhile; Linear reads `packed` first, so a call uses
-    either the plain weight or the packed copy, both whole. The short sleep hands the core back between two.
+    """On the packer thread (one torch thread, PACK_NICE), while the model already serves: pack one Linear at a
+    time. The engine thread may be calling it meanwhile; Linear reads `packed` first, so a call uses either the
+    plain weight or the packed copy, both whole. The sleep (PACK_PAUSE_S) hands the core back between two.
     Its own thread: once lowered, a thread's priority may not be raised again without privileges."""
-    set_nice(19)
+    set_nice(PACK_NICE)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

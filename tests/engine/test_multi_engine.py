@@ -11,6 +11,7 @@ from paceline.engine.model_specs import (FOREVER, ModelSpec, estimate_bytes, loa
                                          parse_model_flag)
 from paceline.engine import multi as multi_module
 from paceline.engine.multi import MultiEngine
+from paceline.engine import residency
 from paceline.engine.residency import _build_engine, _pack_slowly, drop_plain_weights, engine_bytes, unpacked_linears
 from paceline.sampling import SamplingParams
 
@@ -145,7 +146,12 @@ def test_a_model_loaded_beside_others_serves_unpacked_then_packs_with_the_same_t
     got: list[int] = []
     for _ in range(3):
         got += [t for out in engine.step() for t in out.new_token_ids]
-    _pack_slowly(linears)  # between steps here; in a server, on the loader thread while the engine steps
+    nices, pauses = [], []
+    with pytest.MonkeyPatch.context() as mp:  # its priority and pacing (residency.PACK_NICE, PACK_PAUSE_S)
+        mp.setattr(residency, "set_nice", nices.append)
+        mp.setattr(residency.time, "sleep", pauses.append)
+        _pack_slowly(linears)  # between steps here; in a server, on the packer thread while the engine steps
+    assert nices == [residency.PACK_NICE] == [0] and pauses == [residency.PACK_PAUSE_S] * len(linears)
     drop_plain_weights(linears)
     # the packed copy replaces the plain one, except where float32 steps of few rows read it (f32_rows_kernel)
     assert unpacked_linears(engine) == [] and all((lin.weight is None) != lin.keep_plain for lin in linears)
