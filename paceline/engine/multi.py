@@ -184,10 +184,11 @@ LANE_RATIO_GUESS = 1.6
 # 2026-11-29; float32's p50 32.68-34.21 ms without, 33.66-36.93 with: the engine thread's work then runs beside
 # both lanes' forwards on the two cores), and a request added meanwhile waited one step more
 LANE_RESTART = os.environ.get("PACELINE_LANE_RESTART", "0") == "1"
-# The lane of the model with the longer steps runs at this nice value, so that the engine, HTTP and client threads
-# that share the two cores take their time from it rather than from the short steps, whose streams' bound is the
-# tighter one (int4 lane steps went from 15-18 to 30-38 ms for 0.6 s beside unchanged float32 ones, 13:33 UTC step
-# log). Raising a lane's priority back needs CAP_SYS_NICE: without it, a worker once lowered stays there.
+# The lane of the model with the longer decode steps (`_longer_decodes`) runs at this nice value, so that the engine,
+# HTTP and client threads that share the two cores take their time from it rather than from the short steps, whose
+# streams' bound is the tighter one (int4 lane steps went from 15-18 to 30-38 ms for 0.6 s beside unchanged float32
+# ones, 13:33 UTC step log). Raising a lane's priority back needs CAP_SYS_NICE: without it, a worker once lowered
+# stays there.
 # PACELINE_LANE_NICE=0: equal priorities (the A/B)
 LANE_NICE = int(os.environ.get("PACELINE_LANE_NICE", "5"))
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long

@@ -658,6 +658,12 @@ def test_random_traffic_under_every_slicing_rule_never_breaks_the_loop(tiny_dirs
         assert e.scheduler.stats().num_used_blocks == 0
 
 
+def served_alone(tiny_dirs, requests: list[tuple[str, str, str]]) -> dict[str, dict[str, list[int]]]:
+    """Each model's requests of `requests` (id, prompt, model) served by an Engine of that model alone: its tokens."""
+    return {kind: serve(engine(path, kind), [(r, p, None) for r, p, m in requests if m == kind])
+            for kind, path in tiny_dirs.items()}
+
+
 def test_lanes_run_two_models_side_by_side_with_the_tokens_of_single_model_serving(tiny_dirs, monkeypatch):
     """LANES: while both models are busy each one's forward runs on a worker thread of its own, both at once; the
     tokens are those of single-model serving, an abort while its model's forward runs waits for the step, every
@@ -665,8 +671,8 @@ def test_lanes_run_two_models_side_by_side_with_the_tokens_of_single_model_servi
     import threading
 
     monkeypatch.setattr(multi_module, "LANES", True)
-    alone = {kind: serve(engine(path, kind), [(f"{kind}-{i}", p, None) for i, p in enumerate(PROMPTS)])
-             for kind, path in tiny_dirs.items()}
+    requests = [(f"{kind}-{i}", p, kind) for i, p in enumerate(PROMPTS) for kind in tiny_dirs]
+    alone = served_alone(tiny_dirs, requests)
     engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
     threads_before = multi_module.step_threads()
@@ -683,7 +689,6 @@ def test_lanes_run_two_models_side_by_side_with_the_tokens_of_single_model_servi
             return real(runner, out)
         monkeypatch.setattr(e.runner, "execute", execute)
     monkeypatch.setattr(multi_module, "sliceable", lambda engine: True)  # the spy replaced execute
-    requests = [(f"{kind}-{i}", p, kind) for i, p in enumerate(PROMPTS) for kind in tiny_dirs]
     for rid, prompt, model in requests:
         multi.add_request(rid, prompt, GREEDY, model=model)
     multi.add_request("gone", PROMPTS[0], GREEDY, model="qwen2")
@@ -714,8 +719,7 @@ def test_a_lane_sends_its_next_forward_before_its_outputs_go_out(tiny_dirs, monk
     monkeypatch.setattr(multi_module, "LANES", True)
     monkeypatch.setattr(multi_module, "LANE_RESTART", restart)
     requests = [(f"{kind}-{i}", p, kind) for i, p in enumerate(PROMPTS[:2]) for kind in tiny_dirs]
-    alone = {kind: serve(engine(path, kind), [(r, p, None) for r, p, m in requests if m == kind])
-             for kind, path in tiny_dirs.items()}
+    alone = served_alone(tiny_dirs, requests)
     engines = {kind: engine(path, kind) for kind, path in tiny_dirs.items()}
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
     for rid, prompt, model in requests:
@@ -742,9 +746,11 @@ def test_the_lane_lowered_is_the_one_with_the_longer_decode_steps_not_the_last_l
     monkeypatch.setattr(multi_module, "LANES", True)
     engines, multi = both_streaming(tiny_dirs)
     nices = {}
-    monkeypatch.setattr(multi_module, "_lane_forward",
-                        lambda runner, out, threads, nice: (nices.setdefault(runner, nice), runner.execute(out))[1:]
-                        + (0.0, time.monotonic()))
+
+    def lane_forward(runner, out, threads, nice):  # the worker's priority recorded, nothing lowered for real
+        nices.setdefault(runner, nice)
+        return runner.execute(out), 0.0, time.monotonic()
+    monkeypatch.setattr(multi_module, "_lane_forward", lane_forward)
     multi._decode_s = {"llama": 0.040}
     assert not multi._longer_decodes("llama") and not multi._longer_decodes("qwen2")  # qwen2's is not known yet
     multi._decode_s = {"llama": 0.040, "qwen2": 0.010}
