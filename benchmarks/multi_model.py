@@ -176,6 +176,10 @@ SWITCH_VARIANTS = {
     # the Engine's build and the page mapping one load turn each, as before 2026-11-29 12:40 UTC (PIECE_TURNS off)
     "one-turn": ("smol-fp32", {"PACELINE_PIECE_TURNS": "0"}),
     "int4-one-turn": ("smol-int4", {"PACELINE_PIECE_TURNS": "0"}),
+    # the streaming model's prompts chunked beside its decodes during a load and a debut, as before 2026-11-29
+    # 18:30 UTC (multi.HOLD_PROMPTS off)
+    "unheld": ("smol-fp32", {"PACELINE_HOLD_PROMPTS": "0"}),
+    "int4-unheld": ("smol-int4", {"PACELINE_HOLD_PROMPTS": "0"}),
 }
 
 

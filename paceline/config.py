@@ -133,6 +133,9 @@ class SchedulerConfig:
     # long ago no chunk (no one-block floor): it waits for a step with room. Set per step by several models' loop
     # (engine/multi.py, SLICE_DEFER) while another model streams; a scheduler alone keeps every prompt progressing
     defer_prompt_s: float = 0.0
+    # True: a step that has decodes gives no prompt a chunk (prompts run in steps without decodes only). Set per step
+    # by several models' loop while another model loads or waits for its first token (engine/multi.py, HOLD_PROMPTS)
+    hold_prompts: bool = False
     # time slices: a request demoted to level L queues as if it had arrived L * level_aging_s after its demotion,
     # so fresh work passes it only for a while (0: strict levels, which can starve it under sustained load)
     level_aging_s: float = 5.0

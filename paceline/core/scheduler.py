@@ -388,8 +388,12 @@ class Scheduler:
         """The most of an n-token chunk of `request` starting at `start` that keeps the step's predicted time
         under max_step_ms (all n when no limit is set, or when no decode runs in the step). The first chunk of a step gets at least one block's worth, so
         prompts progress even when the decodes alone fill the time; not a prompt younger than defer_prompt_s (0
-        unless several models' loop sets it), which then waits for a step with room for at least a block."""
+        unless several models' loop sets it), which then waits for a step with room for at least a block, and none
+        beside decodes under hold_prompts (several models' loop, while another model loads or debuts)."""
         shape = step.shape
+        if (self.config.hold_prompts and n > 0 and not is_decode_slice(request, start, n)
+                and any(s.is_decode for s in step.out.scheduled)):
+            return 0
         # no decode in the step: no stream waits on it, so only the token budget bounds it. A lone prompt then runs in
         # big chunks, several times faster per token on a CPU than step-target-sized ones (a prompt finishing in this
         # step decodes in the next, which the limit bounds again). Not when this slice is itself a decode: a request

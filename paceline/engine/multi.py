@@ -111,6 +111,12 @@ DEBUT_DUE = float(os.environ.get("PACELINE_DEBUT_DUE", "4.0"))
 # first token came 0.21-0.33 s after the request (2026-11-29 09:50 UTC switch run); at a fixed 2 a float32 debut's
 # first token went past 0.5 s (run LL). 0.4 s leaves room for a prediction that falls short. 0: DEBUT_DUE alone (A/B)
 DEBUT_BY_S = float(os.environ.get("PACELINE_DEBUT_BY_S", "0.4"))
+# While a model loads on demand or waits for its first token, the other models' steps run their decodes only: a
+# prompt of theirs under way waits (Scheduler hold_prompts). Why: a float32 debut's first prompt beside an int4 stream
+# whose own prompt was in chunks ran int4 steps of a decode and 20-58 prompt tokens (35-46 ms), each counted as the
+# step the int4 streams' due time is measured in (DEBUT_DUE x it), and their gaps were 94-121 ms against their p99
+# of 64-71 ms (switch #1 of runs RRR and SSS, 2026-11-29). PACELINE_HOLD_PROMPTS=0: prompts chunked as before (A/B)
+HOLD_PROMPTS = os.environ.get("PACELINE_HOLD_PROMPTS", "1") != "0"
 # Sliced, a step of prompts alone is cut to its own whole step-time target while another model streams (_sliced_budget);
 # PACELINE_SLICE_PROMPT_CAP=0: uncut, as before (the A/B)
 SLICE_PROMPT_CAP = os.environ.get("PACELINE_SLICE_PROMPT_CAP", "1") != "0"
@@ -526,6 +532,7 @@ class MultiEngine:
         engine = self.engines[name]
         config = engine.scheduler.config
         config.lone_prefill_tokens = 0
+        config.hold_prompts = False  # lanes run only while no model loads or debuts
         # a young prompt waits for room as in the rotation (SLICE_DEFER_S): on one thread a float32 step of two
         # decodes and the 16-token floor took 78-122 ms against its 46-53 ms target (13:26 UTC step log)
         config.defer_prompt_s = SLICE_DEFER_S
@@ -584,6 +591,7 @@ class MultiEngine:
         coming = self.turns.pending or any(other != name for other in self._debut)
         others_stream = any(has_streams(self.engines[o]) for o in busy if o != name)
         config.defer_prompt_s = SLICE_DEFER_S if others_stream or coming else 0.0
+        config.hold_prompts = self._holds_prompts(name)
         if sliced:
             # Another model's streams wait for a slice of this step, not all of it (`_advance`): a step of prompts
             # alone is cut to the whole target only and a debut's prompt runs whole. The target stays shared: this
@@ -822,15 +830,23 @@ class MultiEngine:
             return math.inf
         return self._stream_step_s(name) or math.inf
 
+    def _holds_prompts(self, name: str) -> bool:
+        """Whether `name`'s steps run its decodes only (HOLD_PROMPTS): it streams while another model loads or waits
+        for its first token."""
+        return (HOLD_PROMPTS and (self.turns.pending or any(other != name for other in self._debut))
+                and has_streams(self.engines[name]))
+
     def _stream_step_s(self, name: str) -> float:
         """The step of `name` that its streams' due time is counted in (_preemptors): its last one; but after a
-        step of prompts alone (its streams' first token), the next is a decode step, so (SLICE_STREAM_DUE) its last
-        step of decodes alone, or the step-time model's prediction of one for its streams."""
+        step of prompts alone (its streams' first token), or of a chunk beside its decodes while its prompts are
+        held (HOLD_PROMPTS), the next is a decode step, so (SLICE_STREAM_DUE) its last step of decodes alone, or the
+        step-time model's prediction of one for its streams."""
         engine = self.engines[name]
         last = engine.last_step
         if last is None:
             return 0.0
-        if not SLICE_STREAM_DUE or last.num_decode_tokens > 0:
+        if not SLICE_STREAM_DUE or last.num_decode_tokens > 0 and not (last.num_prefill_tokens
+                                                                         and self._holds_prompts(name)):
             return last.duration
         if name in self._decode_s:
             return self._decode_s[name]

@@ -279,12 +279,18 @@ class Residency:
         try:
             t0 = time.perf_counter()
             async with self._lock:  # a load that comes next waits for these ~0.4 s, not the other way round
-                await asyncio.get_running_loop().run_in_executor(self._packer, _pack_slowly, linears)
+                await asyncio.get_running_loop().run_in_executor(self._packer, _pack_slowly, linears,
+                                                                 self._record_pack)
             await self.async_engine.call(lambda: drop_plain_weights(linears))
             log.info("model %s: %d linears packed in %.2f s while serving", name, len(linears),
                      time.perf_counter() - t0)
         except Exception:  # it serves on, unpacked
             log.exception("packing model %s failed", name)
+
+    def _record_pack(self, start: float, end: float, cpu: float) -> None:
+        """On the packer thread: one Linear's packing, among the loop's recent steps (a switch's step record shows
+        it beside the steps it may have slowed)."""
+        self.multi.recent_steps.append(("(pack)", start, end, cpu, 0, 0))
 
     def _fits(self, need: int, exclude: ModelSlot) -> tuple[bool, str]:
         loaded = [s for s in self.slots.values() if s.state != "unloaded" and s is not exclude]
@@ -498,17 +504,21 @@ def unpacked_linears(engine: Engine) -> list[Linear]:
     return model_unpacked_linears(model)
 
 
-def _pack_slowly(linears: list[Linear]) -> None:
+def _pack_slowly(linears: list[Linear], record: Callable[[float, float, float], None] | None = None) -> None:
     """On the packer thread (one torch thread, PACK_NICE), while the model already serves: pack one Linear at a
     time. The engine thread may be calling it meanwhile; Linear reads `packed` first, so a call uses either the
     plain weight or the packed copy, both whole. The sleep (PACK_PAUSE_S) hands the core back between two.
-    Its own thread: once lowered, a thread's priority may not be raised again without privileges."""
+    Its own thread: once lowered, a thread's priority may not be raised again without privileges. `record`(start,
+    end, CPU seconds) hears of each Linear."""
     set_nice(PACK_NICE)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for lin in linears:
+            start, cpu = time.monotonic(), time.thread_time()
             lin.packed = Linear._pack(lin.weight, lin.bias)
+            if record is not None:
+                record(start, time.monotonic(), time.thread_time() - cpu)
             time.sleep(PACK_PAUSE_S)
     finally:
         torch.set_num_threads(threads)

@@ -1,5 +1,6 @@
 """defer_prompt_s (set by several models' loop while another model streams): a step whose decodes alone fill the
-step-time target gives a young prompt no chunk instead of the one-block floor; an older one gets its block."""
+step-time target gives a young prompt no chunk instead of the one-block floor; an older one gets its block.
+hold_prompts (set while another model loads or debuts): no prompt gets a chunk beside decodes, whatever its age."""
 from __future__ import annotations
 
 from sched_util import make_request, make_scheduler, step
@@ -12,10 +13,10 @@ def linear_model(s: BatchShape) -> float:
     return 0.010 + 0.001 * s.num_prefill_tokens + 0.002 * s.num_decodes
 
 
-def prompt_chunks(defer_prompt_s: float, steps: int = 4, max_step_ms: float = 20) -> list[int]:
+def prompt_chunks(defer_prompt_s: float, steps: int = 4, max_step_ms: float = 20, hold: bool = False) -> list[int]:
     # 6 decodes predict 22 ms against a 20 ms target: no prompt token fits beside them
     sched = make_scheduler("stall-free", budget=512, step_time=linear_model, max_step_ms=max_step_ms,
-                           defer_prompt_s=defer_prompt_s)
+                           defer_prompt_s=defer_prompt_s, hold_prompts=hold)
     for i in range(6):
         sched.add_request(make_request(f"d{i}", 8, max_tokens=400))
     t = 1.0
@@ -48,3 +49,14 @@ def test_a_young_prompt_takes_no_sliver_either() -> None:
     assert prompt_chunks(2.5, max_step_ms=27) == [0, 0, 16, 16]
     # room for a block or more: the young prompt takes it
     assert prompt_chunks(2.5, max_step_ms=42)[0] == 20
+
+
+def test_held_prompts_get_no_chunk_beside_decodes_of_any_size_or_age() -> None:
+    assert prompt_chunks(0.0, max_step_ms=200, hold=True) == [0, 0, 0, 0]  # room for 178 tokens: none taken
+    assert prompt_chunks(0.0, steps=1, max_step_ms=200) == [178]  # unheld, it takes them
+
+
+def test_held_prompts_run_in_steps_without_decodes() -> None:
+    sched = make_scheduler("stall-free", budget=64, step_time=linear_model, max_step_ms=20, hold_prompts=True)
+    sched.add_request(make_request("p", 100, max_tokens=4))
+    assert dict(step(sched, 1.0).batch) == {"p": 64}  # no stream waits on the step: the token budget bounds it

@@ -527,6 +527,37 @@ def test_a_models_prompts_may_wait_for_room_only_while_another_model_streams(tin
     assert engines["llama"].scheduler.config.defer_prompt_s == multi_module.SLICE_DEFER_S
 
 
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_streaming_models_prompts_wait_while_another_model_loads_or_debuts(tiny_dirs, monkeypatch, hold):
+    """HOLD_PROMPTS: beside a load or another model's first prompt, a streaming model's steps run its decodes only,
+    and its streams' due time counts its decode step, not the chunk step before; PACELINE_HOLD_PROMPTS=0: chunks
+    as before (the A/B)."""
+    monkeypatch.setattr(multi_module, "HOLD_PROMPTS", hold)
+    engines, multi = llama_streaming(tiny_dirs)
+    engines["llama"].add_request("p", PROMPTS[0], GREEDY)  # a prompt that chunks beside the stream
+    engines["qwen2"].add_request("q", "x y", GREEDY)
+    busy = ["llama", "qwen2"]
+    multi._debut["qwen2"] = multi_module.LoadTimeline(start=0.0)  # loaded, its first prompt still to run
+    run = multi._start("llama", busy, sliced=False)
+    assert engines["llama"].scheduler.config.hold_prompts is hold
+    while next(run.gen, "done") != "done":
+        pass
+    last = engines["llama"].last_step
+    assert (last.num_decode_tokens, last.num_prefill_tokens > 0) == (1, not hold)
+    multi._start("qwen2", busy, sliced=False)
+    assert not engines["qwen2"].scheduler.config.hold_prompts  # the debut itself: no stream of its own
+    multi._decode_s["llama"] = 0.010
+    engines["llama"].last_step = StepStats(1, 30, 2, duration=0.080)  # a chunk step from before the hold
+    assert multi._stream_step_s("llama") == (0.010 if hold else 0.080)
+    del multi._debut["qwen2"]
+    multi.turns.pending = True  # a load under way holds them too
+    multi._start("llama", busy, sliced=False)
+    assert engines["llama"].scheduler.config.hold_prompts is hold
+    multi.turns.pending = False
+    multi._start("llama", busy, sliced=False)
+    assert not engines["llama"].scheduler.config.hold_prompts
+    assert multi._stream_step_s("llama") == 0.080
+
 @pytest.mark.parametrize("whole", [True, False])
 def test_a_step_nothing_could_preempt_runs_in_one_piece(tiny_dirs, monkeypatch, whole):
     """The preemptor's step (the other model's step is suspended, so it is due to no one) runs the runner's plain
