@@ -205,7 +205,7 @@ LOAD_TURN_TARGET = os.environ.get("PACELINE_LOAD_TURN_TARGET", "1") != "0"
 # turn each, a float32 load took ten rotations, and beside int4 steps of 50 ms (its own prompt chunks) its first
 # token came 0.706 s after the request (2026-11-29 12:41 UTC switch run). With nothing busy, a turn takes every piece
 CHAIN_WAIT_S = 0.002  # how long a turn waits for the next piece to ask (the loader asks right after one ends)
-LOAD_TURN_CHAIN_S = 0.02
+LOAD_TURN_CHAIN_S = float(os.environ.get("PACELINE_LOAD_TURN_CHAIN_MS", "20")) / 1000.0
 TURN_GUESS_S = 0.04  # a turn's length before the first one is measured (the bundled model's: 23-42 ms, 2026-11-29)
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -428,7 +428,11 @@ class MultiEngine:
             self.engines[model].abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return any(e.has_unfinished() for e in self.engines.values())
+        """Work for the engine loop: a model's requests, or a load piece asking for a turn. Why the ask: a load's
+        nudge that reached the loop while a busy model had just had its turn (serve_load_turn skips it: one turn per
+        rotation) was lost when that model's last request then finished; the idle loop served no turn and the load
+        waited out its 5 s timeout (a float32 first token 5.22 s after its request, switch run WWW, 2026-11-29)."""
+        return any(e.has_unfinished() for e in self.engines.values()) or self.turns.is_asked()
 
     def stats(self) -> MultiStats:
         total = MultiStats()

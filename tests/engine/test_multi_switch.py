@@ -209,6 +209,34 @@ def test_a_load_turn_that_nobody_serves_runs_after_its_timeout():
     assert nudged == [1] and 0.05 <= time.monotonic() - start < 5.0
 
 
+def test_a_turn_asked_just_after_one_is_served_when_the_busy_models_then_finish(tiny_dirs):
+    """One turn per rotation: a piece asking right after a turn waits for the busy model's step. If that step
+    finishes the model's last request, the loop still has work (the ask) and its next call serves the turn; before,
+    the idle loop left the load waiting out its timeout (5.22 s, switch run WWW, 2026-11-29)."""
+    streaming = engine(tiny_dirs["llama"], "llama")
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": streaming})
+    multi.add_request("s", "a b", SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), model="llama")
+    ran = threading.Event()
+
+    def piece() -> None:
+        with multi.turns.take(timeout_s=5.0):
+            ran.set()
+
+    multi._turn_since_step = True  # a turn was just served: the busy model steps first
+    with concurrent.futures.ThreadPoolExecutor(1) as loader:
+        done = loader.submit(piece)
+        while not multi.turns.is_asked():
+            time.sleep(0.001)
+        multi.serve_load_turn()  # the nudge's call: skipped, one turn per rotation
+        assert not ran.is_set()
+        while streaming.has_unfinished():
+            multi.step()
+        assert multi.has_unfinished()  # nothing busy, but the ask is work for the loop
+        start = time.monotonic()
+        multi.step()
+        done.result(timeout=5.0)
+        assert ran.is_set() and time.monotonic() - start < 1.0 and not multi.has_unfinished()
+
 def test_a_load_on_demand_builds_in_turns_between_the_other_models_steps(tiny_dirs):
     from paceline.engine.residency import _build_engine, _install
 
