@@ -196,6 +196,7 @@ ONE_LOOP_VARIANTS = {
     # two busy models' steps side by side on a worker thread each, one OpenMP thread each (multi.py LANES);
     # lanes are the default since 13:45 UTC: one-loop-rotation is every step in the rotation, as before (the A/B)
     "one-loop-rotation": {"PACELINE_LANES": "0"}, "one-loop-lanes-nice0": {"PACELINE_LANE_NICE": "0"},
+    "one-loop-lanes-nice10": {"PACELINE_LANE_NICE": "10"},
     # a lane's next step started before its outputs go out, not on the engine loop's next call (multi.LANE_RESTART)
     "one-loop-restart": {"PACELINE_LANE_RESTART": "1"},
     "one-loop-unsliced": {"PACELINE_SLICE": "0"}, "one-loop-no-defer": {"PACELINE_SLICE_DEFER_S": "0"},
