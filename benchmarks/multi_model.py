@@ -177,7 +177,7 @@ SWITCH_VARIANTS = {
     "one-turn": ("smol-fp32", {"PACELINE_PIECE_TURNS": "0"}),
     "int4-one-turn": ("smol-int4", {"PACELINE_PIECE_TURNS": "0"}),
     # the streaming model's prompts chunked beside its decodes during a load and a debut, as before 2026-11-29
-    # 18:30 UTC (multi.HOLD_PROMPTS off)
+    # 17:52 UTC (multi.HOLD_PROMPTS off)
     "unheld": ("smol-fp32", {"PACELINE_HOLD_PROMPTS": "0"}),
     "int4-unheld": ("smol-int4", {"PACELINE_HOLD_PROMPTS": "0"}),
     # a load's pieces chained into turns of 8 ms, not 20 (multi.LOAD_TURN_CHAIN_S)

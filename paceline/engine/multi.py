@@ -849,8 +849,8 @@ class MultiEngine:
         last = engine.last_step
         if last is None:
             return 0.0
-        if not SLICE_STREAM_DUE or last.num_decode_tokens > 0 and not (last.num_prefill_tokens
-                                                                         and self._holds_prompts(name)):
+        held_chunk = last.num_prefill_tokens > 0 and self._holds_prompts(name)
+        if not SLICE_STREAM_DUE or (last.num_decode_tokens > 0 and not held_chunk):
             return last.duration
         if name in self._decode_s:
             return self._decode_s[name]

@@ -558,6 +558,7 @@ def test_a_streaming_models_prompts_wait_while_another_model_loads_or_debuts(tin
     assert not engines["llama"].scheduler.config.hold_prompts
     assert multi._stream_step_s("llama") == 0.080
 
+
 @pytest.mark.parametrize("whole", [True, False])
 def test_a_step_nothing_could_preempt_runs_in_one_piece(tiny_dirs, monkeypatch, whole):
     """The preemptor's step (the other model's step is suspended, so it is due to no one) runs the runner's plain
