@@ -562,7 +562,8 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
 # Only GGUF sources get one, next to their converted folder (whose key it includes): for a Hugging Face folder
 # or a test's tiny checkpoint the conversion is all the work there is. The file is a pickle written by this
 # program into the user's own cache; it is only ever read from there.
-SNAPSHOT_FORMAT = 1
+# 2 (2026-11-29): plain tensors rebuilt by _rebuild_mapped rather than torch's _rebuild_tensor_v2
+SNAPSHOT_FORMAT = 2
 # snapshots kept in the cache, the most recently used first: every new paceline version, mode or kernel switch has
 # its own key and file (~0.4-0.5 GB for the bundled model), and without a bound they filled a development
 # machine's disk (175 files, 71 GB, 2026-11-25). A snapshot read counts as used.
@@ -570,11 +571,15 @@ SNAPSHOT_KEEP = 8
 
 
 class _SnapshotPickler(pickle.Pickler):
-    """Pickles the custom ops the model holds (paceline's C++ kernels) as the call that loads them again."""
+    """Pickles the custom ops the model holds (paceline's C++ kernels) as the call that loads them again, and plain
+    tensors as _rebuild_mapped of their storage."""
 
     def reducer_override(self, obj: Any) -> Any:
         from paceline.model import fused_kernel, int4_kernel, logits_kernel, w8a8_kernel
 
+        if type(obj) is torch.Tensor and _plain_tensor(obj):
+            return _rebuild_mapped, (obj.untyped_storage(), obj.storage_offset(), tuple(obj.size()), obj.stride(),
+                                     obj.dtype)
         if isinstance(obj, fused_kernel.FusedOps):  # the layers' norm/RoPE/SiLU ops, loaded as one set
             return _require_op, (fused_kernel.__name__,)
         if isinstance(obj, torch._ops.OpOverloadPacket):
@@ -583,6 +588,22 @@ class _SnapshotPickler(pickle.Pickler):
                     return _require_op, (kernel.__name__,)
             raise pickle.PicklingError(f"op {obj} has no known loader")
         return NotImplemented
+
+
+def _plain_tensor(t: torch.Tensor) -> bool:
+    """A strided CPU tensor with nothing but its data: no autograd state, no attributes, no lazy bits."""
+    return (t.layout == torch.strided and t.device.type == "cpu" and not t.requires_grad and t.grad_fn is None
+            and not t.is_quantized and not t.is_conj() and not t.is_neg() and not t.__dict__)
+
+
+def _rebuild_mapped(storage: Any, offset: int, size: tuple[int, ...], stride: tuple[int, ...],
+                    dtype: torch.dtype) -> torch.Tensor:
+    """On unpickling a snapshot: a tensor over its (mapped) storage. Why not torch's own rebuild: in torch 2.13
+    _rebuild_tensor_v2 asks, for every tensor, whether a fake-tensor mode is active, a walk that took ~0.1 ms a
+    tensor, ~20 of the ~25 ms the float32 bundled model's snapshot took to unpickle (cProfile, 2026-11-29 18:40
+    UTC); a load on demand holds the interpreter for all of it, one turn the other models' streams wait for."""
+    untyped = getattr(storage, "_untyped_storage", storage)  # torch.load hands a byte TypedStorage back
+    return torch.empty((0,), dtype=dtype).set_(untyped, offset, size, stride)
 
 
 def _require_op(module: str) -> Any:

@@ -95,6 +95,37 @@ def test_second_load_maps_the_snapshot_and_decodes_the_same(gguf, mode, monkeypa
     assert packing(second.runner.model) == packing(reference)
 
 
+def test_snapshot_tensors_come_back_equal_mapped_and_sharing_their_storage(tmp_path, monkeypatch):
+    """Plain tensors are stored as loader._rebuild_mapped of their storage (not torch's _rebuild_tensor_v2, whose
+    fake-mode check cost ~0.1 ms a tensor); anything else (a Parameter) pickles as torch pickles it. Views still
+    share their storage, and the storage is mapped from the file."""
+    base = torch.arange(12, dtype=torch.float32).view(3, 4)
+    model = {"base": base, "view": base[:, 1:], "codes": torch.arange(8, dtype=torch.uint8),
+             "bf16": torch.full((3,), 1.5, dtype=torch.bfloat16), "param": torch.nn.Parameter(torch.ones(2))}
+    path = tmp_path / "model.pt"
+    loader.write_snapshot(model, path)
+    rebuilt = []
+    real = loader._rebuild_mapped
+    monkeypatch.setattr(loader, "_rebuild_mapped", lambda *a: rebuilt.append(a[-1]) or real(*a))
+    back = loader.read_snapshot(path)
+    # the Parameter pickles as torch's _rebuild_parameter of its data, a plain tensor: that one is ours too
+    assert sorted(map(str, rebuilt)) == sorted(map(str, [torch.float32] * 3 + [torch.uint8, torch.bfloat16]))
+    for name, t in model.items():
+        assert torch.equal(back[name], t) and back[name].dtype == t.dtype and back[name].stride() == t.stride(), name
+    assert isinstance(back["param"], torch.nn.Parameter)
+    assert back["view"].untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr()
+    assert mapped_from(back["base"].data_ptr()) == str(path)  # mapped from the file, not read into memory
+
+
+def mapped_from(address: int) -> str | None:
+    """The file the memory at `address` is mapped from (Linux's /proc/self/maps), None if anonymous."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= address < hi:
+            return rest[4] if len(rest) == 5 else None
+    return None
+
 def test_snapshot_key_follows_the_mode_and_the_file(gguf, tmp_path):
     a = loader.snapshot_path(gguf, "float32", "none", "auto")
     assert a != loader.snapshot_path(gguf, "bfloat16", "none", "auto")
