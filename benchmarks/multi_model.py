@@ -180,8 +180,9 @@ SWITCH_VARIANTS = {
     # 17:52 UTC (multi.HOLD_PROMPTS off)
     "unheld": ("smol-fp32", {"PACELINE_HOLD_PROMPTS": "0"}),
     "int4-unheld": ("smol-int4", {"PACELINE_HOLD_PROMPTS": "0"}),
-    # a load's pieces chained into turns of 8 ms, not 20 (multi.LOAD_TURN_CHAIN_S)
+    # a load's pieces chained into turns of 8 or 12 ms, not 20 (multi.LOAD_TURN_CHAIN_S)
     "chain8": ("smol-fp32", {"PACELINE_LOAD_TURN_CHAIN_MS": "8"}),
+    "chain12": ("smol-fp32", {"PACELINE_LOAD_TURN_CHAIN_MS": "12"}),
     "int4-chain8": ("smol-int4", {"PACELINE_LOAD_TURN_CHAIN_MS": "8"}),
 }
 

@@ -383,15 +383,22 @@ def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
     _install gives it once it has a profile. Its KV pool's prefault waits for `held` (set at the first token).
     With `turns`, building the Engine and mapping its pages in each run as a turn of the step loop (LoadTurns in
     multi.py: the engine thread waits between two steps while the piece runs)."""
+    pieces = [0]
+
     @contextlib.contextmanager
     def turn() -> Iterator[None]:
         # inside, each larger piece a turn of its own (loader.piece_break): the Engine in one turn took 25-53 ms,
         # once 198 ms, and the int4 streams beside a float32 load waited for all of it on top of their step (gaps
         # 55-61 ms against their p99 of 50-59, 2026-11-29 11:42 UTC switch run); in parts (the snapshot's
-        # unpickling, ~26 ms, is the largest) and the mapping in ~MAP_IN_PIECE_BYTES parts
-        with (turns.take(nudge) if turns is not None else contextlib.nullcontext()) as next_turn, \
-                piece_breaks(next_turn if PIECE_TURNS else None):
-            yield
+        # unpickling, ~26 ms, ~10.5 since SNAPSHOT_FORMAT 2, is the largest) and the mapping in ~MAP_IN_PIECE_BYTES
+        # parts. Each piece's end is marked in the timeline (piece1, piece2, ...): the switch's record shows them
+        with (turns.take(nudge) if turns is not None else contextlib.nullcontext()) as next_turn:
+            def next_piece() -> None:
+                pieces[0] += 1
+                timeline.mark(f"piece{pieces[0]}")
+                next_turn()
+            with piece_breaks(next_piece if PIECE_TURNS and next_turn is not None else None):
+                yield
 
     timeline = timeline or LoadTimeline(time.monotonic())
     timeline.mark("build_start")

@@ -261,6 +261,7 @@ def test_a_load_on_demand_builds_in_turns_between_the_other_models_steps(tiny_di
     assert 1 <= len(loads) <= 5, loads
     marks = timeline.marks
     assert marks["build_start"] <= loads[0][0]
+    assert marks["piece1"] < marks["engine_built"]  # each piece's end is marked
     for mark in ("engine_built", "mapped"):  # each piece ran while the loop waited
         assert any(a <= marks[mark] <= b for a, b in loads), mark
     for (_, end), (start, _) in zip(loads, loads[1:]):  # a step of the others between every two turns
