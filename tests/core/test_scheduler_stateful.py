@@ -98,6 +98,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(steps):
             self.run_step(rng)
 
+    @rule(hold=st.booleans())
+    def hold_prompts(self, hold) -> None:
+        """Several models' loop holds a streaming model's prompts while another model loads or debuts
+        (SchedulerConfig.hold_prompts): steps with decodes then carry no prompt chunk."""
+        self.sched.config.hold_prompts = hold
+
     @precondition(lambda self: self.sched.has_unfinished())
     @rule(pick=st.integers(0, 10**6), how=st.sampled_from(["abort", "stop", None, None, None, None]))
     def end_one(self, pick, how) -> None:
@@ -125,6 +131,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert s.request.request_id not in out.preempted_ids
         if sched.config.policy == "stall-free":
             assert out.num_batched_tokens <= stall_free_budget(sched.config, out)
+            if sched.config.hold_prompts:  # no prompt chunk joins a step once it holds a decode (a stream readmitted
+                # from the waiting queue may still follow a prompt admitted before it: the rule sees the step so far)
+                seen = [s.is_decode for s in out.scheduled]
+                assert all(seen[seen.index(True):]) if True in seen else True, "a prompt chunk joined decodes while held"
         tokens = {s.request.request_id: rng.randrange(100) for s in out.scheduled if s.needs_sample and not s.spec_token_ids}
         # a speculative decode: the target keeps a random prefix of the proposals (often all), then its own token
         verified = {s.request.request_id: s.spec_token_ids[:rng.choice([0, len(s.spec_token_ids), rng.randrange(len(s.spec_token_ids) + 1)])]
@@ -339,4 +349,18 @@ def test_found_by_a_longer_run_two_prompts_that_fit_only_one_at_a_time() -> None
     m.arrive(client="", max_tokens=34, prefix=1, priority=0, prompt_len=3, salt=None, seed=0)
     m.arrive(client="", max_tokens=1, prefix=0, priority=0, prompt_len=19, salt=None, seed=0)
     m.arrive(client="", max_tokens=1, prefix=0, priority=0, prompt_len=11, salt="x", seed=0)
+    m.teardown()
+
+
+def test_found_by_a_longer_run_a_stream_readmitted_after_a_held_prompt() -> None:
+    """hold_prompts, recompute, 2-token blocks: a stream preempted with its prompt cached is readmitted from the
+    waiting queue as a one-token decode after a fresh prompt admitted in the same step; the hold sees the step's
+    decodes so far, so that prompt ran (the machine's check: no chunk joins a step after a decode)."""
+    m = SchedulerMachine()
+    m.setup(policy="stall-free", scheduling="fcfs", mode="recompute", block_size=2, num_blocks=14, budget=4,
+            max_seqs=2, host_blocks=0, threshold=0, partial=0, aging=0.0, wait_ms=0.0, step_ms=0.0)
+    m.hold_prompts(hold=True)
+    m.arrive(client="", max_tokens=2, prefix=None, priority=0, prompt_len=25, salt=None, seed=0)
+    m.arrive(client="", max_tokens=2, prefix=None, priority=0, prompt_len=2, salt=None, seed=0)
+    m.arrive(client="", max_tokens=1, prefix=None, priority=0, prompt_len=1, salt=None, seed=0)
     m.teardown()
