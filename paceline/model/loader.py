@@ -600,7 +600,7 @@ def _rebuild_mapped(storage: Any, offset: int, size: tuple[int, ...], stride: tu
                     dtype: torch.dtype) -> torch.Tensor:
     """On unpickling a snapshot: a tensor over its (mapped) storage. Why not torch's own rebuild: in torch 2.13
     _rebuild_tensor_v2 asks, for every tensor, whether a fake-tensor mode is active, a walk that took ~0.1 ms a
-    tensor, ~20 of the ~25 ms the float32 bundled model's snapshot took to unpickle (cProfile, 2026-11-29 18:40
+    tensor, ~20 of the ~25 ms the float32 bundled model's snapshot took to unpickle (cProfile, 2026-11-29 18:30
     UTC); a load on demand holds the interpreter for all of it, one turn the other models' streams wait for."""
     untyped = getattr(storage, "_untyped_storage", storage)  # torch.load hands a byte TypedStorage back
     return torch.empty((0,), dtype=dtype).set_(untyped, offset, size, stride)
