@@ -592,7 +592,7 @@ class MultiEngine:
         # prompt run between this model's steps, so those steps defer young prompts too. Why: float32 steps of a
         # decode and the 16-token floor (54-79 ms) with a 25-42 ms load turn between two of them made its streams'
         # gaps 106-113 ms against their p99 of 98 ms while int4 loaded (2026-11-29 10:00 UTC switch run)
-        coming = self.turns.pending or any(other != name for other in self._debut)
+        coming = self._another_coming(name)
         others_stream = any(has_streams(self.engines[o]) for o in busy if o != name)
         config.defer_prompt_s = SLICE_DEFER_S if others_stream or coming else 0.0
         config.hold_prompts = self._holds_prompts(name)
@@ -834,11 +834,13 @@ class MultiEngine:
             return math.inf
         return self._stream_step_s(name) or math.inf
 
+    def _another_coming(self, name: str) -> bool:
+        """Whether another model than `name` is loading on demand or waiting for its first token: it streams next."""
+        return self.turns.pending or any(other != name for other in self._debut)
+
     def _holds_prompts(self, name: str) -> bool:
-        """Whether `name`'s steps run its decodes only (HOLD_PROMPTS): it streams while another model loads or waits
-        for its first token."""
-        return (HOLD_PROMPTS and (self.turns.pending or any(other != name for other in self._debut))
-                and has_streams(self.engines[name]))
+        """Whether `name`'s steps run its decodes only (HOLD_PROMPTS): it streams while another model is coming."""
+        return HOLD_PROMPTS and self._another_coming(name) and has_streams(self.engines[name])
 
     def _stream_step_s(self, name: str) -> float:
         """The step of `name` that its streams' due time is counted in (_preemptors): its last one; but after a

@@ -28,6 +28,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import itertools
 import json
 import logging
 import threading
@@ -383,7 +384,7 @@ def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
     _install gives it once it has a profile. Its KV pool's prefault waits for `held` (set at the first token).
     With `turns`, building the Engine and mapping its pages in each run as a turn of the step loop (LoadTurns in
     multi.py: the engine thread waits between two steps while the piece runs)."""
-    pieces = [0]
+    pieces = itertools.count(1)
 
     @contextlib.contextmanager
     def turn() -> Iterator[None]:
@@ -394,8 +395,7 @@ def _build_engine(config: EngineConfig, timeline: LoadTimeline | None = None,
         # parts. Each piece's end is marked in the timeline (piece1, piece2, ...): the switch's record shows them
         with (turns.take(nudge) if turns is not None else contextlib.nullcontext()) as next_turn:
             def next_piece() -> None:
-                pieces[0] += 1
-                timeline.mark(f"piece{pieces[0]}")
+                timeline.mark(f"piece{next(pieces)}")
                 next_turn()
             with piece_breaks(next_piece if PIECE_TURNS and next_turn is not None else None):
                 yield

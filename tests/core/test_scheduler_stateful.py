@@ -133,8 +133,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert out.num_batched_tokens <= stall_free_budget(sched.config, out)
             if sched.config.hold_prompts:  # no prompt chunk joins a step once it holds a decode (a stream readmitted
                 # from the waiting queue may still follow a prompt admitted before it: the rule sees the step so far)
-                seen = [s.is_decode for s in out.scheduled]
-                assert all(seen[seen.index(True):]) if True in seen else True, "a prompt chunk joined decodes while held"
+                decodes = [s.is_decode for s in out.scheduled]
+                first = decodes.index(True) if True in decodes else len(decodes)
+                assert all(decodes[first:]), "a prompt chunk joined decodes while held"
         tokens = {s.request.request_id: rng.randrange(100) for s in out.scheduled if s.needs_sample and not s.spec_token_ids}
         # a speculative decode: the target keeps a random prefix of the proposals (often all), then its own token
         verified = {s.request.request_id: s.spec_token_ids[:rng.choice([0, len(s.spec_token_ids), rng.randrange(len(s.spec_token_ids) + 1)])]
