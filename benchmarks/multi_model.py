@@ -184,6 +184,14 @@ SWITCH_VARIANTS = {
     "chain8": ("smol-fp32", {"PACELINE_LOAD_TURN_CHAIN_MS": "8"}),
     "chain12": ("smol-fp32", {"PACELINE_LOAD_TURN_CHAIN_MS": "12"}),
     "int4-chain8": ("smol-int4", {"PACELINE_LOAD_TURN_CHAIN_MS": "8"}),
+    # a load's pieces broken only between the larger ones, its turns chained up to 20 ms whatever the others' decode
+    # steps, as before 2026-11-29 20:30 UTC (loader.PIECE_TICK_S and multi.LOAD_TURN_BY_DECODE off)
+    "coarse": ("smol-fp32", {"PACELINE_PIECE_TICK_MS": "0", "PACELINE_LOAD_TURN_BY_DECODE": "0"}),
+    "int4-coarse": ("smol-int4", {"PACELINE_PIECE_TICK_MS": "0", "PACELINE_LOAD_TURN_BY_DECODE": "0"}),
+    # a debut's rest judged by all its layers so far, the first (with the step's head) among them, as before
+    # 2026-11-29 20:45 UTC (multi.DEBUT_PACE_ALL)
+    "pace-all": ("smol-fp32", {"PACELINE_DEBUT_PACE_ALL": "1"}),
+    "int4-pace-all": ("smol-int4", {"PACELINE_DEBUT_PACE_ALL": "1"}),
 }
 
 
@@ -230,8 +238,8 @@ ONE_LOOP_VARIANTS = {
 
 def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, variant: str = "") -> dict:
     """Streams of one model run; requests for the other model, unloaded (keep_alive 0: it leaves once idle), arrive
-    mid-run, up to --switches of them, each 1 s after one of the streaming model's arrivals (so that its streams
-    run while the target loads) and at least SWITCH_SPACING_S after the one before. Per switch: its TTFT (the load
+    mid-run, up to --switches of them, each --switch-after (1 s) after one of the streaming model's arrivals (so that
+    its streams run while the target loads) and at least SWITCH_SPACING_S after the one before. Per switch: its TTFT (the load
     included), the server's split of it (seconds from the request to each mark, residency.LoadTimeline) and every
     step around it (PACELINE_LOG_SWITCH_STEPS), and the streaming model's largest gap while it ran, at the client
     and between two of its steps at the server, against their p99 outside every switch.
@@ -250,9 +258,9 @@ def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, va
         steady = [replace(r, model=other) for r in steady]
         times: list[float] = []
         for r in steady:
-            if r.arrival_s >= 2.0 and len(times) < args.switches and (not times or
-                                                                      r.arrival_s + 1.0 >= times[-1] + SWITCH_SPACING_S):
-                times.append(r.arrival_s + 1.0)
+            at = r.arrival_s + args.switch_after
+            if r.arrival_s >= 2.0 and len(times) < args.switches and (not times or at >= times[-1] + SWITCH_SPACING_S):
+                times.append(at)
         # model= by name: before 2026-11-24 this was the sixth positional field (client), so the request went to
         # the first model served
         switches = [RequestSpec(len(steady) + i, at, 64, 16, 0, model=target) for i, at in enumerate(times)]
@@ -322,6 +330,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60.0, help="arrivals span this long")
     p.add_argument("--switch-seconds", type=float, default=30.0)
     p.add_argument("--switches", type=int, default=4, help="switches per switch run (the model unloads in between)")
+    # 1 s: an int4 stream of 64 tokens has often ended by then, so a float32 load found no int4 stream to stall
+    p.add_argument("--switch-after", type=float, default=1.0,
+                   help="seconds after one of the streaming model's arrivals that a switch's request comes")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

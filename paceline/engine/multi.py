@@ -111,6 +111,12 @@ DEBUT_DUE = float(os.environ.get("PACELINE_DEBUT_DUE", "4.0"))
 # first token came 0.21-0.33 s after the request (2026-11-29 09:50 UTC switch run); at a fixed 2 a float32 debut's
 # first token went past 0.5 s (run LL). 0.4 s leaves room for a prediction that falls short. 0: DEBUT_DUE alone (A/B)
 DEBUT_BY_S = float(os.environ.get("PACELINE_DEBUT_BY_S", "0.4"))
+# ... judging the rest of its step by the pace of its layers after the first (`_debut_due`): the first carries the
+# step's head and, in a model just loaded, first-call set-up: a float32 64-token prompt's first boundary came after
+# 7.5-13 ms against 4.4 per layer after it (/tmp timing, 2026-11-29 20:40 UTC), so by all its layers the rest looked
+# up to 1.7x longer at the start, and the int4 streams waited DEBUT_DUE x their step there (slices of 25 and 37 ms,
+# gaps of 43.6 ms against their p99 of 28.9, switch run LLLL). PACELINE_DEBUT_PACE_ALL=1: every layer, as before (A/B)
+DEBUT_PACE_ALL = os.environ.get("PACELINE_DEBUT_PACE_ALL", "0") == "1"
 # While a model loads on demand or waits for its first token, the other models' steps run their decodes only: a
 # prompt of theirs under way waits (Scheduler hold_prompts). Why: a float32 debut's first prompt beside an int4 stream
 # whose own prompt was in chunks ran int4 steps of a decode and 20-58 prompt tokens (35-46 ms), each counted as the
@@ -206,6 +212,11 @@ LOAD_TURN_TARGET = os.environ.get("PACELINE_LOAD_TURN_TARGET", "1") != "0"
 # token came 0.706 s after the request (2026-11-29 12:41 UTC switch run). With nothing busy, a turn takes every piece
 CHAIN_WAIT_S = 0.002  # how long a turn waits for the next piece to ask (the loader asks right after one ends)
 LOAD_TURN_CHAIN_S = float(os.environ.get("PACELINE_LOAD_TURN_CHAIN_MS", "20")) / 1000.0
+# ... and no longer than the busy models' shortest last decode step (`_turn_chain_s`): their streams then wait at most
+# about two decode steps while a model loads, within the p99 their own prompt chunks set, where 20 ms turns beside
+# int4 decode steps of 6-10 ms made gaps past it (float32 loads: others within their p99 in 11 of 28, 2026-11-29).
+# The pieces break finely enough for that since loader.PIECE_TICK_S. PACELINE_LOAD_TURN_BY_DECODE=0: the fixed chain
+LOAD_TURN_BY_DECODE = os.environ.get("PACELINE_LOAD_TURN_BY_DECODE", "1") != "0"
 TURN_GUESS_S = 0.04  # a turn's length before the first one is measured (the bundled model's: 23-42 ms, 2026-11-29)
 STEP_RING = 512  # the last steps of every model, kept so that a switch can show the steps around it
 SWITCH_STEPS_BEFORE_S = 0.5  # a switch's step record starts this long before its request
@@ -454,10 +465,18 @@ class MultiEngine:
         self._turn_since_step = True
         limit_s = (self._foreign_step_s(None, busy) if busy else 0.0) or LOAD_TURN_MAX_S
         start, cpu = time.monotonic(), time.thread_time()
-        if self.turns.serve(limit_s, LOAD_TURN_CHAIN_S if busy else limit_s) > 0:
+        if self.turns.serve(limit_s, self._turn_chain_s(busy) if busy else limit_s) > 0:
             end = time.monotonic()
             self._turn_s = end - start
             self.recent_steps.append(("(load)", start, end, time.thread_time() - cpu, 0, 0))
+
+    def _turn_chain_s(self, busy: list[str]) -> float:
+        """How long a load's turn chains its pieces beside the busy models: LOAD_TURN_CHAIN_S, or less, their
+        shortest last decode-only step (LOAD_TURN_BY_DECODE; a model with none yet does not count)."""
+        decodes = [self._decode_s[m] for m in busy if m in self._decode_s]
+        if not LOAD_TURN_BY_DECODE or not decodes:
+            return LOAD_TURN_CHAIN_S
+        return min(LOAD_TURN_CHAIN_S, min(decodes))
 
     def step(self) -> list[RequestOutput]:
         """Run steps until one model's step ends; its outputs. Where slicing applies, a step is suspended between
@@ -679,6 +698,8 @@ class MultiEngine:
                 next(run.gen)
                 now = time.monotonic()
                 run.boundaries += 1
+                if run.boundaries == 1:
+                    run.first_layer_s = run.own_s + now - resumed
                 judge = debut  # a debut's rest is judged again at every boundary, by the layers run so far
                 if watch and run.predicted_s is None and run.boundaries == 1:
                     # scheduled now: the step's predicted own time is known, so the span rule can judge it, and
@@ -754,7 +775,13 @@ class MultiEngine:
         rest = max(run.predicted_s - own_s, 0.0) if run.predicted_s is not None else None
         layers = self._layer_count(name)
         if run.boundaries and layers:  # boundary k follows layer k; the tail (head, sampling) counted as a layer
-            rest = max(rest or 0.0, own_s / run.boundaries * (layers + 1 - run.boundaries))
+            if DEBUT_PACE_ALL or run.first_layer_s is None or (run.boundaries == 1 and rest is None):
+                pace = own_s / run.boundaries
+            elif run.boundaries == 1:  # the first layer alone says little (DEBUT_PACE_ALL): the prediction
+                pace = 0.0
+            else:
+                pace = (own_s - run.first_layer_s) / (run.boundaries - 1)
+            rest = max(rest or 0.0, pace * (layers + 1 - run.boundaries))
         if rest is None:
             return watch
         need = self._own_share_needed(watch, rest, left)
@@ -1008,6 +1035,7 @@ class _Run:
     boundaries: int = 0  # layer boundaries passed so far
     own_s: float = 0.0  # wall time it ran (not suspended) before this call (SLICE_SPAN)
     predicted_s: float | None = None  # its own time, as the step-time model predicts it once scheduled (SLICE_SPAN)
+    first_layer_s: float | None = None  # its own time up to its first layer boundary (the head, the first layer)
     steps_before: int | None = None  # its scheduler's step count before it was scheduled: tells that it was
     future: concurrent.futures.Future | None = None  # a lane's forward on its worker thread (LANES)
 

@@ -47,7 +47,7 @@ from paceline.engine.model_specs import FOREVER, ModelSpec, estimate_bytes
 from paceline.engine.multi import SWITCH_STEPS_BEFORE_S, LoadTimeline, LoadTurns, MultiEngine
 from paceline.engine.prefault import held_until, madvise_function, set_nice
 from paceline.model.llama import Linear, deferred_packing
-from paceline.model.loader import piece_break, piece_breaks
+from paceline.model.loader import piece_break, piece_breaks, piece_tick
 from paceline.model.loader import unpacked_linears as model_unpacked_linears
 
 log = logging.getLogger("paceline.residency")
@@ -68,6 +68,7 @@ LOAD_TURNS = os.environ.get("PACELINE_LOAD_TURNS", "1") != "0"  # 0: the load ru
 # one turn each, as before 2026-11-29 (the A/B)
 PIECE_TURNS = os.environ.get("PACELINE_PIECE_TURNS", "1") != "0"
 MAP_IN_PIECE_BYTES = 128 << 20  # the mapping's turns: ~128 MB of pages each
+MAP_IN_CALL_BYTES = 8 << 20  # one madvise call's part: a point between two of them may break the turn (piece_tick)
 LOADER_NICE = int(os.environ.get("PACELINE_LOADER_NICE", "0"))  # the load's CPU priority (19: the A/B's before)
 # Two warm-up forwards on the loader thread before the model joins (1: the A/B's before, 2026-11-23)
 LOAD_WARM_UP = os.environ.get("PACELINE_LOAD_WARM_UP", "0") != "0"
@@ -454,13 +455,16 @@ def map_in(model: torch.nn.Module) -> None:
     for storage in {id(t.untyped_storage()): t.untyped_storage() for t in model_tensors(model)}.values():
         if storage.device.type != "cpu" or storage.nbytes() < page:
             continue
-        start = storage.data_ptr() // page * page
-        if madvise(start, storage.data_ptr() + storage.nbytes() - start, MADV_POPULATE_READ) != 0:
-            return  # an older kernel: the pages come in on first use, as before
-        done += storage.nbytes()
-        if done >= MAP_IN_PIECE_BYTES:
-            done = 0
-            piece_break()
+        start, end = storage.data_ptr() // page * page, storage.data_ptr() + storage.nbytes()
+        for part in range(start, end, MAP_IN_CALL_BYTES):  # the embedding alone is ~113 MB in float32
+            if madvise(part, min(part + MAP_IN_CALL_BYTES, end) - part, MADV_POPULATE_READ) != 0:
+                return  # an older kernel: the pages come in on first use, as before
+            done += min(part + MAP_IN_CALL_BYTES, end) - part
+            if done >= MAP_IN_PIECE_BYTES:
+                done = 0
+                piece_break()
+            else:
+                piece_tick()
 
 
 def reachable_tensors(*roots: Any) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ from paceline.engine.prefault import populate_in_background
 from paceline.model.arch import ModelArch
 from paceline.model.attention import GatherWorkspace, SeqSlice, build_metadata
 from paceline.model.llama import LlamaModel, drain
+from paceline.model.loader import piece_tick
 from paceline.model.sampler import Sampler, token_logprobs
 from paceline.model.spec_verify import accept_prefix, verify_rows
 
@@ -57,9 +58,11 @@ class ModelRunner:
             return torch.zeros(shape, dtype=dtype, **kw)
 
         self.kv_cache = alloc(shape, device=self.device)
+        piece_tick()  # in a load on demand, a point where the other models may step (loader.piece_breaks)
         # a lazy pool is made resident now, off the start-up path: memory is what was configured from the first
         # seconds rather than a growth over hours of traffic, and no step pays a first write's page faults
         self.prefault = populate_in_background(self.kv_cache) if lazy(shape) else None
+        piece_tick()  # the prefault thread's start waited 6 ms for it once (/tmp timing, 2026-11-29)
         host_shape = (arch.num_layers, 2, num_host_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         pin = self.device.type == "cuda"
         self.host_cache = alloc(host_shape, pin_memory=pin) if num_host_blocks else None

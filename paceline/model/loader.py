@@ -20,6 +20,7 @@ import pickle
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -295,6 +296,7 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype) -> Checkpoint:
     # Folders only ever appear by an atomic rename, so one that exists is complete. The float32 copy is exact;
     # other dtypes get their own copy too, so a warm load never pays for a cast.
     exact = cache_root() / f"gguf-{gguf_cache_key(path)}"
+    piece_tick()  # the key hashes parts of the file (~2 ms)
     typed = exact.with_name(f"{exact.name}-{str(dtype).removeprefix('torch.')}") if dtype != torch.float32 else exact
     if typed.is_dir():
         ckpt = _load_hf_folder(typed, dtype)
@@ -603,6 +605,7 @@ def _rebuild_mapped(storage: Any, offset: int, size: tuple[int, ...], stride: tu
     tensor, ~20 of the ~25 ms the float32 bundled model's snapshot took to unpickle (cProfile, 2026-11-29 18:30
     UTC); a load on demand holds the interpreter for all of it, one turn the other models' streams wait for."""
     untyped = getattr(storage, "_untyped_storage", storage)  # torch.load hands a byte TypedStorage back
+    piece_tick()  # in a load on demand, the unpickling pauses here for the other models' steps
     return torch.empty((0,), dtype=dtype).set_(untyped, offset, size, stride)
 
 
@@ -719,14 +722,20 @@ def unpacked_linears(model: Any) -> list[Any]:
 
 
 _pieces = threading.local()
+# Inside a piece, a point that may break it (piece_tick) does so once the piece has run this long: the unpickling
+# of a float32 snapshot held the interpreter for 10-15 ms in one piece and the mapping ran in parts of 4-17 ms
+# (2026-11-29 switch runs), turns longer than the int4 streams' slack beside a float32 load; see
+# docs/multi-model.md. PACELINE_PIECE_TICK_MS=0: breaks between the larger pieces only, as before (the A/B)
+PIECE_TICK_S = float(os.environ.get("PACELINE_PIECE_TICK_MS", "2")) / 1000.0
 
 
 @contextlib.contextmanager
 def piece_breaks(hook: Any) -> Iterator[None]:
     """Inside the block, building a model or an Engine on this thread calls hook() between its larger pieces
-    (piece_break): a load on demand lets the step loop run there (engine/residency.py), so that the other models'
-    streams wait for one piece of the load at a time, not for all of it."""
-    _pieces.hook = hook
+    (piece_break) and inside them every PIECE_TICK_S (piece_tick): a load on demand lets the step loop run there
+    (engine/residency.py), so that the other models' streams wait for one piece of the load at a time, not for
+    all of it."""
+    _pieces.hook, _pieces.since = hook, time.monotonic()
     try:
         yield
     finally:
@@ -738,6 +747,15 @@ def piece_break() -> None:
     hook = getattr(_pieces, "hook", None)
     if hook is not None:
         hook()
+        _pieces.since = time.monotonic()
+
+
+def piece_tick() -> None:
+    """A point inside a piece (each tensor unpickled, each part of the mapping): a break if the piece has run
+    PIECE_TICK_S since the last one; nothing outside a piece_breaks block."""
+    if getattr(_pieces, "hook", None) is not None and PIECE_TICK_S > 0 \
+            and time.monotonic() - _pieces.since >= PIECE_TICK_S:
+        piece_break()
 
 
 def pack_linears(linears: list[Any], drop_plain: bool = True) -> None:
@@ -762,6 +780,7 @@ def build_model(ckpt: Checkpoint, model: str | None, dtype: str, quantization: s
     path = snapshot_path(model, dtype, quantization, wide_linears) if device.type == "cpu" else None
     if path is None:
         return from_weights()
+    piece_tick()  # the key hashes the GGUF's key and every model module's source (~2 ms)
     # read before any block of our own: deferred_packing() switches the flag off when it ends, not back
     deferred = getattr(llama._defer, "on", False)
     built = read_snapshot(path)

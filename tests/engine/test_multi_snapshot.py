@@ -117,6 +117,35 @@ def test_snapshot_tensors_come_back_equal_mapped_and_sharing_their_storage(tmp_p
     assert mapped_from(back["base"].data_ptr()) == str(path)  # mapped from the file, not read into memory
 
 
+def test_unpickling_and_mapping_break_inside_a_load_every_tick(tmp_path, monkeypatch):
+    """In a load on demand (piece_breaks), a snapshot's unpickling may pause before each tensor and the mapping
+    after each madvise part (loader.piece_tick) once the piece has run PIECE_TICK_S; with the tick off or long,
+    neither breaks."""
+    from paceline.engine import residency
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    path = tmp_path / "model.pt"
+    loader.write_snapshot(model, path)
+    monkeypatch.setattr(residency, "MAP_IN_CALL_BYTES", 4096)  # a page a call: each 16 KB weight in 4-5 parts
+    madvise, calls = residency.madvise_function(), []
+    monkeypatch.setattr(residency, "madvise_function", lambda: lambda *a: calls.append(a) or madvise(*a))
+    breaks = []
+    for tick_s, ticks in ((1e-9, True), (0.0, False), (3600.0, False)):
+        monkeypatch.setattr(loader, "PIECE_TICK_S", tick_s)
+        breaks.clear(), calls.clear()
+        with loader.piece_breaks(lambda: breaks.append(1)):
+            back = loader.read_snapshot(path)
+            after_read = len(breaks)
+            residency.map_in(back)
+        assert len(calls) >= 12  # the biases (256 bytes) are under a page: not mapped
+        # six tensors (3 weights, 3 biases) unpickled, a break after each madvise part
+        assert (after_read, len(breaks) - after_read) == ((6, len(calls)) if ticks else (0, 0)), tick_s
+        for a, b in zip(back.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+
+
 def mapped_from(address: int) -> str | None:
     """The file the memory at `address` is mapped from (Linux's /proc/self/maps), None if anonymous."""
     for line in Path("/proc/self/maps").read_text().splitlines():

@@ -270,6 +270,23 @@ def test_a_load_on_demand_builds_in_turns_between_the_other_models_steps(tiny_di
     assert not multi.turns.pending and "qwen2" in multi.engines
 
 
+def test_a_load_turn_chains_no_longer_than_the_busy_models_shortest_decode_step(tiny_dirs, monkeypatch):
+    engines = {"llama": engine(tiny_dirs["llama"], "llama"), "qwen2": engine(tiny_dirs["qwen2"], "qwen2")}
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
+    busy = ["llama", "qwen2"]
+    assert multi._turn_chain_s(busy) == multi_module.LOAD_TURN_CHAIN_S  # no decode step seen yet
+    multi._decode_s["llama"] = 0.007
+    assert multi._turn_chain_s(busy) == pytest.approx(0.007)  # a model with no decode step yet does not count
+    multi._decode_s["qwen2"] = 0.004
+    assert multi._turn_chain_s(busy) == pytest.approx(0.004)
+    assert multi._turn_chain_s(["llama"]) == pytest.approx(0.007)  # only the busy models
+    multi._decode_s["llama"], multi._decode_s["qwen2"] = 0.05, 0.09
+    assert multi._turn_chain_s(busy) == multi_module.LOAD_TURN_CHAIN_S  # never longer than the fixed chain
+    monkeypatch.setattr(multi_module, "LOAD_TURN_BY_DECODE", False)
+    multi._decode_s["qwen2"] = 0.004
+    assert multi._turn_chain_s(busy) == multi_module.LOAD_TURN_CHAIN_S
+
+
 def test_a_debut_step_fits_the_target_beside_the_others_next_step(tiny_dirs):
     engines = {"llama": engine(tiny_dirs["llama"], "llama"), "qwen2": engine(tiny_dirs["qwen2"], "qwen2")}
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), engines)
