@@ -188,10 +188,10 @@ SWITCH_VARIANTS = {
     # steps, as before 2026-11-29 20:30 UTC (loader.PIECE_TICK_S and multi.LOAD_TURN_BY_DECODE off)
     "coarse": ("smol-fp32", {"PACELINE_PIECE_TICK_MS": "0", "PACELINE_LOAD_TURN_BY_DECODE": "0"}),
     "int4-coarse": ("smol-int4", {"PACELINE_PIECE_TICK_MS": "0", "PACELINE_LOAD_TURN_BY_DECODE": "0"}),
-    # a debut's rest judged by all its layers so far, the first (with the step's head) among them, as before
-    # 2026-11-29 20:45 UTC (multi.DEBUT_PACE_ALL)
-    "pace-all": ("smol-fp32", {"PACELINE_DEBUT_PACE_ALL": "1"}),
-    "int4-pace-all": ("smol-int4", {"PACELINE_DEBUT_PACE_ALL": "1"}),
+    # the only busy model's step of prompts alone runs whole: a load waits for all of it, as before 2026-11-29
+    # 21:00 UTC (multi.LONE_SLICED off)
+    "lone-whole": ("smol-fp32", {"PACELINE_LONE_SLICED": "0"}),
+    "int4-lone-whole": ("smol-int4", {"PACELINE_LONE_SLICED": "0"}),
 }
 
 

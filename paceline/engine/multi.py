@@ -111,12 +111,6 @@ DEBUT_DUE = float(os.environ.get("PACELINE_DEBUT_DUE", "4.0"))
 # first token came 0.21-0.33 s after the request (2026-11-29 09:50 UTC switch run); at a fixed 2 a float32 debut's
 # first token went past 0.5 s (run LL). 0.4 s leaves room for a prediction that falls short. 0: DEBUT_DUE alone (A/B)
 DEBUT_BY_S = float(os.environ.get("PACELINE_DEBUT_BY_S", "0.4"))
-# ... judging the rest of its step by the pace of its layers after the first (`_debut_due`): the first carries the
-# step's head and, in a model just loaded, first-call set-up: a float32 64-token prompt's first boundary came after
-# 7.5-13 ms against 4.4 per layer after it (/tmp timing, 2026-11-29 20:40 UTC), so by all its layers the rest looked
-# up to 1.7x longer at the start, and the int4 streams waited DEBUT_DUE x their step there (slices of 25 and 37 ms,
-# gaps of 43.6 ms against their p99 of 28.9, switch run LLLL). PACELINE_DEBUT_PACE_ALL=1: every layer, as before (A/B)
-DEBUT_PACE_ALL = os.environ.get("PACELINE_DEBUT_PACE_ALL", "0") == "1"
 # While a model loads on demand or waits for its first token, the other models' steps run their decodes only: a
 # prompt of theirs under way waits (Scheduler hold_prompts). Why: a float32 debut's first prompt beside an int4 stream
 # whose own prompt was in chunks ran int4 steps of a decode and 20-58 prompt tokens (35-46 ms), each counted as the
@@ -173,6 +167,13 @@ SLICE_DEFER_S = float(os.environ.get("PACELINE_SLICE_DEFER_S", "3.0"))
 # A step that nothing could preempt runs in one piece even while the loop slices (`_start`); 0: every step of a
 # slicing loop is sliced, as before 2026-11-29 (the A/B)
 SLICE_WHOLE = os.environ.get("PACELINE_SLICE_WHOLE", "1") != "0"
+# The only busy model's step of prompts alone (no stream of its own) runs sliced too, and between two of its layers a
+# load's turn, or the first prompt of a model just loaded, comes in (`_advance`; `_Run.lone`). Why: such a step runs
+# the whole lone-prefill budget, an int4 prompt of 979 tokens 525 ms, and a load that asked during it waited for all
+# of it: first tokens of 0.50-0.62 s after the request where it ran (switch runs LLLL, MMMM, 2026-11-29).
+# PACELINE_LONE_SLICED=0: whole, as before (the A/B)
+LONE_SLICED = os.environ.get("PACELINE_LONE_SLICED", "1") != "0"
+LOAD_TURN = "(load)"  # what `_advance` returns when a lone step makes way for a load's turn
 # Only a model with shorter steps than the running one may preempt it (`_preemptors`); 0: any streaming model, as
 # before 2026-11-29 (the A/B)
 SLICE_SHORTER = os.environ.get("PACELINE_SLICE_SHORTER", "1") != "0"
@@ -464,11 +465,15 @@ class MultiEngine:
             return
         self._turn_since_step = True
         limit_s = (self._foreign_step_s(None, busy) if busy else 0.0) or LOAD_TURN_MAX_S
+        self._serve_turn(limit_s, self._turn_chain_s(busy) if busy else limit_s)
+
+    def _serve_turn(self, limit_s: float, chain_s: float) -> None:
+        """Serve a load piece's turn now (LoadTurns.serve) and record it among the steps."""
         start, cpu = time.monotonic(), time.thread_time()
-        if self.turns.serve(limit_s, self._turn_chain_s(busy) if busy else limit_s) > 0:
+        if self.turns.serve(limit_s, chain_s) > 0:
             end = time.monotonic()
             self._turn_s = end - start
-            self.recent_steps.append(("(load)", start, end, time.thread_time() - cpu, 0, 0))
+            self.recent_steps.append((LOAD_TURN, start, end, time.thread_time() - cpu, 0, 0))
 
     def _turn_chain_s(self, busy: list[str]) -> float:
         """How long a load's turn chains its pieces beside the busy models: LOAD_TURN_CHAIN_S, or less, their
@@ -498,6 +503,9 @@ class MultiEngine:
             if preemptor is None:
                 return self._finish(name, run)
             self._inflight[name] = run  # resumed by a later call, once the preemptor's step has ended
+            if preemptor == LOAD_TURN:  # a lone step of prompts: no stream waits, the load takes what it asks
+                self._serve_turn(LOAD_TURN_MAX_S, LOAD_TURN_MAX_S)
+                return []
             name = preemptor
 
     # ---- lanes: two models' steps side by side (LANES) ---------------------------------------------------------
@@ -636,8 +644,9 @@ class MultiEngine:
             sliced_run = False
         else:
             sliced_run = sliced
-        return _Run(engine.step_iter(sliced=sliced_run), sliced_run, time.monotonic(),
-                    steps_before=engine.scheduler.num_steps)
+        lone = (LONE_SLICED and not sliced and len(busy) == 1 and not has_streams(engine) and sliceable(engine))
+        return _Run(engine.step_iter(sliced=sliced_run or lone), sliced_run or lone, time.monotonic(),
+                    steps_before=engine.scheduler.num_steps, lone=lone)
 
     def _sliced_budget(self, name: str, busy: list[str]) -> int:
         """Sliced, the token budget of `name`'s step: its own, but while another model streams a step of prompts
@@ -698,8 +707,12 @@ class MultiEngine:
                 next(run.gen)
                 now = time.monotonic()
                 run.boundaries += 1
-                if run.boundaries == 1:
-                    run.first_layer_s = run.own_s + now - resumed
+                if run.lone:  # LONE_SLICED: a load's turn, or a newcomer's first prompt, comes in here
+                    newcomer = LOAD_TURN if self.turns.is_asked() else self._newcomer(name)
+                    if newcomer is not None:
+                        run.cpu += time.thread_time() - cpu
+                        run.own_s += now - resumed
+                        return newcomer
                 judge = debut  # a debut's rest is judged again at every boundary, by the layers run so far
                 if watch and run.predicted_s is None and run.boundaries == 1:
                     # scheduled now: the step's predicted own time is known, so the span rule can judge it, and
@@ -732,6 +745,11 @@ class MultiEngine:
                 self._layers[name], self._tail_s[name] = run.boundaries, time.monotonic() - last
             run.cpu += time.thread_time() - cpu
             return None
+
+    def _newcomer(self, name: str) -> str | None:
+        """A model loaded on demand, other than `name`, whose first prompt waits and whose step is not suspended."""
+        return next((m for m in self._debut if m != name and m in self.engines and m not in self._inflight
+                     and self.engines[m].has_unfinished()), None)
 
     def _watch_times(self, name: str, watch: list[tuple[float, str]]) -> tuple[float, list[tuple[float, str]], float]:
         """For _advance: the first due time; and (SLICE_TAIL) the models with shorter steps than `name`'s, for
@@ -775,13 +793,7 @@ class MultiEngine:
         rest = max(run.predicted_s - own_s, 0.0) if run.predicted_s is not None else None
         layers = self._layer_count(name)
         if run.boundaries and layers:  # boundary k follows layer k; the tail (head, sampling) counted as a layer
-            if DEBUT_PACE_ALL or run.first_layer_s is None or (run.boundaries == 1 and rest is None):
-                pace = own_s / run.boundaries
-            elif run.boundaries == 1:  # the first layer alone says little (DEBUT_PACE_ALL): the prediction
-                pace = 0.0
-            else:
-                pace = (own_s - run.first_layer_s) / (run.boundaries - 1)
-            rest = max(rest or 0.0, pace * (layers + 1 - run.boundaries))
+            rest = max(rest or 0.0, own_s / run.boundaries * (layers + 1 - run.boundaries))
         if rest is None:
             return watch
         need = self._own_share_needed(watch, rest, left)
@@ -1035,7 +1047,7 @@ class _Run:
     boundaries: int = 0  # layer boundaries passed so far
     own_s: float = 0.0  # wall time it ran (not suspended) before this call (SLICE_SPAN)
     predicted_s: float | None = None  # its own time, as the step-time model predicts it once scheduled (SLICE_SPAN)
-    first_layer_s: float | None = None  # its own time up to its first layer boundary (the head, the first layer)
+    lone: bool = False  # the only busy model's step of prompts alone, sliced for a load or a newcomer (LONE_SLICED)
     steps_before: int | None = None  # its scheduler's step count before it was scheduled: tells that it was
     future: concurrent.futures.Future | None = None  # a lane's forward on its worker thread (LANES)
 

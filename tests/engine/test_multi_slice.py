@@ -225,17 +225,6 @@ def test_a_debut_lets_the_other_streams_wait_only_as_long_as_its_first_token_nee
     monkeypatch.setattr(multi, "_layer_count", lambda name: 30)
     run.boundaries = 5
     assert due(10.0, own_s=0.030) == pytest.approx(10.0 + 0.001 + 0.156 * 0.011 / (0.2 - 0.156))
-    # the first layer (with the step's head) measured at 10 ms: the pace of the four after it, 5 ms, 130 ms to go
-    run.first_layer_s = 0.010
-    assert due(10.0, own_s=0.030) == pytest.approx(10.0 + 0.001 + 0.130 * 0.011 / (0.2 - 0.130))
-    run.boundaries = 1  # after the first layer alone: the prediction's remainder (40 ms), SLICE_DUE's 5 ms
-    assert due(10.0, own_s=0.010) == pytest.approx(10.0 + 0.001 + 0.005)
-    monkeypatch.setattr(multi_module, "DEBUT_PACE_ALL", True)  # every layer, as before: 10 ms x 30 > 0.2 s left
-    assert due(10.0, own_s=0.010) == pytest.approx(10.0 + 0.001 + 0.040)
-    run.boundaries = 5
-    assert due(10.0, own_s=0.030) == pytest.approx(10.0 + 0.001 + 0.156 * 0.011 / (0.2 - 0.156))
-    monkeypatch.setattr(multi_module, "DEBUT_PACE_ALL", False)
-    run.first_layer_s = None
     run.predicted_s = None  # no step-time model yet (a model just loaded): the layers run so far alone
     assert due(10.0, own_s=0.030) == pytest.approx(10.0 + 0.001 + 0.156 * 0.011 / (0.2 - 0.156))
     run.boundaries = 0  # and before its first layer, nothing to judge by: DEBUT_DUE

@@ -215,7 +215,8 @@ def test_a_turn_asked_just_after_one_is_served_when_the_busy_models_then_finish(
     the idle loop left the load waiting out its timeout (5.22 s, switch run WWW, 2026-11-29)."""
     streaming = engine(tiny_dirs["llama"], "llama")
     multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": streaming})
-    multi.add_request("s", "a b", SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), model="llama")
+    multi.add_request("s", "a b", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), model="llama")
+    multi.step()  # its prompt (a step of prompts alone would make way for a turn: LONE_SLICED); one decode left
     ran = threading.Event()
 
     def piece() -> None:
@@ -268,6 +269,51 @@ def test_a_load_on_demand_builds_in_turns_between_the_other_models_steps(tiny_di
         assert any(s[0] == "llama" and end <= s[1] <= start for s in multi.recent_steps)
     _install(multi, "qwen2", new, step_ms, timeline)
     assert not multi.turns.pending and "qwen2" in multi.engines
+
+
+def test_a_lone_prompt_step_makes_way_for_a_load_turn_and_then_a_newcomers_first_prompt(tiny_dirs, monkeypatch):
+    """LONE_SLICED: the only busy model's step of prompts alone is suspended at a layer boundary when a load asks
+    for a turn (the turn runs, the step waits in _inflight) and, once resumed, when a model just loaded has its
+    first prompt waiting (that prompt runs first); the prompt's tokens are those it gets alone."""
+    prompt = list(range(3, 60))  # 57 tokens, one step of prompts alone (budget 64)
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": engine(tiny_dirs["llama"], "llama")})
+    multi.add_request("long", prompt, GREEDY, model="llama")
+    ran = threading.Event()
+
+    def piece() -> None:
+        with multi.turns.take():
+            ran.set()
+
+    loader = threading.Thread(target=piece)
+    loader.start()
+    while not multi.turns.is_asked():
+        time.sleep(0.001)
+    multi._turn_since_step = True  # a turn just ran: this step goes first (one turn per rotation)
+    assert multi.step() == []  # the next turn ran inside the prompt's step
+    loader.join(5)
+    assert ran.is_set() and "llama" in multi._inflight and multi._inflight["llama"].boundaries == 1
+    assert [r[0] for r in multi.recent_steps] == ["(load)"]
+    # the load is done: the newcomer's first prompt runs before the rest of the long one
+    multi.add_model("qwen2", engine(tiny_dirs["qwen2"], "qwen2"), LoadTimeline(start=time.monotonic()))
+    multi.add_request("first", "the cat sat on", GREEDY, model="qwen2")
+    monkeypatch.setattr(multi, "pick", lambda busy, now: "llama")  # the suspended step resumes first
+    outputs = multi.step()
+    assert {o.request_id for o in outputs} == {"first"} and "llama" in multi._inflight
+    monkeypatch.undo()
+    tokens: dict[str, list[int]] = {"long": [], "first": [o.new_token_ids for o in outputs][0]}
+    while multi.has_unfinished():
+        for o in multi.step():
+            tokens[o.request_id] += o.new_token_ids
+    assert tokens["long"] == tokens_alone(tiny_dirs["llama"], prompt)
+
+
+def test_without_lone_slicing_a_load_waits_for_the_whole_prompt_step(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(multi_module, "LONE_SLICED", False)
+    multi = MultiEngine(EngineConfig(tbt_goal_ms=0), {"llama": engine(tiny_dirs["llama"], "llama")})
+    multi.add_request("long", list(range(3, 60)), GREEDY, model="llama")
+    multi.turns._state = "asked"  # a piece asks right after a turn; the step runs whole, its first token out
+    multi._turn_since_step = True
+    assert [o.request_id for o in multi.step()] == ["long"] and not multi._inflight
 
 
 def test_a_load_turn_chains_no_longer_than_the_busy_models_shortest_decode_step(tiny_dirs, monkeypatch):
