@@ -190,6 +190,9 @@ SWITCH_VARIANTS = {
     "int4-coarse": ("smol-int4", {"PACELINE_PIECE_TICK_MS": "0", "PACELINE_LOAD_TURN_BY_DECODE": "0"}),
     # the only busy model's step of prompts alone runs whole: a load waits for all of it, as before 2026-11-29
     # 21:00 UTC (multi.LONE_SLICED off)
+    # the packing beside two lanes: longer pauses between two Linears, or at the lowered lane's nice value
+    "pack-pause60": ("smol-fp32", {"PACELINE_PACK_PAUSE_MS": "60"}),
+    "pack-nice5": ("smol-fp32", {"PACELINE_PACK_NICE": "5"}),
     "lone-whole": ("smol-fp32", {"PACELINE_LONE_SLICED": "0"}),
     "int4-lone-whole": ("smol-int4", {"PACELINE_LONE_SLICED": "0"}),
 }
