@@ -62,7 +62,7 @@ class ModelRunner:
         # a lazy pool is made resident now, off the start-up path: memory is what was configured from the first
         # seconds rather than a growth over hours of traffic, and no step pays a first write's page faults
         self.prefault = populate_in_background(self.kv_cache) if lazy(shape) else None
-        piece_tick()  # the prefault thread's start waited 6 ms for it once (/tmp timing, 2026-11-29)
+        piece_tick()  # starting the prefault thread took 1-6 ms in /tmp timings (2026-11-29)
         host_shape = (arch.num_layers, 2, num_host_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         pin = self.device.type == "cuda"
         self.host_cache = alloc(host_shape, pin_memory=pin) if num_host_blocks else None
