@@ -347,7 +347,7 @@ def main() -> None:
     one_loop = ", ".join(ONE_LOOP_VARIANTS)
     switches = ", ".join("switch" + (f"-{k}" if k else "") for k in SWITCH_VARIANTS)
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
-                   help=f"comma-separated parts: alone, one-loop variants (ONE_LOOP_VARIANTS, run in the order given: "
+                   help=f"comma-separated parts: alone, alone-half (on half the threads), one-loop variants (ONE_LOOP_VARIANTS, run in the order given: "
                         f"{one_loop}), two-processes (prepare: load both once, so that a switch finds their runtime "
                         f"snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the "
                         f"order given: {switches}")
@@ -375,16 +375,21 @@ def main() -> None:
 
     if "prepare" in only:  # both models loaded at start-up once: their snapshots and step-time profiles cached
         Served(["--models-config", str(models_yaml(out / "prepare.yaml"))], args.threads, out, "prepare").stop()
-    if "alone" in only:  # each model alone, its own share of the traffic at the same times
-        results["alone"] = {}
+    # each model alone, its own share of the traffic at the same times; alone-half: on half the threads, the share
+    # of the cores a lane has (a second baseline, reported beside the target's, which is alone on all of them)
+    for key, threads in (("alone", args.threads), ("alone-half", max(1, args.threads // 2))):
+        if key not in only:
+            continue
+        results[key.replace("-", "_")] = {}
         for name, flags in MODELS.items():
-            server = Served(flags + ["--served-model-name", name], args.threads, out, f"alone-{name}")
+            server = Served(flags + ["--served-model-name", name], threads, out, f"{key}-{name}")
             try:
                 mine = [r for r in requests if r.model == name]
-                results["alone"][name] = drive(Endpoint(server.url), mine, prompts_for(mine), args.seconds)[name]
+                results[key.replace("-", "_")][name] = drive(Endpoint(server.url), mine, prompts_for(mine),
+                                                             args.seconds)[name]
             finally:
                 server.stop()
-            print(name, "alone", results["alone"][name], flush=True)
+            print(name, key, results[key.replace("-", "_")][name], flush=True)
     for key in [k for k in args.only.split(",") if k in ONE_LOOP_VARIANTS]:  # in the order given
         env = ONE_LOOP_VARIANTS[key]
         server = Served(["--models-config", str(models_yaml(out / "models.yaml"))], args.threads, out, key, env)
