@@ -188,11 +188,12 @@ SWITCH_VARIANTS = {
     # steps, as before 2026-11-29 20:30 UTC (loader.PIECE_TICK_S and multi.LOAD_TURN_BY_DECODE off)
     "coarse": ("smol-fp32", {"PACELINE_PIECE_TICK_MS": "0", "PACELINE_LOAD_TURN_BY_DECODE": "0"}),
     "int4-coarse": ("smol-int4", {"PACELINE_PIECE_TICK_MS": "0", "PACELINE_LOAD_TURN_BY_DECODE": "0"}),
-    # the only busy model's step of prompts alone runs whole: a load waits for all of it, as before 2026-11-29
-    # 21:00 UTC (multi.LONE_SLICED off)
-    # the packing beside two lanes: longer pauses between two Linears, or at the lowered lane's nice value
+    # the packing beside two lanes: longer pauses between two Linears, or at the lowered lane's nice value (tried
+    # 2026-11-29 20:49 UTC, run PPPP; not kept)
     "pack-pause60": ("smol-fp32", {"PACELINE_PACK_PAUSE_MS": "60"}),
     "pack-nice5": ("smol-fp32", {"PACELINE_PACK_NICE": "5"}),
+    # the only busy model's step of prompts alone runs whole: a load waits for all of it, as before 2026-11-29
+    # 21:00 UTC (multi.LONE_SLICED off)
     "lone-whole": ("smol-fp32", {"PACELINE_LONE_SLICED": "0"}),
     "int4-lone-whole": ("smol-int4", {"PACELINE_LONE_SLICED": "0"}),
 }
@@ -241,11 +242,12 @@ ONE_LOOP_VARIANTS = {
 
 def switch_run(args: argparse.Namespace, log_dir: Path, source: PromptSource, variant: str = "") -> dict:
     """Streams of one model run; requests for the other model, unloaded (keep_alive 0: it leaves once idle), arrive
-    mid-run, up to --switches of them, each --switch-after (1 s) after one of the streaming model's arrivals (so that
-    its streams run while the target loads) and at least SWITCH_SPACING_S after the one before. Per switch: its TTFT (the load
-    included), the server's split of it (seconds from the request to each mark, residency.LoadTimeline) and every
-    step around it (PACELINE_LOG_SWITCH_STEPS), and the streaming model's largest gap while it ran, at the client
-    and between two of its steps at the server, against their p99 outside every switch.
+    mid-run, up to --switches of them, each --switch-after (1 s) after one of the streaming model's arrivals (so
+    that its streams run while the target loads) and at least SWITCH_SPACING_S after the one before. Per switch: its
+    TTFT (the load included), the server's split of it (seconds from the request to each mark,
+    residency.LoadTimeline) and every step around it (PACELINE_LOG_SWITCH_STEPS), and the streaming model's largest
+    gap while it ran, at the client and between two of its steps at the server, against their p99 outside every
+    switch.
     The client's send time stands for the server's request mark (both on this machine, a few ms apart); the gaps
     are split at the `joined` mark into the load and the first prompt."""
     target, env = SWITCH_VARIANTS[variant]
@@ -347,9 +349,9 @@ def main() -> None:
     one_loop = ", ".join(ONE_LOOP_VARIANTS)
     switches = ", ".join("switch" + (f"-{k}" if k else "") for k in SWITCH_VARIANTS)
     p.add_argument("--only", default="alone,one-loop,two-processes,switch",
-                   help=f"comma-separated parts: alone, alone-half (on half the threads), one-loop variants (ONE_LOOP_VARIANTS, run in the order given: "
-                        f"{one_loop}), two-processes (prepare: load both once, so that a switch finds their runtime "
-                        f"snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the "
+                   help=f"comma-separated parts: alone, alone-half (on half the threads), one-loop variants "
+                        f"(ONE_LOOP_VARIANTS, run in the order given: {one_loop}), two-processes (prepare: load "
+                        f"both once, so that a switch finds their runtime snapshots and step-time profiles cached); switch variants (SWITCH_VARIANTS), run in the "
                         f"order given: {switches}")
     args = p.parse_args()
     global SETTLE_S, STEP_LOGS

@@ -300,7 +300,7 @@ def test_a_lone_prompt_step_makes_way_for_a_load_turn_and_then_a_newcomers_first
     outputs = multi.step()
     assert {o.request_id for o in outputs} == {"first"} and "llama" in multi._inflight
     monkeypatch.undo()
-    tokens: dict[str, list[int]] = {"long": [], "first": [o.new_token_ids for o in outputs][0]}
+    tokens: dict[str, list[int]] = {"long": [], "first": outputs[0].new_token_ids}
     while multi.has_unfinished():
         for o in multi.step():
             tokens[o.request_id] += o.new_token_ids
