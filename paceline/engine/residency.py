@@ -457,9 +457,10 @@ def map_in(model: torch.nn.Module) -> None:
             continue
         start, end = storage.data_ptr() // page * page, storage.data_ptr() + storage.nbytes()
         for part in range(start, end, MAP_IN_CALL_BYTES):  # the embedding alone is ~113 MB in float32
-            if madvise(part, min(part + MAP_IN_CALL_BYTES, end) - part, MADV_POPULATE_READ) != 0:
+            length = min(MAP_IN_CALL_BYTES, end - part)
+            if madvise(part, length, MADV_POPULATE_READ) != 0:
                 return  # an older kernel: the pages come in on first use, as before
-            done += min(part + MAP_IN_CALL_BYTES, end) - part
+            done += length
             if done >= MAP_IN_PIECE_BYTES:
                 done = 0
                 piece_break()

@@ -134,7 +134,8 @@ def test_unpickling_and_mapping_break_inside_a_load_every_tick(tmp_path, monkeyp
     breaks = []
     for tick_s, ticks in ((1e-9, True), (0.0, False), (3600.0, False)):
         monkeypatch.setattr(loader, "PIECE_TICK_S", tick_s)
-        breaks.clear(), calls.clear()
+        breaks.clear()
+        calls.clear()
         with loader.piece_breaks(lambda: breaks.append(1)):
             back = loader.read_snapshot(path)
             after_read = len(breaks)
