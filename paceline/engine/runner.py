@@ -39,6 +39,11 @@ class ModelRunner:
         self.device, self.dtype = torch.device(device), dtype
         if self.device.type == "cpu":  # a step's activations stay in the heap between steps (engine/heap.py)
             keep_freed_memory()
+        if self.device.type == "cuda":
+            # torch picks cuDNN's SDPA for bfloat16, which plans per new shape, and a decode's context grows every
+            # step: bf16 decodes of SmolLM2-135M ran 69 ms a step on an H200 (float32, on the memory-efficient
+            # kernel, 15 ms; benchmarks/summaries/cuda.md)
+            torch.backends.cuda.enable_cudnn_sdp(False)
         shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # The caches must start as zeros: masked slots of a gathered block are multiplied by 0 in attention, and
         # uninitialised NaN bits would survive that. A large CPU cache is its own anonymous mapping: the kernel's
