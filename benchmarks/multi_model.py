@@ -212,6 +212,10 @@ ONE_LOOP_VARIANTS = {
     "one-loop-lanes-nice10": {"PACELINE_LANE_NICE": "10"},
     # a lane's next step started before its outputs go out, not on the engine loop's next call (multi.LANE_RESTART)
     "one-loop-restart": {"PACELINE_LANE_RESTART": "1"},
+    # the interpreter's switch interval: Python's own 5 ms, as before 2026-11-29 22:40 UTC, or 1 ms (multi.GIL_SWITCH_S,
+    # 0.5 ms by default); one-loop-gil-0.5 is the default by name
+    "one-loop-gil-off": {"PACELINE_SWITCH_INTERVAL_MS": "0"}, "one-loop-gil-1": {"PACELINE_SWITCH_INTERVAL_MS": "1"},
+    "one-loop-gil-0.5": {"PACELINE_SWITCH_INTERVAL_MS": "0.5"},
     "one-loop-unsliced": {"PACELINE_SLICE": "0"}, "one-loop-no-defer": {"PACELINE_SLICE_DEFER_S": "0"},
     "one-loop-sliced-all": {"PACELINE_SLICE_WHOLE": "0"}, "one-loop-any-preempts": {"PACELINE_SLICE_SHORTER": "0"},
     "one-loop-sliced-before": SWITCH_VARIANTS["sliced-before"][1],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -244,8 +245,11 @@ def build_multi(base: Any, specs: list, args: Any) -> tuple[Any, ModelRouter, Mu
     from paceline.engine.async_engine import AsyncEngine
     from paceline.engine.engine import Engine
     from paceline.engine.model_specs import estimate_bytes
-    from paceline.engine.multi import MultiEngine
+    from paceline.engine.multi import GIL_SWITCH_S, MultiEngine
 
+    if GIL_SWITCH_S > 0:  # the process is the server's: its threads take turns in the GIL (multi.GIL_SWITCH_S)
+        sys.setswitchinterval(GIL_SWITCH_S)
+        log.info("interpreter switch interval %.2f ms", sys.getswitchinterval() * 1e3)
     max_loaded = args.max_loaded_models
     budget = int(args.memory_budget_gb * 2**30)
 

@@ -132,6 +132,8 @@ def test_routes_by_name_and_lists_the_models_with_their_state(tiny):
         torch.set_num_threads(before)
     assert server.metric("paceline:generation_tokens_total", "a") >= 8
     assert server.metric("paceline:generation_tokens_total", "b") >= 8
+    # the server's threads take turns in the GIL every 0.5 ms, not Python's 5 (multi.GIL_SWITCH_S)
+    assert "interpreter switch interval 0.50 ms" in server.output()
 
 
 def test_unknown_model_is_404_with_an_openai_error(tiny):
