@@ -716,7 +716,8 @@ def unpacked_linears(model: Any) -> list[Any]:
     while stack:
         lin = stack.pop()
         stack += [part for part in (getattr(lin, "wide", None), getattr(lin, "dense", None)) if part is not None]
-        if isinstance(lin, Linear) and lin.packed is None and lin.weight is not None:
+        # only a CPU weight is ever packed (Linear._pack): on CUDA the packer has nothing to do
+        if isinstance(lin, Linear) and lin.packed is None and lin.weight is not None and lin.weight.device.type == "cpu":
             out.append(lin)
     return out
 

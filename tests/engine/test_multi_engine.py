@@ -1,9 +1,11 @@
 """MultiEngine: several models in one step loop; the model specs and keep-alive spellings; residency sizes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
+import torch
 
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine.engine import Engine
@@ -12,6 +14,7 @@ from paceline.engine.model_specs import (FOREVER, ModelSpec, estimate_bytes, loa
 from paceline.engine import multi as multi_module
 from paceline.engine.multi import MultiEngine
 from paceline.engine import residency
+from paceline.model import f32_rows_kernel
 from paceline.engine.residency import _build_engine, _pack_slowly, drop_plain_weights, engine_bytes, unpacked_linears
 from paceline.sampling import SamplingParams
 
@@ -139,7 +142,7 @@ def test_a_model_loaded_beside_others_serves_unpacked_then_packs_with_the_same_t
     engine, _ = _build_engine(config(tiny_dirs["llama"]))  # what the loader thread builds
     linears = unpacked_linears(engine)
     if not linears:
-        pytest.skip("this torch build has no oneDNN linear packing")
+        pytest.skip("nothing to pack: no oneDNN linear packing in this torch build, or the model is not on the CPU")
     assert len(linears) == 4 * engine.arch.num_layers + 1 and all(lin.packed is None for lin in linears)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     engine.add_request("r", PROMPTS[0], params)
@@ -165,6 +168,17 @@ def test_estimate_is_close_to_what_a_loaded_model_holds(tiny_dirs):
     estimate = estimate_bytes(cfg)
     measured = engine_bytes(Engine(config(tiny_dirs["llama"])))
     assert 0.8 * measured <= estimate <= 1.25 * measured, (estimate, measured)
+
+
+def test_estimate_counts_the_cpu_weight_copies_only_where_the_model_runs_on_the_cpu(tiny_dirs, monkeypatch):
+    cfg = config(tiny_dirs["llama"])
+    on_cpu = estimate_bytes(dataclasses.replace(cfg, device="cpu"))
+    on_cuda = estimate_bytes(dataclasses.replace(cfg, device="cuda"))
+    # the layers' plain float32 copies stay beside the packed ones only where the CPU's f32 rows op builds
+    assert on_cuda < on_cpu if f32_rows_kernel.build_key() == "on" else on_cuda == on_cpu
+    for available, want in ((True, on_cuda), (False, on_cpu)):  # "auto": CUDA where torch sees it
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        assert estimate_bytes(cfg) == want
 
 
 @pytest.mark.parametrize("value, seconds", [("5m", 300.0), ("30s", 30.0), ("1h30m", 5400.0), (10, 10.0), ("0", 0.0),

@@ -7,6 +7,7 @@ import math
 import time
 
 import pytest
+import torch
 
 from paceline.config import CacheConfig, EngineConfig, SchedulerConfig
 from paceline.engine import multi as multi_module
@@ -18,6 +19,8 @@ from paceline.sampling import SamplingParams
 
 PROMPTS = ["the cat sat on the mat and", "hello there, in the", "a b c d e f g h i j", "then the end"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+# lanes split the CPU's cores (MultiEngine._lane_mode): where torch sees a GPU these engines run on it, without lanes
+CPU_LANES = pytest.mark.skipif(torch.cuda.is_available(), reason="lanes run on the CPU only; the engines here are on CUDA")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny_dirs and one_torch_thread: conftest.py
 
@@ -696,6 +699,7 @@ def served_alone(tiny_dirs, requests: list[tuple[str, str, str]]) -> dict[str, d
             for kind, path in tiny_dirs.items()}
 
 
+@CPU_LANES
 def test_lanes_run_two_models_side_by_side_with_the_tokens_of_single_model_serving(tiny_dirs, monkeypatch):
     """LANES: while both models are busy each one's forward runs on a worker thread of its own, both at once; the
     tokens are those of single-model serving, an abort while its model's forward runs waits for the step, every
@@ -743,6 +747,7 @@ def test_lanes_run_two_models_side_by_side_with_the_tokens_of_single_model_servi
         assert e.scheduler.stats().num_used_blocks == 0
 
 
+@CPU_LANES
 @pytest.mark.parametrize("restart", [True, False])
 def test_a_lane_sends_its_next_forward_before_its_outputs_go_out(tiny_dirs, monkeypatch, restart):
     """LANE_RESTART: once a lane's step has been updated, its next step is scheduled and its forward on the worker
@@ -771,6 +776,7 @@ def test_a_lane_sends_its_next_forward_before_its_outputs_go_out(tiny_dirs, monk
     assert all(under_way == restart for _, under_way in seen)
 
 
+@CPU_LANES
 def test_the_lane_lowered_is_the_one_with_the_longer_decode_steps_not_the_last_long_step(tiny_dirs, monkeypatch):
     """LANE_NICE: the lane of the model whose decode-only steps are the longer runs at the lowered priority, decided
     from decode steps only: a prompt step of the other model (however long) does not swap the roles, since a
@@ -792,6 +798,7 @@ def test_the_lane_lowered_is_the_one_with_the_longer_decode_steps_not_the_last_l
     assert nices == {engines["llama"].runner: multi_module.LANE_NICE, engines["qwen2"].runner: 0}
 
 
+@CPU_LANES
 def test_a_lane_divides_its_targets_by_what_one_thread_costs_and_teaches_no_step_times(tiny_dirs, monkeypatch):
     """A lane's step runs on one thread while the step-time model is of all threads: its max, calm and short
     targets are divided by the model's learned lane ratio (first LANE_RATIO_GUESS), learned from its lane steps
