@@ -207,9 +207,10 @@ LANE_NICE = int(os.environ.get("PACELINE_LANE_NICE", "5"))
 # The interpreter's switch interval (sys.setswitchinterval) in a server of several models (set by
 # entrypoints/multi_serving.py): a thread waiting for the GIL gets it from one running Python after at most this
 # long. The engine thread, two lane workers and the HTTP loop take turns in it; at Python's 5 ms a lane's next step
-# could wait that long for the engine thread to schedule it. At 0.5 ms, 7 pairs of one-loop arms in 3 runs
-# (XXXX-ZZZZ, 2026-11-29 22:14-22:37 UTC): int4's p99 TBT lower in 6 of 7 (mean 17.26 against 19.15 ms), float32's
-# higher in 4 of 7 (mean 80.27 against 78.51), tok/s unchanged; int4's step-to-step turn-around p90 3.14 -> 2.38 ms.
+# could wait that long for the engine thread to schedule it. At 0.5 ms, 10 pairs of one-loop arms in 4 runs
+# (XXXX-AAAAA, 2026-11-29 22:14-22:46 UTC): int4's p99 TBT lower in 7 of 10 (mean 18.08 against 19.04 ms), float32's
+# mean 78.74 against 78.08, tok/s unchanged, both within 1.2x alone in 4 of 10 either way: a small effect, inside
+# these runs' noise; int4's step-to-step turn-around p90 2.38 / 2.29 ms against 3.14 / 2.84 in two step logs.
 # PACELINE_SWITCH_INTERVAL_MS=0: Python's own (the A/B)
 GIL_SWITCH_S = float(os.environ.get("PACELINE_SWITCH_INTERVAL_MS", "0.5")) / 1000.0
 LOAD_TURN_MAX_S = 2.0  # without a step-time target, a turn holds the loop at most this long
