@@ -272,7 +272,8 @@ class Engine:
                      ":".join(llama.w4a8_linears()), llama.int4_wide_choice(), w4a8_kernel.build_key(),
                      llama.int4_bf16_from_rows(),
                      attention_kernel.isa(), llama.w8a8_build(), q8_kernel.build_key(), layer_loop.enabled(),
-                     int4_amx_kernel.supported(), amx_attention_kernel.supported(), f32_rows_kernel.build_key()):
+                     int4_amx_kernel.supported(), amx_attention_kernel.supported(), f32_rows_kernel.build_key(),
+                     llama.F32_CODES):
             h.update(f"{part}\0".encode())
         for src in sources:
             if src.exists():

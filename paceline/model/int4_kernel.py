@@ -74,6 +74,7 @@ SOURCE = r"""
 namespace {
 
 constexpr int GROUP = 32, TILE = 16, CODE_BYTES = GROUP * TILE / 2, BLOCK = CODE_BYTES + 4 * TILE;
+constexpr int BLOCK_F32 = CODE_BYTES + 8 * TILE;  // the layout with float32 scales and zeros (pack(exact=True))
 constexpr int MAX_R = 6;  // rows per pass: 2 x 6 accumulators + 2 code vectors + 1 broadcast fit the 16 registers
 constexpr int FEW_ROWS = 6;  // steps of up to this many rows take the few-row path (few_rows < 0 in the op's call)
 
@@ -82,15 +83,27 @@ inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
+// a block's 16 scales and 16 zeros (after its codes) as float32, from either layout: `block` is its size in bytes
+inline void scales8(const uint8_t* c, int block, __m256& s0, __m256& s1, __m256& z0, __m256& z1) {
+  if (block == BLOCK_F32) {
+    const float* p = reinterpret_cast<const float*>(c + CODE_BYTES);
+    s0 = _mm256_loadu_ps(p), s1 = _mm256_loadu_ps(p + 8), z0 = _mm256_loadu_ps(p + 16), z1 = _mm256_loadu_ps(p + 24);
+  } else {
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(c + CODE_BYTES);
+    s0 = bf16x8(sz), s1 = bf16x8(sz + 8), z0 = bf16x8(sz + 16), z1 = bf16x8(sz + 24);
+  }
+}
+
 // out[r][0..16) = sum over all groups for R rows of one tile; x rows [R][K] float, xs rows [R][G] group sums
 template <int R>
-inline void tile_rows(const float* const* x, const float* const* xs, const uint8_t* tile, int G, float (*out)[TILE]) {
+inline void tile_rows(const float* const* x, const float* const* xs, const uint8_t* tile, int G, float (*out)[TILE],
+                      int block) {
   const __m256i low = _mm256_set1_epi32(0xF);
   const __m256 eight = _mm256_set1_ps(8.0f);
   __m256 o[R][2];
   for (int r = 0; r < R; ++r) o[r][0] = o[r][1] = _mm256_setzero_ps();
   for (int g = 0; g < G; ++g) {
-    const uint8_t* c = tile + size_t(g) * BLOCK;
+    const uint8_t* c = tile + size_t(g) * block;
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const int k0 = g * GROUP;
@@ -105,8 +118,8 @@ inline void tile_rows(const float* const* x, const float* const* xs, const uint8
         acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
       }
     }
-    const uint16_t* sz = reinterpret_cast<const uint16_t*>(c + CODE_BYTES);
-    const __m256 s0 = bf16x8(sz), s1 = bf16x8(sz + 8), z0 = bf16x8(sz + 16), z1 = bf16x8(sz + 24);
+    __m256 s0, s1, z0, z1;
+    scales8(c, block, s0, s1, z0, z1);
     for (int r = 0; r < R; ++r) {  // o += scale * (sum code x - 8 sum x) + zero * sum x
       const __m256 sx = _mm256_broadcast_ss(xs[r] + g);
       o[r][0] = _mm256_fmadd_ps(s0, _mm256_fnmadd_ps(eight, sx, acc[r][0]), o[r][0]);
@@ -128,12 +141,12 @@ inline void tile_rows(const float* const* x, const float* const* xs, const uint8
 // per-row-pass code expansion and the per-group scale arithmetic, so the FMAs are nearly all the work.
 constexpr int KB_GROUPS = 8;  // 256 inputs x 16 columns x 4 bytes = 16 KiB of dequantized weights
 
-inline void dequant_block(const uint8_t* tile, int g0, int ng, float* wb) {
+inline void dequant_block(const uint8_t* tile, int g0, int ng, float* wb, int block) {
   const __m256i low = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
   for (int g = 0; g < ng; ++g) {
-    const uint8_t* c = tile + size_t(g0 + g) * BLOCK;
-    const uint16_t* sz = reinterpret_cast<const uint16_t*>(c + CODE_BYTES);
-    const __m256 s0 = bf16x8(sz), s1 = bf16x8(sz + 8), z0 = bf16x8(sz + 16), z1 = bf16x8(sz + 24);
+    const uint8_t* c = tile + size_t(g0 + g) * block;
+    __m256 s0, s1, z0, z1;
+    scales8(c, block, s0, s1, z0, z1);
     float* out = wb + size_t(g) * GROUP * TILE;
 #pragma GCC unroll 4
     for (int k = 0; k < GROUP; ++k) {
@@ -183,7 +196,7 @@ __attribute__((noinline)) void gemm_rows(const float* x, int64_t ldx, const floa
 // y rows [M, N] of T from float32 x rows (row stride ldx), many-row path
 template <typename T>
 void run_gemm(const float* xf, int64_t ldx, int M, int K, const uint8_t* w, int64_t N, const float* b, T* yp,
-              int nthreads) {
+              int nthreads, int block) {
   const int G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
   const int blocks = (G + KB_GROUPS - 1) / KB_GROUPS, per = (G + blocks - 1) / blocks;
   const int passes = (M + MAX_R - 1) / MAX_R;
@@ -193,10 +206,10 @@ void run_gemm(const float* xf, int64_t ldx, int M, int K, const uint8_t* w, int6
     std::vector<float> cbuf(size_t(M) * TILE);
 #pragma omp for schedule(static)
     for (int t = 0; t < T_; ++t) {
-      const uint8_t* tile = w + size_t(t) * G * BLOCK;
+      const uint8_t* tile = w + size_t(t) * G * block;
       for (int g0 = 0; g0 < G; g0 += per) {
         const int ng = std::min(per, G - g0), k0 = g0 * GROUP, kn = ng * GROUP;
-        dequant_block(tile, g0, ng, wb);
+        dequant_block(tile, g0, ng, wb, block);
         for (int p = 0, m0 = 0; p < passes; ++p) {
           const int R = (M - m0 + (passes - p) - 1) / (passes - p);  // rows split evenly over the passes
           const float* xr = xf + int64_t(m0) * ldx + k0;
@@ -263,7 +276,7 @@ PL_BF16_DOT inline __m512 bf16x16(const uint16_t* p) {
 // xp rows [R][K / 2] pairs (x[2p] in the high word, x[2p + 1] in the low one), xs rows [R][G] group sums
 template <int R>
 PL_BF16_DOT void tile_rows_bf16(const uint32_t* const* xp, const float* const* xs, const uint8_t* tile, int G,
-                                float (*out)[TILE]) {
+                                float (*out)[TILE], int block) {
   const Bf16DotTables& t = BF16_DOT_TABLES;
   const __m512i pick = _mm512_load_si512(t.pick), shift = _mm512_load_si512(t.shift);
   const __m512i table = _mm512_load_si512(t.table), low = _mm512_set1_epi16(0xF);
@@ -271,7 +284,7 @@ PL_BF16_DOT void tile_rows_bf16(const uint32_t* const* xp, const float* const* x
   __m512 o[R];
   for (int r = 0; r < R; ++r) o[r] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
-    const uint8_t* c = tile + size_t(g) * BLOCK;
+    const uint8_t* c = tile + size_t(g) * block;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const int p0 = g * GROUP / 2;
@@ -285,7 +298,9 @@ PL_BF16_DOT void tile_rows_bf16(const uint32_t* const* xp, const float* const* x
         acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32(int(xp[r][p0 + p])));
     }
     const uint16_t* sz = reinterpret_cast<const uint16_t*>(c + CODE_BYTES);
-    const __m512 s = bf16x16(sz), z = bf16x16(sz + 16);
+    const float* sf = reinterpret_cast<const float*>(c + CODE_BYTES);
+    const bool f32 = block == BLOCK_F32;
+    const __m512 s = f32 ? _mm512_loadu_ps(sf) : bf16x16(sz), z = f32 ? _mm512_loadu_ps(sf + 16) : bf16x16(sz + 16);
     for (int r = 0; r < R; ++r) {  // o += scale * (sum code x - 8 sum x) + zero * sum x, as the AVX2 path
       const __m512 sx = _mm512_set1_ps(xs[r][g]);
       o[r] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(eight, sx, acc[r]), o[r]);
@@ -320,7 +335,8 @@ void with_rows(int R, F&& f) {
 
 // y rows [M, N] of T from float32 x rows (contiguous, row stride K), few-row path
 template <typename T>
-void run_few(const float* xf, int M, int K, const uint8_t* w, int64_t N, const float* b, T* yp, int nthreads) {
+void run_few(const float* xf, int M, int K, const uint8_t* w, int64_t N, const float* b, T* yp, int nthreads,
+             int block) {
   const int G = K / GROUP, T_ = int((N + TILE - 1) / TILE);
   std::vector<float> xsum(size_t(M) * G);  // per-group sums of x, once for all tiles
   for (int m = 0; m < M; ++m)
@@ -343,7 +359,7 @@ void run_few(const float* xf, int M, int K, const uint8_t* w, int64_t N, const f
   const int passes = (M + MAX_R - 1) / MAX_R;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int t = 0; t < T_; ++t) {
-    const uint8_t* tile = w + size_t(t) * G * BLOCK;
+    const uint8_t* tile = w + size_t(t) * G * block;
     float out[MAX_R][TILE];
     for (int p = 0, m0 = 0; p < passes; ++p) {
       const int R = (M - m0 + (passes - p) - 1) / (passes - p);  // rows split evenly over the passes
@@ -358,8 +374,8 @@ void run_few(const float* xf, int M, int K, const uint8_t* w, int64_t N, const f
         for (int r = 0; r < R; ++r) pr[r] = xpairs.data() + size_t(m0 + r) * K / 2;
       with_rows(R, [&](auto rows) {
         constexpr int RR = decltype(rows)::value;
-        if (dot) tile_rows_bf16<RR>(pr, sr, tile, G, out);
-        else tile_rows<RR>(xr, sr, tile, G, out);
+        if (dot) tile_rows_bf16<RR>(pr, sr, tile, G, out, block);
+        else tile_rows<RR>(xr, sr, tile, G, out, block);
       });
       const int n0 = t * TILE, nn = int(std::min<int64_t>(TILE, N - n0));
       for (int r = 0; r < R; ++r)
@@ -370,7 +386,8 @@ void run_few(const float* xf, int M, int K, const uint8_t* w, int64_t N, const f
 }
 
 template <typename T>
-void run(const at::Tensor& x, const uint8_t* w, int64_t N, const at::Tensor& bias, at::Tensor& y, int64_t few_rows) {
+void run(const at::Tensor& x, const uint8_t* w, int64_t N, const at::Tensor& bias, at::Tensor& y, int64_t few_rows,
+         int block) {
   const int M = int(x.size(0)), K = int(x.size(1)), T_ = int((N + TILE - 1) / TILE);
   std::vector<float> b(TILE * T_, 0.0f);
   if (bias.defined())
@@ -392,11 +409,11 @@ void run(const at::Tensor& x, const uint8_t* w, int64_t N, const at::Tensor& bia
       for (int k = 0; k < K; ++k) xf[size_t(m) * K + k] = float(src[m * x.stride(0) + k]);
     xp = xf.data();
   }
-  if (gemm) run_gemm<T>(xp, ldx, M, K, w, N, b.data(), y.data_ptr<T>(), nthreads);
-  else run_few<T>(xp, M, K, w, N, b.data(), y.data_ptr<T>(), nthreads);
+  if (gemm) run_gemm<T>(xp, ldx, M, K, w, N, b.data(), y.data_ptr<T>(), nthreads, block);
+  else run_few<T>(xp, M, K, w, N, b.data(), y.data_ptr<T>(), nthreads, block);
 }
 
-// x [M, K] float32 or bfloat16 (any strides), w the packed uint8 [tiles, K / 32, 320], n outputs,
+// x [M, K] float32 or bfloat16 (any strides), w the packed uint8 [tiles, K / 32, 320 or 384], n outputs,
 // bias [n] or None -> [M, n] in x's dtype
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias,
                    int64_t few_rows) {
@@ -406,7 +423,9 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const
   const int64_t K = x.size(1);
   TORCH_CHECK(K % GROUP == 0 && n > 0, "K must be a multiple of 32 and n positive");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == (n + TILE - 1) / TILE &&
-              w.size(1) == K / GROUP && w.size(2) == BLOCK, "w must be the packed [tiles, K / 32, 320] uint8 weight");
+              w.size(1) == K / GROUP && (w.size(2) == BLOCK || w.size(2) == BLOCK_F32),
+              "w must be the packed [tiles, K / 32, 320 or 384] uint8 weight");
+  const int block = int(w.size(2));
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
@@ -416,8 +435,8 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t n, const
   auto y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
   if (few_rows < 0) few_rows = FEW_ROWS;
-  if (x.scalar_type() == at::kFloat) run<float>(x, w.data_ptr<uint8_t>(), n, b, y, few_rows);
-  else run<c10::BFloat16>(x, w.data_ptr<uint8_t>(), n, b, y, few_rows);
+  if (x.scalar_type() == at::kFloat) run<float>(x, w.data_ptr<uint8_t>(), n, b, y, few_rows, block);
+  else run<c10::BFloat16>(x, w.data_ptr<uint8_t>(), n, b, y, few_rows, block);
   return y;
 }
 
@@ -435,9 +454,10 @@ def enabled() -> bool:
     return os.environ.get("PACELINE_INT4_KERNEL", "1") != "0"
 
 
-def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, exact: bool = False) -> torch.Tensor:
     """codes [N, K] (0..15), scale and zero [N, K / 32] (rounded to bfloat16 here, as torch's op holds them) ->
-    the op's uint8 layout [ceil(N / 16), K / 32, 320]; padding columns get code 0, scale 0 and zero 0."""
+    the op's uint8 layout [ceil(N / 16), K / 32, 320]; padding columns get code 0, scale 0 and zero 0. `exact`:
+    scale and zero kept in float32, blocks of 384 bytes (a float32 model's weights from a 4-bit GGUF's codes)."""
     n, k = codes.shape
     if k % GROUP:
         raise ValueError(f"int4 input size must be a multiple of {GROUP}, got {k}")
@@ -446,8 +466,9 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.
     c = c.permute(0, 2, 3, 1)  # [tiles, groups, 32 inputs, 16 columns]
     c = (c[..., :8] | (c[..., 8:] << 4)).reshape(tiles, groups, GROUP * TILE // 2)
 
-    def per_tile(v: torch.Tensor) -> torch.Tensor:  # [N, groups] -> bfloat16 bytes [tiles, groups, 32]
-        v = torch.nn.functional.pad(v.to(torch.bfloat16), (0, 0, 0, pad)).view(tiles, TILE, groups)
+    def per_tile(v: torch.Tensor) -> torch.Tensor:  # [N, groups] -> bfloat16 (float32) bytes [tiles, groups, 32 (64)]
+        v = torch.nn.functional.pad(v.to(torch.float32 if exact else torch.bfloat16), (0, 0, 0, pad))
+        v = v.view(tiles, TILE, groups)
         return v.permute(0, 2, 1).contiguous().view(torch.uint8)
 
     return torch.cat([c, per_tile(scale), per_tile(zero)], -1).contiguous()

@@ -611,6 +611,27 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes.view(n, k), scale, lo
 
 
+# A float32 model's layer linears whose weights are exactly a 4-bit GGUF's dequantized codes (exact_int4_codes):
+# steps of up to F32_CODES_ROWS rows run paceline's int4 op on the codes with float32 scales and zeros (the same
+# weights, 0.75 bytes each read instead of 4; the sums in another order, float32 rounding), more rows the float32
+# copy. Why: a float32 decode step streams ~540 MB of weights, which an int4 model's steps beside it wait on
+# (benchmarks/f32_from_codes.py). PACELINE_F32_CODES=0: the float32 copy alone (the A/B)
+F32_CODES = os.environ.get("PACELINE_F32_CODES", "1") != "0"
+F32_CODES_ROWS = 8
+
+
+def exact_int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(codes, scale, minimum) per group of INT4_GROUP inputs that give the float32 `weight` back bit for bit as
+    code * scale + minimum, the scale a float16 value as Q4_1's d is; None for any other weight."""
+    n, k = weight.shape
+    if k % INT4_GROUP or weight.dtype != torch.float32:
+        return None
+    codes, scale, lo = int4_codes(weight)
+    d = scale.to(torch.float16).float()
+    back = (codes.view(n, -1, INT4_GROUP).float() * d[..., None] + lo[..., None]).view(n, k)
+    return (codes, d, lo) if torch.equal(back, weight) else None
+
+
 class Int4Linear:
     """y = x W^T (+ b) with W held as 4-bit codes in groups of INT4_GROUP inputs (see int4_codes): 8x fewer bytes
     than float32 to stream per step, which is what small-batch decode on a CPU waits for. Uses torch's CPU int4
@@ -625,6 +646,7 @@ class Int4Linear:
     memory of the bf16 weights alone."""
 
     DENSE_ABOVE = 8
+    is_exact = False  # a float32 weight held as its exact codes too (Int4Linear.exact)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, wide: str | None = None,
                  kernel_rows: int = 0, w4a8: bool = False, bf16_from: int | None = None, dense: str = "bf16"):
@@ -671,6 +693,21 @@ class Int4Linear:
             self.dense = Linear(dequantized.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack=True,
                                 few_rows=False)  # the int4 op serves the few rows
 
+    @classmethod
+    def exact(cls, weight: torch.Tensor, bias: torch.Tensor | None, codes: torch.Tensor, scale: torch.Tensor,
+              lo: torch.Tensor, pack: bool) -> "Int4Linear":
+        """A float32 weight held twice (F32_CODES): its 4-bit codes with float32 scales and zeros for steps of up to
+        F32_CODES_ROWS rows (the int4 op), the float32 Linear for more."""
+        self = cls.__new__(cls)
+        self.kernel = int4_kernel.load()
+        self.kernel_rows = F32_CODES_ROWS
+        self.packed = int4_kernel.pack(codes, scale, lo + 8 * scale, exact=True)
+        self.bias, self.out_features = bias, weight.shape[0]
+        self.bf16_from = self.bf16_decodes_from = self.amx = self.w4a8 = None
+        self.dense = Linear(weight, bias, pack, few_rows=False)
+        self.is_exact = True
+        return self
+
     @staticmethod
     def supports(weight: torch.Tensor, dtype: torch.dtype) -> bool:
         return (weight.device.type == "cpu" and dtype == torch.bfloat16 and weight.shape[1] % INT4_GROUP == 0
@@ -688,6 +725,8 @@ class Int4Linear:
         dense copy, as it is), "amx" (the codes on the AMX tiles), "w4a8" (the int4 x int8 op), "int4" (paceline's
         int4 op), "dense_cast" (the dense copy in its own dtype, cast back) or "torch_int4" (torch's int4 op).
         __call__ runs it; the C++ layer loop (layer_loop.py) asks it once per step."""
+        if self.is_exact:
+            return "int4" if rows <= self.kernel_rows else "dense"
         if self.bf16_from is not None and dtype == torch.bfloat16 and rows >= self.bf16_from:
             return "dense"
         if (self.amx is not None and dtype == torch.bfloat16 and rows >= INT4_AMX_FROM_ROWS
@@ -736,6 +775,11 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, qua
             int4_dense, bf16_from = "bf16", int4_bf16_from_rows() if bf16_from is not None else None
         return Int4Linear(weight, None if bias is None else bias.to(dtype), dtype, wide, int4_rows,
                           w4a8=name in w4a8_linears(), bf16_from=bf16_from, dense=int4_dense)
+    if (F32_CODES and dtype == torch.float32 and weight.dim() == 2 and weight.device.type == "cpu"
+            and int4_kernel.load() is not None):
+        exact = exact_int4_codes(weight.float())
+        if exact is not None:
+            return Int4Linear.exact(weight.float().contiguous(), None if bias is None else bias.float(), *exact, pack)
     # the wide copy comes from the checkpoint's weight, not from its rounding to the run dtype
     lin = Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack)
     if wide and dtype != torch.float32:

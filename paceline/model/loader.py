@@ -642,7 +642,7 @@ def snapshot_path(model: str | None, dtype: str, quantization: str, wide_linears
                  torch.backends.cpu.get_cpu_capability(), int4_kernel.enabled(), logits_kernel.enabled(),
                  fused_kernel.enabled(), ":".join(llama.w4a8_linears()), w4a8_kernel.enabled(),
                  llama.int4_wide_choice(), llama.int4_bf16_from_rows(), llama.w8a8_build(), q8_kernel.build_key(),
-                 f32_rows_kernel.build_key(), layer_loop.enabled(), int4_amx_kernel.supported()):
+                 f32_rows_kernel.build_key(), layer_loop.enabled(), int4_amx_kernel.supported(), llama.F32_CODES):
         h.update(f"{part}\0".encode())
     for src in sorted(Path(__file__).parent.glob("*.py")):
         h.update(src.read_bytes())
