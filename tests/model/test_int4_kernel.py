@@ -178,3 +178,53 @@ def test_bundled_model_greedy_tokens_are_the_same_with_either_op(monkeypatch):
     clear = (top2[:, 0] - top2[:, 1]) > 1.0  # a lead that noise within the tolerance cannot overturn
     assert clear.sum() >= 16  # 21 of the 38 positions on 2026-11-24: this text has many close calls
     assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("n,k", [(37, 64), (160, 576)])
+def test_the_exact_layout_holds_float32_scales_and_zeros(n, k):
+    """pack(exact=True): scales and zeros kept in float32 (blocks of 384 bytes, the op tells them by their size), so
+    a weight that is code * scale + minimum comes back within float32 rounding of the sums, at few rows and many."""
+    codes, scale, lo = int4_codes(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
+    scale = scale.to(torch.float16).float()  # as Q4_1's d: code * scale is exact in float32
+    w = (codes.view(n, -1, INT4_GROUP).float() * scale[..., None] + lo[..., None]).view(n, k)
+    packed = int4_kernel.pack(codes, scale, lo + 8 * scale, exact=True)
+    assert packed.shape == (-(-n // 16), k // INT4_GROUP, 384)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(k)
+    for m in (1, 2, 6, 7, 16, 40):
+        x = torch.randn(m, k, generator=g)
+        ref = x.double() @ w.double().T + bias.double()
+        got = int4_kernel.load()(x, packed, n, bias)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+        # the same layout in bfloat16 (bfloat16 pair dot products where the CPU has them): bfloat16 rounding
+        xb = x.to(torch.bfloat16)
+        refb = xb.double() @ w.double().T + bias.double()
+        gotb = int4_kernel.load()(xb, packed, n, bias)
+        torch.testing.assert_close(gotb.double(), refb, rtol=2 ** -7, atol=1e-2 * refb.abs().max().item())
+
+
+def test_a_float32_model_of_4bit_weights_reads_their_codes_with_the_logits_of_transformers(tiny, monkeypatch):
+    """F32_CODES: a float32 model whose layer weights are exactly code * scale + minimum (a 4-bit GGUF's, loaded in
+    float32) holds each as Int4Linear.exact: steps of up to F32_CODES_ROWS rows run the int4 op on the codes, more
+    the float32 copy; both give transformers' float32 logits. A weight that is not such a grid stays a Linear."""
+    from paceline.model import llama
+
+    monkeypatch.setattr(llama, "F32_CODES", True)
+    hf = tiny.make_hf_model("llama", seed=7)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and "layers." in name:  # the layer linears onto Q4_1's grid: code * d + m, d a float16
+                n, k = p.shape
+                codes, scale, lo = int4_codes(p.float())
+                d = scale.to(torch.float16).float()
+                p.copy_((codes.view(n, -1, INT4_GROUP).float() * d[..., None] + lo[..., None]).view(n, k))
+        hf.model.layers[1].mlp.down_proj.weight.add_(1e-3)  # off the grid: stays a plain Linear
+    runner = tiny.make_runner(hf)
+    layers = runner.model.layers
+    assert all(isinstance(lin, Int4Linear) and lin.is_exact for lin in (layers[0].qkv, layers[0].down, layers[1].qkv))
+    assert not isinstance(layers[1].down, Int4Linear)
+    for n in (5, 8, 40):  # prompt steps of 5 and 8 rows read the codes, 40 the float32 copy
+        ids = torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(runner.prefill_logits(ids), ref, atol=1e-4, rtol=0)
