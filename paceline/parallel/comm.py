@@ -183,8 +183,8 @@ class AllReduceLinear:
     def __init__(self, linear, groups: Groups, timers: Timers):
         self.linear, self.groups, self.timers = linear, groups, timers
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
+    def __call__(self, x: torch.Tensor, **kw) -> torch.Tensor:  # kw: Int4Linear's `decodes` (LlamaLayer passes it)
+        y = self.linear(x, **kw)
         t0 = time.perf_counter()
         self.groups.device.allreduce([y]).wait()
         self.timers.comm_s += time.perf_counter() - t0
