@@ -617,7 +617,7 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 # copy. Why: a float32 decode step streams ~540 MB of weights, which an int4 model's steps beside it wait on
 # (benchmarks/f32_from_codes.py). PACELINE_F32_CODES=0: the float32 copy alone (the A/B)
 F32_CODES = os.environ.get("PACELINE_F32_CODES", "1") != "0"
-F32_CODES_ROWS = 8
+F32_CODES_ROWS = 6  # the op's few-row path (int4_kernel FEW_ROWS); at 8 rows neither way won clearly (2026-11-29)
 
 
 def exact_int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
