@@ -5,9 +5,10 @@
 1. exact: every layer weight of the bundled Q4_1 GGUF, dequantized to float32 by the loader, equals
    code * d + m bit for bit, with the codes and minimum int4_codes recovers and its scale rounded to float16 (Q4_1's
    own d): so float32 steps could read 0.625 bytes a weight instead of 4 and compute with the very same weights.
-2. speed: the 120 layer linears of SmolLM2-135M's shapes (random weights) at 1, 2 and 4 rows: the float32 model's
-   Linear (oneDNN packed, the few-row op) against paceline's int4 op given float32 inputs. That op holds its scales
-   and zeros as bfloat16 (its max abs difference is printed): an exact variant needs float32 scales in its layout.
+2. speed: the 120 layer linears of SmolLM2-135M's shapes (random weights on Q4_1's grid) at 1, 2 and 4 rows: a
+   float32 Linear (oneDNN packed, the few-row op) against paceline's int4 op given float32 inputs, on the codes with
+   float32 scales and zeros (int4_kernel.pack(exact=True), what Int4Linear.exact holds; the max abs difference
+   between the two is printed: float32 rounding). Before 2026-11-29 23:20 UTC the op held bfloat16 scales only.
 Why it matters for several models in one server: a float32 decode step streams ~540 MB of weights, and beside it an
 int4 lane's steps ran 10-14 ms against 9.4 predicted (run VVVV, benchmarks/summaries/multi_model.md).
 """
@@ -50,9 +51,10 @@ def speed() -> None:
     dense, packed = [], []
     for s in shapes:
         codes, scale, lo = int4_codes(torch.randn(s, generator=g) * 0.05)
-        deq = (lo[..., None] + codes.view(s[0], -1, INT4_GROUP) * scale[..., None]).view(s)
+        scale = scale.to(torch.float16).float()  # Q4_1's d
+        deq = (codes.view(s[0], -1, INT4_GROUP).float() * scale[..., None] + lo[..., None]).view(s)
         dense.append(Linear(deq.contiguous(), None))
-        packed.append(int4_kernel.pack(codes, scale, lo + 8 * scale))
+        packed.append(int4_kernel.pack(codes, scale, lo + 8 * scale, exact=True))
     for rows in (1, 2, 4):
         xs = [torch.randn(rows, s[1]) for s in shapes]
         diff = max((op(x, p, s[0], None) - lin(x)).abs().max().item()
