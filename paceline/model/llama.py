@@ -614,8 +614,9 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 # A float32 model's layer linears whose weights are exactly a 4-bit GGUF's dequantized codes (exact_int4_codes):
 # steps of up to F32_CODES_ROWS rows run paceline's int4 op on the codes with float32 scales and zeros (the same
 # weights, 0.75 bytes each read instead of 4; the sums in another order, float32 rounding), more rows the float32
-# copy. Why: a float32 decode step streams ~540 MB of weights, which an int4 model's steps beside it wait on
-# (benchmarks/f32_from_codes.py). PACELINE_F32_CODES=0: the float32 copy alone (the A/B)
+# copy. Why: a float32 decode step was bound by streaming ~540 MB of weights; on the codes, decode at batch 1 ran
+# 76.8-92.6 against 43.0-46.9 tok/s (docs/performance.md, benchmarks/f32_from_codes.py). PACELINE_F32_CODES=0: the
+# float32 copy alone (the A/B)
 F32_CODES = os.environ.get("PACELINE_F32_CODES", "1") != "0"
 F32_CODES_ROWS = 6  # the op's few-row path (int4_kernel FEW_ROWS); at 8 rows neither way won clearly (2026-11-29)
 
