@@ -27,7 +27,9 @@ bfloat16 per group of 32 inputs, x read as float32, float32 accumulation, the re
 Layout (pack): columns in tiles of 16, each tile's groups in order, each group one block of 320 bytes: 32 inputs x
 8 bytes of codes (byte j = column j in the low nibble, column j + 8 in the high one), then the 16 scales and the 16
 zeros as bfloat16. 0.625 bytes per weight, the same as torch's packing plus its scales; a thread streams its tiles
-front to back.
+front to back. pack(exact=True) keeps the scales and zeros in float32 (blocks of 384 bytes, 0.75 bytes per weight;
+the op tells the layouts apart by the block's size): a float32 model's weights from a 4-bit GGUF's codes
+(llama.Int4Linear.exact), where bfloat16 scales would change the weights.
 
 The build follows attention_kernel.py: compiled with g++/c++ into `<cache>/kernels/int4_mm-<key>.so` under a file
 lock the first time a process needs it, keyed by the source, the flags and torch's version. No compiler, a failed
