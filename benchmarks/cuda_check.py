@@ -144,7 +144,7 @@ def check_engine(model: str, device: str) -> list[dict]:
 
 
 def throughput(model: str, device: str, dtype: str, batch: int, new_tokens: int = 128) -> dict:
-    llm = LLM(model, dtype=dtype, device=device)
+    llm = LLM(model, dtype=dtype, quantization="none", device=device)  # the dtype asked for, on CPU too (not int4)
     prompts = [llm.tokenizer.encode(f"{PROMPTS[i % len(PROMPTS)]} (variant {i})") for i in range(batch)]
     greedy(llm, prompts[:2], 8)  # warm-up: first-call set-up stays out of the figure
     t0 = time.perf_counter()
