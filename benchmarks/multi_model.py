@@ -216,6 +216,8 @@ ONE_LOOP_VARIANTS = {
     # 0.5 ms by default); one-loop-gil-0.5 is the default by name
     "one-loop-gil-off": {"PACELINE_SWITCH_INTERVAL_MS": "0"}, "one-loop-gil-1": {"PACELINE_SWITCH_INTERVAL_MS": "1"},
     "one-loop-gil-0.5": {"PACELINE_SWITCH_INTERVAL_MS": "0.5"},
+    # the float32 model on its float32 weights alone, as before 2026-11-29 23:20 UTC (llama.F32_CODES off)
+    "one-loop-f32-plain": {"PACELINE_F32_CODES": "0"},
     "one-loop-unsliced": {"PACELINE_SLICE": "0"}, "one-loop-no-defer": {"PACELINE_SLICE_DEFER_S": "0"},
     "one-loop-sliced-all": {"PACELINE_SLICE_WHOLE": "0"}, "one-loop-any-preempts": {"PACELINE_SLICE_SHORTER": "0"},
     "one-loop-sliced-before": SWITCH_VARIANTS["sliced-before"][1],
