@@ -223,7 +223,8 @@ def test_a_float32_model_of_4bit_weights_reads_their_codes_with_the_logits_of_tr
     layers = runner.model.layers
     assert all(isinstance(lin, Int4Linear) and lin.is_exact for lin in (layers[0].qkv, layers[0].down, layers[1].qkv))
     assert not isinstance(layers[1].down, Int4Linear)
-    for n in (5, 8, 40):  # prompt steps of 5 and 8 rows read the codes, 40 the float32 copy
+    assert llama.F32_CODES_ROWS == 6
+    for n in (5, 6, 7, 40):  # prompt steps of 5 and 6 rows read the codes, 7 and 40 the float32 copy
         ids = torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
