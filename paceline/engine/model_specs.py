@@ -148,7 +148,12 @@ def estimate_bytes(config: EngineConfig) -> int:
     elem = 4 if dtype == "float32" else 2
     # int4: 4-bit codes plus a bfloat16 scale and offset per group of 32 (embeddings stay in bfloat16, so over-counted)
     weights = params * (0.5 + 4 / 32) if config.quantization == "int4" else params * elem
-    if dtype == "float32" and config.quantization in ("none", "auto") and _on_cpu(config.device):
+    from paceline.engine.engine import resolve_device
+
+    # "auto" is CUDA where torch sees it: on a GPU the estimate once counted these CPU copies too (1.43x a tiny
+    # model's measured size, an H200, 2026-11-29)
+    if (dtype == "float32" and config.quantization in ("none", "auto")
+            and resolve_device(config.device).type == "cpu"):
         from paceline.model import f32_rows_kernel
         if f32_rows_kernel.build_key() == "on":  # the layers' plain weights stay beside the packed ones (llama.Linear)
             vocab = max((max(s) for s in shapes if len(s) == 2), default=0)
@@ -157,17 +162,6 @@ def estimate_bytes(config: EngineConfig) -> int:
     block = layers * 2 * cache.block_size * kv_width * elem
     kv = cache.num_blocks * block if cache.num_blocks else cache.kv_cache_memory_gb * 2**30
     return int(weights + kv)
-
-
-def _on_cpu(device: str) -> bool:
-    """Whether the engine will run on the CPU: "auto" is CUDA where torch sees it (engine.resolve_device). On a GPU
-    the estimate once counted the CPU's plain weight copies too (1.43x a tiny model's measured size, an H200,
-    2026-11-29)."""
-    if device != "auto":
-        return device == "cpu"
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def _shapes(model: str | None) -> tuple[list[tuple[int, ...]], int, int]:

@@ -41,8 +41,8 @@ class ModelRunner:
             keep_freed_memory()
         if self.device.type == "cuda":
             # torch picks cuDNN's SDPA for bfloat16, which plans per new shape, and a decode's context grows every
-            # step: bf16 decodes of SmolLM2-135M ran 69 ms a step on an H200 (float32, on the memory-efficient
-            # kernel, 15 ms; benchmarks/summaries/cuda.md)
+            # step: a bf16 decode step of SmolLM2-135M's shapes at batch 1 took 61.5 ms on an H200 with it, 15.6 ms
+            # without (benchmarks/summaries/cuda.md)
             torch.backends.cuda.enable_cudnn_sdp(False)
         shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # The caches must start as zeros: masked slots of a gathered block are multiplied by 0 in attention, and
