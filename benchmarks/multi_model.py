@@ -398,18 +398,23 @@ def main() -> None:
             finally:
                 server.stop()
             print(name, key, results[key.replace("-", "_")][name], flush=True)
+    repeats: dict[str, int] = {}
     for key in [k for k in args.only.split(",") if k in ONE_LOOP_VARIANTS]:  # in the order given
         env = ONE_LOOP_VARIANTS[key]
-        server = Served(["--models-config", str(models_yaml(out / "models.yaml"))], args.threads, out, key, env)
+        # an arm given twice keeps its own results, log and step log: one-loop, one-loop.2, ...
+        repeats[key] = repeats.get(key, 0) + 1
+        label = key if repeats[key] == 1 else f"{key}.{repeats[key]}"
+        server = Served(["--models-config", str(models_yaml(out / "models.yaml"))], args.threads, out, label, env)
         try:
-            results[key.replace("-", "_")] = drive(Endpoint(server.url), requests, prompts_for(requests), args.seconds)
+            result = results[label.replace("-", "_")] = drive(Endpoint(server.url), requests, prompts_for(requests),
+                                                              args.seconds)
             if STEP_LOGS:  # every model's step records (GET /dashboard/steps), to explain a gap from the steps
                 log = httpx.get(server.url + "/dashboard/steps", timeout=30).json()
-                (out / f"{key}-steps.json").write_text(json.dumps(log))
-                results[key.replace("-", "_")]["decode_steps"] = decode_steps_beside(log)
+                (out / f"{label}-steps.json").write_text(json.dumps(log))
+                result["decode_steps"] = decode_steps_beside(log)
         finally:
             server.stop()
-        print(key, results[key.replace("-", "_")], flush=True)
+        print(key, result, flush=True)
     if "two-processes" in only:  # the anchor: one `paceline serve` per model, both on the same cores
         servers = {}
         try:
