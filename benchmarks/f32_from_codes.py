@@ -20,7 +20,7 @@ import time
 import torch
 
 from paceline.model import int4_kernel
-from paceline.model.llama import INT4_GROUP, Linear, exact_int4_codes, int4_codes
+from paceline.model.llama import Linear, exact_int4_codes, q4_1_grid
 from paceline.model.loader import load_checkpoint
 
 
@@ -46,9 +46,7 @@ def speed() -> None:
     g = torch.Generator().manual_seed(0)
     dense, packed = [], []
     for s in shapes:
-        codes, scale, lo = int4_codes(torch.randn(s, generator=g) * 0.05)
-        scale = scale.to(torch.float16).float()  # Q4_1's d
-        deq = (codes.view(s[0], -1, INT4_GROUP).float() * scale[..., None] + lo[..., None]).view(s)
+        codes, scale, lo, deq = q4_1_grid(torch.randn(s, generator=g) * 0.05)  # scale: Q4_1's d
         dense.append(Linear(deq.contiguous(), None))
         packed.append(int4_kernel.pack(codes, scale, lo + 8 * scale, exact=True))
     for rows in (1, 2, 4):

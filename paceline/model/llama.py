@@ -621,15 +621,21 @@ F32_CODES = os.environ.get("PACELINE_F32_CODES", "1") != "0"
 F32_CODES_ROWS = 6  # the op's few-row path (int4_kernel FEW_ROWS); at 8 rows neither way won clearly (2026-11-29)
 
 
-def exact_int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(codes, scale, minimum) per group of INT4_GROUP inputs that give the float32 `weight` back bit for bit as
-    code * scale + minimum, the scale a float16 value as Q4_1's d is; None for any other weight."""
+def q4_1_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scale, minimum, float32 weight) of `weight` on Q4_1's grid: int4_codes with the scale rounded to
+    float16 as Q4_1's d is, and code * d + minimum per group of INT4_GROUP inputs."""
     n, k = weight.shape
-    if k % INT4_GROUP or weight.dtype != torch.float32:
-        return None
     codes, scale, lo = int4_codes(weight)
     d = scale.to(torch.float16).float()
-    back = (codes.view(n, -1, INT4_GROUP).float() * d[..., None] + lo[..., None]).view(n, k)
+    return codes, d, lo, (codes.view(n, -1, INT4_GROUP).float() * d[..., None] + lo[..., None]).view(n, k)
+
+
+def exact_int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(codes, scale, minimum) per group of INT4_GROUP inputs that give the float32 `weight` back bit for bit as
+    code * scale + minimum (q4_1_grid); None for any other weight."""
+    if weight.shape[1] % INT4_GROUP or weight.dtype != torch.float32:
+        return None
+    codes, d, lo, back = q4_1_grid(weight)
     return (codes, d, lo) if torch.equal(back, weight) else None
 
 
@@ -778,9 +784,10 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, qua
                           w4a8=name in w4a8_linears(), bf16_from=bf16_from, dense=int4_dense)
     if (F32_CODES and dtype == torch.float32 and weight.dim() == 2 and weight.device.type == "cpu"
             and int4_kernel.load() is not None):
-        exact = exact_int4_codes(weight.float())
+        weight = weight.float()
+        exact = exact_int4_codes(weight)
         if exact is not None:
-            return Int4Linear.exact(weight.float().contiguous(), None if bias is None else bias.float(), *exact, pack)
+            return Int4Linear.exact(weight.contiguous(), None if bias is None else bias.float(), *exact, pack)
     # the wide copy comes from the checkpoint's weight, not from its rounding to the run dtype
     lin = Linear(weight.to(dtype).contiguous(), None if bias is None else bias.to(dtype), pack)
     if wide and dtype != torch.float32:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paceline.model import int4_kernel
-from paceline.model.llama import INT4_GROUP, Int4Linear, LlamaModel, int4_codes
+from paceline.model.llama import INT4_GROUP, Int4Linear, LlamaModel, int4_codes, q4_1_grid
 
 pytestmark = pytest.mark.skipif(int4_kernel.load() is None or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
                                 reason="the C++ int4 kernel (or torch's CPU int4 matmul) is not available here")
@@ -184,9 +184,8 @@ def test_bundled_model_greedy_tokens_are_the_same_with_either_op(monkeypatch):
 def test_the_exact_layout_holds_float32_scales_and_zeros(n, k):
     """pack(exact=True): scales and zeros kept in float32 (blocks of 384 bytes, the op tells them by their size), so
     a weight that is code * scale + minimum comes back within float32 rounding of the sums, at few rows and many."""
-    codes, scale, lo = int4_codes(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
-    scale = scale.to(torch.float16).float()  # as Q4_1's d: code * scale is exact in float32
-    w = (codes.view(n, -1, INT4_GROUP).float() * scale[..., None] + lo[..., None]).view(n, k)
+    # scale as Q4_1's d, a float16 value: code * scale is exact in float32
+    codes, scale, lo, w = q4_1_grid(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
     packed = int4_kernel.pack(codes, scale, lo + 8 * scale, exact=True)
     assert packed.shape == (-(-n // 16), k // INT4_GROUP, 384)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
@@ -214,10 +213,7 @@ def test_a_float32_model_of_4bit_weights_reads_their_codes_with_the_logits_of_tr
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if p.dim() == 2 and "layers." in name:  # the layer linears onto Q4_1's grid: code * d + m, d a float16
-                n, k = p.shape
-                codes, scale, lo = int4_codes(p.float())
-                d = scale.to(torch.float16).float()
-                p.copy_((codes.view(n, -1, INT4_GROUP).float() * d[..., None] + lo[..., None]).view(n, k))
+                p.copy_(q4_1_grid(p.float())[3])
         hf.model.layers[1].mlp.down_proj.weight.add_(1e-3)  # off the grid: stays a plain Linear
     runner = tiny.make_runner(hf)
     layers = runner.model.layers
