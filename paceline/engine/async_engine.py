@@ -340,9 +340,11 @@ class AsyncEngine:
             except Exception as e:
                 failed_steps += 1
                 log.exception("engine step failed (%d in a row); failing every request in flight", failed_steps)
-                self._fail_all(EngineStepError(f"the engine failed while running this request: {e}"))
                 if failed_steps >= MAX_FAILED_STEPS:
+                    # dead (_run) before the requests in flight hear of it: a client told of this failure then finds
+                    # /health at 503 (failing them first let a /health right after the error still answer 200)
                     raise RuntimeError(f"{failed_steps} engine steps in a row failed; last: {e!r}") from e
+                self._fail_all(EngineStepError(f"the engine failed while running this request: {e}"))
                 time.sleep(0.01)  # a failure that repeats must not spin a core
                 continue
             failed_steps = 0
